@@ -1,0 +1,184 @@
+"""OPSD training entry point (TRL-style: dataclasses on the command line or a YAML `--config`).
+
+    python opsd_train.py --model_name_or_path Qwen/Qwen3-1.7B --output_dir outputs/run \
+        --recipe recipe.env --max_steps 100 --per_device_train_batch_size 4 \
+        --gradient_accumulation_steps 8
+
+Precedence, lowest to highest: dataclass defaults < YAML / command line <
+`--recipe` file (SPEC §6 keys) < `OPSD_*` environment switches that are set.
+Everything is validated (recipe, switches, dataset) before a model is loaded;
+bad input exits with status 2 and a one-line `error:` message.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+from opsd_config import ConfigError, RecipeError, Switches, parse_recipe
+from opsd_data import DataError, load_train_dataset
+
+TINY_PRESET = dict(
+    # The embedded default on 2 CPU cores: short completions, a short prompt budget.
+    max_completion_length=24,
+    max_teacher_prompt_length=384,
+)
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class ScriptArguments:
+    model_name_or_path: str = field(
+        default="Qwen/Qwen3-1.7B", metadata={"help": "Hub id, local folder, or `tiny` (embedded default)."}
+    )
+    dataset_name: str = field(
+        default="siyanzhao/Openthoughts_math_30k_opsd",
+        metadata={"help": "HF dataset name, local .json/.jsonl/.parquet, or `tiny`."},
+    )
+    recipe: str | None = field(default=None, metadata={"help": "recipe.env of SPEC §6 overrides."})
+    preset: str | None = field(default=None, metadata={"help": "`tiny`: embedded model + data, CPU budget."})
+    lora_r: int = field(default=64)
+    lora_alpha: int = field(default=128)
+    lora_dropout: float = field(default=0.0, metadata={"help": "0 keeps both roles on one deterministic network."})
+    dtype: str = field(default="auto", metadata={"help": "auto: bfloat16 on GPU, float32 on CPU."})
+    attn_implementation: str | None = field(default=None, metadata={"help": "e.g. sdpa, flash_attention_2."})
+    resume: bool = field(default=True, metadata={"help": "Resume from the newest checkpoint in output_dir."})
+
+
+RECIPE_TO_ARGS = (
+    "learning_rate", "lr_scheduler_type", "warmup_ratio", "max_grad_norm", "lora_r", "lora_alpha", "beta",
+    "jsd_token_clip", "temperature", "top_p", "top_k", "lmbda", "max_completion_length", "fixed_teacher",
+    "use_ema_teacher", "ema_decay", "reason_first", "teacher_thinking", "top_k_loss", "use_tinker_loss",
+)
+SWITCH_TO_ARG = {
+    "OPSD_CLIP_MODE": ("clip_mode", "clip_mode"),
+    "OPSD_PAD_SIDE": ("pad_side", "pad_side"),
+    "OPSD_TEACHER_CONTEXT": ("teacher_context", "teacher_context"),
+    "OPSD_STUDENT_PROMPT": ("student_prompt", "student_prompt"),
+}
+
+
+def _flag(name: str, value) -> list[str]:
+    return [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
+
+
+def overrides(script_args: ScriptArguments, switches: Switches, env) -> list[str]:
+    """Extra command-line flags from the preset, the recipe and the set switches.
+
+    Appended after the user's flags, so they win; going through the parser keeps
+    every type conversion and check of the config dataclasses in one path.
+    """
+    extra: list[str] = []
+    if script_args.preset == "tiny":
+        extra += _flag("model_name_or_path", "tiny") + _flag("dataset_name", "tiny")
+    if script_args.recipe:
+        recipe, warnings = parse_recipe(script_args.recipe)
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        for key in RECIPE_TO_ARGS:
+            extra += _flag(key, getattr(recipe, key))
+    for var, (attr, arg) in SWITCH_TO_ARG.items():
+        if var in env:
+            extra += _flag(arg, getattr(switches, attr))
+    if script_args.preset == "tiny":
+        length = TINY_PRESET["max_completion_length"]
+        if script_args.recipe:
+            length = min(length, recipe.max_completion_length)
+        extra += _flag("max_completion_length", length)
+        extra += _flag("max_teacher_prompt_length", TINY_PRESET["max_teacher_prompt_length"])
+    return extra
+
+
+def parse(argv=None, env=os.environ):
+    """Parse and validate everything that can be checked without a model."""
+    from trl import TrlParser
+
+    from opsd_trainer import OPSDConfig
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = TrlParser((ScriptArguments, OPSDConfig))
+    script_args, _ = parser.parse_args_and_config(argv)
+    if script_args.preset not in (None, "", "tiny"):
+        raise ConfigError(f"--preset {script_args.preset!r}: expected tiny")
+    switches = Switches.from_env(env)
+    script_args, config = parser.parse_args_and_config(argv + overrides(script_args, switches, env))
+    dataset = load_train_dataset(
+        script_args.dataset_name, select=switches.data_select, teacher_context=config.teacher_context
+    )
+    return script_args, config, dataset
+
+
+def build_model_and_tokenizer(script_args: ScriptArguments):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tiny_default import resolve_model
+
+    path = resolve_model(script_args.model_name_or_path)
+    if script_args.dtype == "auto":
+        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    else:
+        dtype = getattr(torch, script_args.dtype)
+    kwargs = {"dtype": dtype}
+    if script_args.attn_implementation:
+        kwargs["attn_implementation"] = script_args.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def lora_config(script_args: ScriptArguments):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=script_args.lora_r,
+        lora_alpha=script_args.lora_alpha,
+        lora_dropout=script_args.lora_dropout,
+        target_modules=LORA_TARGETS,
+        task_type="CAUSAL_LM",
+    )
+
+
+def train(script_args: ScriptArguments, config, dataset):
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from opsd_trainer import OPSDTrainer
+
+    model, tokenizer = build_model_and_tokenizer(script_args)
+    trainer = OPSDTrainer(
+        model=model,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=lora_config(script_args),
+    )
+    resume = None
+    if script_args.resume and os.path.isdir(config.output_dir):
+        resume = get_last_checkpoint(config.output_dir)
+        if resume and trainer.accelerator.is_main_process:
+            print(f"[OPSD] resuming from {resume}", flush=True)
+    trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model(config.output_dir)  # final adapter + tokenizer at the top of the run folder
+    return trainer
+
+
+def main(argv=None) -> int:
+    try:
+        script_args, config, dataset = parse(argv)
+    except (ConfigError, RecipeError, DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from opsd_trainer import NonFiniteLossError
+
+    try:
+        train(script_args, config, dataset)
+    except NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

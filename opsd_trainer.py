@@ -1,0 +1,411 @@
+"""OPSDTrainer: On-Policy Self-Distillation on top of TRL's DistillationTrainer.
+
+One network, two roles, every optimizer step:
+
+1. rollout  - the student (LoRA on) samples a completion from the student prompt;
+2. teacher  - the same network scores [teacher prompt + that completion] under
+              no_grad, with the weights chosen by `fixed_teacher` (adapter
+              disabled), `use_ema_teacher` (EMA of the adapter) or neither (live);
+3. student  - scores [student prompt + the same completion] with gradients;
+4. loss     - the clipped divergence of `opsd_loss` between the two next-token
+              distributions at every completion position.
+
+What we take from the base class: the sampler that generates once per
+gradient-accumulation window, vLLM colocate/server generation with LoRA weight
+sync, metric averaging and the training loop. What we replace: prompt building
+(two prompts per row, our padding geometry), the transformers rollout, and the
+loss (per-entry clip, which TRL's fused divergence cannot express).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from accelerate.utils import is_peft_model
+from transformers import TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints
+from trl import DistillationConfig, DistillationTrainer
+from trl.models.utils import unwrap_model_for_generation
+
+from data_collator import OPSDCollator, build_scoring_batch, check_alignment, gather_completion_positions
+from ema_teacher import AdapterEMA
+from opsd_chunked_loss import chunked_divergence_loss, chunked_tinker_loss
+from opsd_logging import append_metrics, kl_line
+from opsd_loss import divergence_loss, tinker_loss
+from rollout import SamplingSettings, TransformersBackend
+
+EMA_FILE = "ema_adapter.pt"
+STAGING_DIR = ".staging"  # checkpoints are written here, then renamed into place
+
+
+@dataclass
+class OPSDConfig(DistillationConfig):
+    """DistillationConfig plus the OPSD knobs (SPEC §2, §3, §6).
+
+    `temperature`, `top_p`, `top_k`, `beta` and `max_completion_length` are the
+    base class's fields: one temperature serves sampling and the loss, as in the
+    released recipe.
+    """
+
+    jsd_token_clip: float | None = field(default=0.05, metadata={"help": "Clip tau; 0 or None disables."})
+    clip_mode: str = field(default="entry", metadata={"help": "entry (released) or token (direction-preserving)."})
+    pad_side: str = field(default="right", metadata={"help": "right (released, pad gap) or left (contiguous)."})
+    student_prompt: str = field(default="paper", metadata={"help": "paper or eval."})
+    teacher_context: str = field(default="solution", metadata={"help": "solution, cot or both."})
+    teacher_thinking: bool = field(default=False, metadata={"help": "enable_thinking for the teacher prompt."})
+    fixed_teacher: bool = field(default=True, metadata={"help": "Teacher = initial weights (adapter disabled)."})
+    use_ema_teacher: bool = field(default=False, metadata={"help": "Teacher = EMA of the adapter."})
+    ema_decay: float = field(default=0.999, metadata={"help": "EMA decay per optimizer step."})
+    reason_first: bool = field(default=False, metadata={"help": "Teacher writes an analysis of the reference first."})
+    reason_first_max_tokens: int = field(default=512, metadata={"help": "Length limit of that analysis."})
+    top_k_loss: int = field(default=0, metadata={"help": "Restrict the divergence to the teacher's top-k (0 = off)."})
+    use_tinker_loss: bool = field(default=False, metadata={"help": "Sampled-token estimator instead of full vocab."})
+    lmbda: float = field(default=1.0, metadata={"help": "Share of on-policy batches; the rest use the solution."})
+    max_prompt_length: int | None = field(default=None, metadata={"help": "Student prompt limit (warns only)."})
+    max_teacher_prompt_length: int | None = field(
+        default=None, metadata={"help": "Teacher prompt limit; the privileged context is truncated to fit."}
+    )
+    loss_implementation: str = field(
+        default="chunked", metadata={"help": "chunked (hidden states, low memory) or logits (full logits)."}
+    )
+    loss_chunk_size: int = field(default=1024, metadata={"help": "Tokens per chunk of the chunked loss."})
+    rollout_cache_implementation: str | None = field(
+        default=None, metadata={"help": "transformers rollouts: None (dynamic cache) or static."}
+    )
+    disable_dropout: bool = field(default=True, metadata={"help": "Dropout off: both roles see one network."})
+    remove_unused_columns: bool | None = field(default=False, metadata={"help": "Rows keep their privileged columns."})
+
+    def __post_init__(self):
+        if self.bf16 is None and not torch.cuda.is_available():
+            self.bf16 = False  # the base default (bf16) fails on CPU-only machines
+        super().__post_init__()
+        choices = {
+            "clip_mode": ("entry", "token"),
+            "pad_side": ("right", "left"),
+            "student_prompt": ("paper", "eval"),
+            "teacher_context": ("solution", "cot", "both"),
+            "loss_implementation": ("chunked", "logits"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
+        if self.fixed_teacher and self.use_ema_teacher:
+            raise ValueError("fixed_teacher and use_ema_teacher are mutually exclusive")
+        if self.jsd_token_clip is not None and self.jsd_token_clip < 0:
+            raise ValueError(f"jsd_token_clip must be >= 0, got {self.jsd_token_clip}")
+        if not 0.0 <= self.lmbda <= 1.0:
+            raise ValueError(f"lmbda must be in [0, 1], got {self.lmbda}")
+
+
+class NonFiniteLossError(RuntimeError):
+    """Raised to stop the run when the loss is NaN or infinite."""
+
+
+class _EMAUpdate(TrainerCallback):
+    def __init__(self, ema: AdapterEMA):
+        self.ema = ema
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.ema.update(model)
+
+
+class _RunLog(TrainerCallback):
+    """`[OPSD kl]` line and metrics.jsonl from the very dict that goes to report_to."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        line = kl_line(state.global_step, logs)
+        if line:
+            print(line, flush=True)
+        append_metrics(self.path, state.global_step, logs)
+
+
+class OPSDTrainer(DistillationTrainer):
+    # The loss is a token mean over each micro-batch (SPEC §2), so the Trainer must
+    # still divide by the number of accumulation steps.
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, model, args: OPSDConfig, train_dataset, processing_class, peft_config=None, callbacks=None):
+        super().__init__(
+            model=model,
+            teacher_model=None,  # the teacher is this same network
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            peft_config=peft_config,
+            callbacks=callbacks,
+        )
+        if (args.fixed_teacher or args.use_ema_teacher) and not is_peft_model(self.model):
+            raise ValueError(
+                "fixed_teacher / use_ema_teacher need a LoRA (peft) student: the teacher is the base weights "
+                "with the adapter disabled or swapped, never a second model copy"
+            )
+        self.collator = OPSDCollator(
+            self._tokenizer,
+            student_prompt=args.student_prompt,
+            teacher_context=args.teacher_context,
+            teacher_thinking=args.teacher_thinking,
+            pad_side=args.pad_side,
+            max_prompt_length=args.max_prompt_length,
+            max_teacher_prompt_length=args.max_teacher_prompt_length,
+        )
+        self.sampling = SamplingSettings(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_new_tokens=args.max_completion_length,
+        )
+        self.ema = AdapterEMA(self.model, args.ema_decay) if args.use_ema_teacher else None
+        if self.ema is not None:
+            self.add_callback(_EMAUpdate(self.ema))
+        self.add_callback(_RunLog(os.path.join(args.output_dir, "metrics.jsonl")))
+        self._lmbda_rng = random.Random(args.seed)
+        self._alignment_checked = False
+        self._staging_root: str | None = None
+
+    # ------------------------------------------------------------------ rollout
+
+    def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
+        """Build both prompts for every row and sample the student's completions.
+
+        Returns per-row token lists; padding happens per micro-batch in
+        `_opsd_loss`, so each micro-batch is padded only to its own maximum.
+        """
+        rows = inputs
+        student_ids = [self.collator.student_prompt_ids(row) for row in rows]
+        if self.args.lmbda >= 1.0 or self._lmbda_rng.random() < self.args.lmbda:
+            completions, truncated = self._sample(student_ids)
+        else:  # off-policy batch (GKD's lmbda): the reference solution is the completion
+            completions, truncated = self._reference_completions(rows)
+        rationales = self._teacher_rationales(rows) if self.args.reason_first else [None] * len(rows)
+        teacher_ids = [self.collator.teacher_prompt_ids(row, rationale=r) for row, r in zip(rows, rationales)]
+        lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
+        self._log_rollout(student_ids, lengths, torch.tensor(truncated))
+        # The first value must be a tensor: TRL's split_tensor_dict reads its shape.
+        return {
+            "completion_lengths": lengths,
+            "student_prompt_ids": student_ids,
+            "teacher_prompt_ids": teacher_ids,
+            "completion_ids": completions,
+        }
+
+    def _sample(self, prompt_ids: list[list[int]], max_new_tokens: int | None = None):
+        """Student rollouts: vLLM through TRL's helper, else our transformers backend."""
+        settings = self.sampling
+        if max_new_tokens is not None:
+            settings = dataclasses.replace(settings, max_new_tokens=max_new_tokens)
+        if self.use_vllm and max_new_tokens is None:
+            completions = self._generate_single_turn(prompt_ids, None, {})  # syncs LoRA weights first
+            eos = set(self.eos_token_ids)
+            truncated = [not c or c[-1] not in eos for c in completions]
+            return completions, truncated
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped,
+            torch.no_grad(),
+        ):
+            backend = TransformersBackend(
+                unwrapped,
+                pad_token_id=self._tokenizer.pad_token_id,
+                eos_token_ids=self.eos_token_ids,
+                batch_size=len(prompt_ids),
+                cache_implementation=self.args.rollout_cache_implementation,
+            )
+            samples = backend.generate(prompt_ids, settings, n=1)
+        return [s[0].ids for s in samples], [s[0].truncated for s in samples]
+
+    def _reference_completions(self, rows: list[dict]):
+        limit = self.args.max_completion_length
+        eos = self._tokenizer.eos_token_id
+        completions, truncated = [], []
+        for row in rows:
+            ids = self._tokenizer(row["solution"], add_special_tokens=False)["input_ids"]
+            truncated.append(len(ids) >= limit)
+            completions.append(ids[: limit - 1] + [eos])
+        return completions, truncated
+
+    def _teacher_rationales(self, rows: list[dict]) -> list[str]:
+        """reason_first: the teacher (its own weights) first analyses the reference."""
+        prompt_ids = [self.collator.reason_first_prompt_ids(row) for row in rows]
+        with self._teacher_weights(self.accelerator.unwrap_model(self.model)):
+            ids, _ = self._sample(prompt_ids, max_new_tokens=self.args.reason_first_max_tokens)
+        return self._tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+    def _log_rollout(self, prompt_ids, lengths: torch.Tensor, truncated: torch.Tensor) -> None:
+        device = self.accelerator.device
+        lengths = self.accelerator.gather(lengths.to(device)).float()
+        truncated = self.accelerator.gather(truncated.to(device)).float()
+        prompt_tokens = self.accelerator.gather(torch.tensor([sum(map(len, prompt_ids))], device=device)).sum()
+        mode = "train" if self.model.training else "eval"
+        if mode == "train":
+            self.state.num_input_tokens_seen += int(prompt_tokens.item() + lengths.sum().item())
+        self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
+        self._metrics[mode]["completions/mean_length"].append(lengths.mean().item())
+        self._metrics[mode]["completions/max_length"].append(lengths.max().item())
+        self._metrics[mode]["completions/truncated_ratio"].append(truncated.mean().item())
+
+    # ------------------------------------------------------------------ loss
+
+    @contextmanager
+    def _teacher_weights(self, unwrapped):
+        """Select the teacher's weights for the duration of the block."""
+        if self.ema is not None:
+            with self.ema.swapped_in(unwrapped):
+                yield
+        elif self.args.fixed_teacher:
+            with unwrapped.disable_adapter():
+                yield
+        else:
+            yield  # live weights: teacher and student differ only by their context
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        unwrapped = self.accelerator.unwrap_model(model)
+        # Through the DDP/FSDP wrapper so that its forward hooks fire before backward.
+        loss, stats = self._forward_redirection(model, unwrapped, self._opsd_loss, unwrapped, inputs)
+        if not torch.isfinite(loss):
+            last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+            raise NonFiniteLossError(
+                f"non-finite loss ({loss.item()}) at step {self.state.global_step + 1}; "
+                f"last good checkpoint: {last or 'none'}"
+            )
+        mode = "train" if self.model.training else "eval"
+        names = list(stats)
+        values = self.accelerator.gather(torch.stack([stats[k].float() for k in names]).unsqueeze(0)).mean(0)
+        for name, value in zip(names, values.tolist()):
+            self._metrics[mode][f"opsd/{name}"].append(value)
+        return (loss, None) if return_outputs else loss
+
+    def _opsd_loss(self, unwrapped, inputs):
+        device = self.accelerator.device
+        pad_id = self._tokenizer.pad_token_id
+        completions = inputs["completion_ids"]
+        student = _to_device(
+            build_scoring_batch(inputs["student_prompt_ids"], completions, pad_id=pad_id, pad_side=self.args.pad_side),
+            device,
+        )
+        teacher = _to_device(
+            build_scoring_batch(inputs["teacher_prompt_ids"], completions, pad_id=pad_id, pad_side=self.args.pad_side),
+            device,
+        )
+        if not self._alignment_checked:
+            self._report_alignment(student, teacher, completions)
+
+        student_hidden = self._completion_hidden(unwrapped, student)
+        with torch.no_grad(), self._teacher_weights(unwrapped):
+            teacher_hidden = self._completion_hidden(unwrapped, teacher)
+
+        mask = student.completion_mask.bool()
+        head = _base_model(unwrapped).get_output_embeddings()
+        a = self.args
+        if a.loss_implementation == "chunked":
+            s, t = student_hidden[mask], teacher_hidden[mask]
+            if a.use_tinker_loss:
+                return chunked_tinker_loss(
+                    s, t, head.weight, student.completion_ids[mask],
+                    temperature=a.temperature, chunk_size=a.loss_chunk_size,
+                )
+            return chunked_divergence_loss(
+                s, t, head.weight,
+                beta=a.beta, temperature=a.temperature, clip=a.jsd_token_clip, clip_mode=a.clip_mode,
+                top_k=a.top_k_loss, chunk_size=a.loss_chunk_size, lm_head_bias=head.bias,
+            )
+        # "logits": full [B, C, V] logits for both roles (the released-style path).
+        student_logits, teacher_logits = head(student_hidden), head(teacher_hidden)
+        if a.use_tinker_loss:
+            return tinker_loss(
+                student_logits, teacher_logits, student.completion_ids, mask, temperature=a.temperature
+            )
+        return divergence_loss(
+            student_logits, teacher_logits, mask,
+            beta=a.beta, temperature=a.temperature, clip=a.jsd_token_clip, clip_mode=a.clip_mode, top_k=a.top_k_loss,
+        )
+
+    def _completion_hidden(self, unwrapped, batch) -> torch.Tensor:
+        """Final hidden states at the positions that predict each completion token: [B, C, H].
+
+        Only the backbone runs here; logits are formed by the loss, and never for
+        prompt positions.
+        """
+        decoder = _base_model(unwrapped).get_decoder()
+        out = decoder(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,  # None for `right`: pads consume rotary positions (released)
+            use_cache=False,
+        )
+        return gather_completion_positions(out.last_hidden_state, batch)
+
+    def _report_alignment(self, student, teacher, completions) -> None:
+        """The `[OPSD align]` self-check: both roles supervise exactly the sampled tokens."""
+        student_msg = check_alignment(student, completions)
+        teacher_msg = check_alignment(teacher, completions)
+        if not torch.equal(student.completion_mask, teacher.completion_mask):
+            raise AssertionError("[OPSD align] student and teacher supervise different completion spans")
+        if self.accelerator.is_main_process:
+            print(f"[OPSD align] pad_side={self.args.pad_side} student: {student_msg} | teacher: {teacher_msg}")
+        self._alignment_checked = True
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        if self.ema is not None and isinstance(resume_from_checkpoint, str):
+            path = os.path.join(resume_from_checkpoint, EMA_FILE)
+            if os.path.exists(path):
+                self.ema.load_state_dict(torch.load(path, map_location="cpu"))
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _get_output_dir(self, trial):
+        return self._staging_root or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial):
+        """Write `checkpoint-N` under a staging folder, then rename it into place.
+
+        A run killed mid-save leaves only the staging folder, which resume ignores,
+        so the newest `checkpoint-N` is always complete.
+        """
+        run_dir = super()._get_output_dir(trial)
+        self._staging_root = os.path.join(run_dir, STAGING_DIR)
+        name = f"checkpoint-{self.state.global_step}"
+        staged, final = os.path.join(self._staging_root, name), os.path.join(run_dir, name)
+        try:
+            super()._save_checkpoint(model, trial)
+            if self.ema is not None and self.args.should_save:
+                torch.save(self.ema.state_dict(), os.path.join(staged, EMA_FILE))
+        finally:
+            self._staging_root = None
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(staged, final)
+            if self.state.best_model_checkpoint == staged:
+                self.state.best_model_checkpoint = final
+            rotate_checkpoints(run_dir, save_total_limit=self.args.save_total_limit, use_mtime=False)
+        self.accelerator.wait_for_everyone()
+
+
+def _base_model(model):
+    """The transformers CausalLM under a peft wrapper (LoRA layers are injected into it)."""
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+def _to_device(batch, device):
+    moved = {
+        f.name: (v.to(device) if isinstance(v := getattr(batch, f.name), torch.Tensor) else v)
+        for f in dataclasses.fields(batch)
+    }
+    return dataclasses.replace(batch, **moved)

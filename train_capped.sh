@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# OPSD capped run: 100 optimizer steps at global batch 32, LoRA, then checkpoint-100.
+#
+#   bash train_capped.sh [RECIPE_FILE]            # default recipe.env
+#
+# Environment:
+#   OPSD_MODEL          model (hub id or local folder), default Qwen/Qwen3-1.7B
+#   OPSD_DATA           training data (HF name, .json/.jsonl/.parquet), default the released set
+#   OPSD_OUTPUT         run folder, default outputs/opsd-capped (tiny: outputs/opsd-tiny)
+#   OPSD_NUM_PROCESSES  processes for accelerate launch, default = visible GPUs (1 without GPUs)
+#   OPSD_PER_DEVICE_BATCH  micro-batch per process, default 4; accumulation fills up to 32
+#   OPSD_USE_VLLM       1 = vLLM rollouts (colocate), default 1 when vllm is importable
+#   OPSD_PRESET=tiny    embedded tiny model + generated data, CPU budget (8 steps x batch 4)
+#   OPSD_CLIP_MODE, OPSD_PAD_SIDE, OPSD_TEACHER_CONTEXT, OPSD_STUDENT_PROMPT, OPSD_DATA_SELECT: ablation switches
+# A run folder that already holds checkpoint-N resumes from the newest one.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+recipe="${1:-recipe.env}"
+if [[ "$recipe" == "-h" || "$recipe" == "--help" ]]; then
+  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+  exit 0
+fi
+# Validate the recipe before anything heavy loads (prints warnings; exit 2 on error).
+python opsd_config.py check "$recipe" > /dev/null
+
+if [[ "${OPSD_PRESET:-}" == "tiny" ]]; then
+  steps=8; global_batch=4; per_device=2; nproc=1; save_steps=4
+  output="${OPSD_OUTPUT:-outputs/opsd-tiny}"
+  model_args=(--preset tiny)
+  extra=(--logging_steps 1)
+else
+  steps=100; global_batch=32; save_steps=25
+  if [[ -n "${OPSD_NUM_PROCESSES:-}" ]]; then
+    nproc="$OPSD_NUM_PROCESSES"
+  elif command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1; then
+    nproc=$(nvidia-smi -L | wc -l)
+  else
+    nproc=1
+  fi
+  per_device="${OPSD_PER_DEVICE_BATCH:-4}"
+  output="${OPSD_OUTPUT:-outputs/opsd-capped}"
+  model_args=(--model_name_or_path "${OPSD_MODEL:-Qwen/Qwen3-1.7B}"
+              --dataset_name "${OPSD_DATA:-siyanzhao/Openthoughts_math_30k_opsd}")
+  extra=(--logging_steps 1)
+  use_vllm="${OPSD_USE_VLLM:-$(python -c 'import importlib.util as u; print(int(u.find_spec("vllm") is not None))')}"
+  if [[ "$use_vllm" == "1" ]]; then
+    extra+=(--use_vllm true --vllm_mode colocate)
+  fi
+fi
+
+per_step=$((per_device * nproc))
+if (( global_batch % per_step != 0 )); then
+  echo "error: global batch $global_batch is not divisible by per-device batch $per_device x $nproc processes" >&2
+  exit 2
+fi
+accum=$((global_batch / per_step))
+echo "[OPSD] budget: $steps steps x global batch $global_batch = $per_device per device x $accum accumulation x $nproc processes -> $output"
+
+exec accelerate launch --num_processes "$nproc" --num_machines 1 --mixed_precision no --dynamo_backend no \
+  opsd_train.py "${model_args[@]}" --recipe "$recipe" --output_dir "$output" \
+  --max_steps "$steps" --per_device_train_batch_size "$per_device" --gradient_accumulation_steps "$accum" \
+  --save_strategy steps --save_steps "$save_steps" --report_to none "${extra[@]}"
