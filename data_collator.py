@@ -1,0 +1,297 @@
+"""Exact token geometry: rows -> prompt token ids, prompts + sampled completions
+-> scoring batches whose completion positions line up for both roles (SPEC section 3).
+
+Prompt rendering: the chat template is applied as text (`tokenize=False`,
+`add_generation_prompt=True`, `enable_thinking=...`), then encoded with
+`add_special_tokens=False`, because the template already holds every special token.
+
+Prompt length policy:
+- the problem is never truncated;
+- student prompts are never truncated; one warning if one is longer than
+  `max_prompt_length`;
+- a teacher (or reason-first) prompt longer than `max_teacher_prompt_length`
+  has its privileged context cut: the beginning of the context is kept, tokens
+  are removed from its end and `prompts.TRUNCATION_NOTE` marks the cut, so the
+  rendered prompt fits. If not even the note fits, the context is dropped; if
+  the prompt is still over the limit with an empty context, it keeps the full
+  problem anyway and one warning is given.
+
+Scoring geometry (P = longest prompt, C = longest completion, T = P + C):
+- right (released): [prompt_i, pads up to P, completion_i, pads up to C];
+  no position_ids, so the pads between prompt and completion consume rotary
+  positions, as in the released code;
+- left: [pads up to P, prompt_i, completion_i, pads up to C]; position_ids =
+  cumsum(attention_mask) - 1 (clamped at 0), so every real token sits at the
+  position it had when it was sampled by a left-padded generate.
+In both, completion token j of every row sits at column P + j, and the logits
+at column P + j - 1 predict it.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from opsd_config import PAD_SIDES, STUDENT_PROMPTS, TEACHER_CONTEXTS
+from prompts import (
+    TRUNCATION_NOTE,
+    eval_messages,
+    privileged_context,
+    reason_first_messages,
+    student_enable_thinking,
+    student_messages,
+    teacher_messages,
+    with_rationale,
+)
+
+
+class AlignmentError(AssertionError):
+    """The `[OPSD align]` self-check failed; the message is one line."""
+
+
+class PromptLengthWarning(UserWarning):
+    """A prompt is over its length limit (given once per collator and kind)."""
+
+
+# --------------------------------------------------------------------------
+# Prompts
+# --------------------------------------------------------------------------
+
+def render_prompt(tokenizer, messages: list[dict[str, str]], enable_thinking: bool) -> str:
+    """The chat-template text of `messages` followed by the generation prompt."""
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+    )
+
+
+def encode_prompt(tokenizer, messages: list[dict[str, str]], enable_thinking: bool) -> list[int]:
+    return tokenizer.encode(render_prompt(tokenizer, messages, enable_thinking), add_special_tokens=False)
+
+
+class OPSDCollator:
+    """Builds the student, teacher, reason-first and evaluation prompts of a row
+    as token ids, and pads prompts + completions into scoring batches."""
+
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        student_prompt: str = "paper",
+        teacher_context: str = "solution",
+        teacher_thinking: bool = False,
+        pad_side: str = "right",
+        max_prompt_length: int | None = None,
+        max_teacher_prompt_length: int | None = None,
+    ):
+        _check_choice("student_prompt", student_prompt, STUDENT_PROMPTS)
+        _check_choice("teacher_context", teacher_context, TEACHER_CONTEXTS)
+        _check_choice("pad_side", pad_side, PAD_SIDES)
+        self.tokenizer = tokenizer
+        self.student_prompt = student_prompt
+        self.teacher_context = teacher_context
+        self.teacher_thinking = teacher_thinking
+        self.pad_side = pad_side
+        self.max_prompt_length = max_prompt_length
+        self.max_teacher_prompt_length = max_teacher_prompt_length
+        self.truncated_contexts = 0  # how many teacher/reason-first contexts were cut
+        self._warned: set[str] = set()
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return self.tokenizer.eos_token_id if pad is None else pad
+
+    def student_prompt_ids(self, row: Mapping) -> list[int]:
+        style = self.student_prompt
+        ids = encode_prompt(self.tokenizer, student_messages(row["problem"], style), student_enable_thinking(style))
+        limit = self.max_prompt_length
+        if limit is not None and len(ids) > limit:
+            self._warn_once("student", f"a student prompt has {len(ids)} tokens, over max_prompt_length={limit}; "
+                                       "student prompts are never truncated")
+        return ids
+
+    def teacher_prompt_ids(self, row: Mapping, rationale: str | None = None) -> list[int]:
+        context = privileged_context(row, self.teacher_context)
+        if rationale:
+            context = with_rationale(context, rationale)
+        return self._fit_context(teacher_messages, row["problem"], context)
+
+    def reason_first_prompt_ids(self, row: Mapping) -> list[int]:
+        """The prompt with which the teacher writes its analysis of the reference."""
+        context = privileged_context(row, self.teacher_context)
+        return self._fit_context(reason_first_messages, row["problem"], context)
+
+    def eval_prompt_ids(self, problem: str) -> list[int]:
+        return encode_prompt(self.tokenizer, eval_messages(problem), enable_thinking=True)
+
+    def scoring_batch(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> ScoringBatch:
+        return build_scoring_batch(prompt_ids, completion_ids, pad_id=self.pad_id, pad_side=self.pad_side)
+
+    # -- teacher length policy
+
+    def _fit_context(self, messages_for, problem: str, context: str) -> list[int]:
+        """Token ids of `messages_for(problem, context)`, with the context cut from
+        its end until the prompt fits max_teacher_prompt_length."""
+        def encode(ctx: str) -> list[int]:
+            return encode_prompt(self.tokenizer, messages_for(problem, ctx), self.teacher_thinking)
+
+        ids, limit = encode(context), self.max_teacher_prompt_length
+        if limit is None or len(ids) <= limit:
+            return ids
+        self.truncated_contexts += 1
+        floor = len(encode(TRUNCATION_NOTE))  # the prompt with none of the context kept
+        if floor > limit:  # drop the context, never the problem
+            ids = encode("")
+            if len(ids) > limit:
+                self._warn_once("teacher", f"a teacher prompt has {len(ids)} tokens with an empty context, over "
+                                           f"max_teacher_prompt_length={limit}; the problem is never truncated")
+            return ids
+        context_ids = self.tokenizer.encode(context, add_special_tokens=False)
+        keep = limit - floor  # a first guess: tokens may merge differently at the seams
+        while True:
+            ids = encode(_truncated(self.tokenizer.decode(context_ids[:keep])))
+            if len(ids) <= limit:  # always reached: keep = 0 is the TRUNCATION_NOTE prompt
+                return ids
+            keep = max(keep - (len(ids) - limit), 0)
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(message, PromptLengthWarning, stacklevel=3)
+
+
+def _truncated(kept: str) -> str:
+    """A cut context: its kept beginning, then the note. A character split by the
+    cut decodes to U+FFFD and is dropped."""
+    kept = kept.rstrip("\ufffd").rstrip()
+    return f"{kept}\n{TRUNCATION_NOTE}" if kept else TRUNCATION_NOTE
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not allowed; expected one of: {', '.join(allowed)}")
+
+
+# --------------------------------------------------------------------------
+# Scoring batches
+# --------------------------------------------------------------------------
+
+@dataclass
+class ScoringBatch:
+    """One role's forward-pass inputs plus the completion geometry (see the
+    module docstring). B rows, P = longest prompt, C = longest completion."""
+
+    input_ids: torch.Tensor  # [B, P + C]
+    attention_mask: torch.Tensor  # [B, P + C], 0 on pads
+    position_ids: torch.Tensor | None  # [B, P + C] for left; None for right
+    completion_ids: torch.Tensor  # [B, C], right-padded with the pad id
+    completion_mask: torch.Tensor  # [B, C], 1 on real completion tokens
+    completion_start: torch.Tensor  # [B], column of each row's first completion token
+    prompt_lengths: torch.Tensor  # [B], real prompt lengths
+    pad_gap: torch.Tensor  # [B], pads between prompt and completion (0 for left)
+    pad_side: str
+
+
+def build_scoring_batch(
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    *,
+    pad_id: int,
+    pad_side: str,
+) -> ScoringBatch:
+    _check_choice("pad_side", pad_side, PAD_SIDES)
+    if len(prompt_ids) != len(completion_ids) or not prompt_ids:
+        raise ValueError(f"need one completion per prompt; got {len(prompt_ids)} prompts, {len(completion_ids)} completions")
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token: its last position predicts the first completion token")
+    rows = len(prompt_ids)
+    prompt_lengths = torch.tensor([len(p) for p in prompt_ids])
+    width_p = int(prompt_lengths.max())
+    width_c = max(len(c) for c in completion_ids)
+
+    input_ids = torch.full((rows, width_p + width_c), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    completions = torch.full((rows, width_c), pad_id, dtype=torch.long)
+    completion_mask = torch.zeros_like(completions)
+    for b, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
+        first = 0 if pad_side == "right" else width_p - len(prompt)
+        input_ids[b, first:first + len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[b, first:first + len(prompt)] = 1
+        end = width_p + len(completion)
+        input_ids[b, width_p:end] = torch.tensor(completion, dtype=torch.long)
+        attention_mask[b, width_p:end] = 1
+        completions[b, :len(completion)] = torch.tensor(completion, dtype=torch.long)
+        completion_mask[b, :len(completion)] = 1
+
+    left = pad_side == "left"
+    return ScoringBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0) if left else None,
+        completion_ids=completions,
+        completion_mask=completion_mask,
+        completion_start=torch.full((rows,), width_p, dtype=torch.long),
+        prompt_lengths=prompt_lengths,
+        pad_gap=torch.zeros(rows, dtype=torch.long) if left else width_p - prompt_lengths,
+        pad_side=pad_side,
+    )
+
+
+def gather_completion_positions(values: torch.Tensor, batch: ScoringBatch) -> torch.Tensor:
+    """[B, C, ...]: the entries of `values` ([B, P + C, ...], e.g. hidden states
+    or logits) at the columns that predict each completion token. A view, no copy."""
+    start = int(batch.completion_start[0])
+    if not bool((batch.completion_start == start).all()):
+        raise ValueError("completion_start differs across rows; build the batch with build_scoring_batch")
+    if values.shape[1] != batch.input_ids.shape[1]:
+        raise ValueError(f"expected {batch.input_ids.shape[1]} positions, got {values.shape[1]}")
+    width_c = batch.completion_ids.shape[1]
+    return values[:, start - 1:start - 1 + width_c]
+
+
+# --------------------------------------------------------------------------
+# The [OPSD align] self-check
+# --------------------------------------------------------------------------
+
+def check_alignment(batch: ScoringBatch, completion_ids: Sequence[Sequence[int]]) -> str:
+    """Assert that the supervised span of every row is exactly its sampled
+    completion; return a one-line summary (with pad gap stats for right)."""
+    if len(completion_ids) != batch.input_ids.shape[0]:
+        raise AlignmentError(f"[OPSD align] {len(completion_ids)} completions for {batch.input_ids.shape[0]} rows")
+    for b, completion in enumerate(completion_ids):
+        _check_row(batch, b, list(completion))
+    tokens = int(batch.completion_mask.sum())
+    summary = f"ok: {len(completion_ids)} rows, {tokens} completion tokens"
+    if batch.pad_side == "left":
+        return f"{summary}; left padding, no pad gap"
+    gap = batch.pad_gap.float()
+    return (f"{summary}; pad gap between prompt and completion: "
+            f"min {int(gap.min())} / mean {gap.mean():.1f} / max {int(gap.max())} tokens")
+
+
+def _check_row(batch: ScoringBatch, b: int, completion: list[int]) -> None:
+    start, n = int(batch.completion_start[b]), len(completion)
+
+    def fail(message: str) -> None:
+        raise AlignmentError(f"[OPSD align] row {b}: {message}")
+
+    span = batch.input_ids[b, start:start + n].tolist()
+    if span != completion:
+        j = next((j for j, (x, y) in enumerate(zip(span, completion)) if x != y), min(len(span), n))
+        fail(f"input_ids[{start}:{start + n}] differ from the sampled completion at token {j}")
+    if batch.completion_ids[b, :n].tolist() != completion:
+        fail("completion_ids differ from the sampled completion")
+    mask = batch.completion_mask[b]
+    if int(mask.sum()) != n or not bool(mask[:n].all()):
+        fail(f"completion_mask covers {int(mask.sum())} tokens, the completion has {n}")
+    attention = batch.attention_mask[b]
+    if not bool(attention[start:start + n].all()) or bool(attention[start + n:].any()):
+        fail("attention_mask does not cover exactly the completion after the prompt")
+    if int(attention[:start].sum()) != int(batch.prompt_lengths[b]):
+        fail(f"attention_mask covers {int(attention[:start].sum())} prompt tokens, expected {int(batch.prompt_lengths[b])}")
+    if batch.position_ids is not None:
+        expected = torch.arange(n) + int(batch.prompt_lengths[b])
+        if not torch.equal(batch.position_ids[b, start:start + n].cpu(), expected):
+            fail("completion position_ids do not continue the prompt's positions")

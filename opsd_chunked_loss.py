@@ -1,0 +1,273 @@
+"""Memory-efficient OPSD loss from hidden states (the trainer's GPU path).
+
+The full-vocabulary logits of every completion token (N x V float32, e.g. 8k x 152k
+= 5 GB per role) are never held at once. A custom autograd Function projects
+`chunk_size` tokens at a time through the (tied) LM head, runs the per-token
+objective of `opsd_loss` on that chunk (`rows_divergence` / `rows_tinker`, the
+very functions the reference uses) and keeps only scalar sums. Backward recomputes
+each chunk's logits and turns d(sum_n D_n)/d(logits) into gradients for the
+student hidden states (and the LM head weight / bias when they require grad).
+
+Inputs are the masked completion positions only, already flattened to [N, H];
+the reduction is the token mean over N, exactly as `opsd_loss.divergence_loss`.
+Peak extra memory is a few [chunk_size, V] float32 buffers plus [N, H] for the
+hidden-state gradient.
+"""
+from __future__ import annotations
+
+import torch
+
+from opsd_loss import (
+    DIVERGENCE_STAT_KEYS,
+    TINKER_STAT_KEYS,
+    DivergenceConfig,
+    compute_dtype,
+    entry_divergence,
+    mean_over_tokens,
+    rows_divergence,
+    rows_tinker,
+    tempered_log_probs,
+)
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------- matmuls
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a @ b with a `dtype` (float32/float64) result, never rounded to bf16.
+
+    On CUDA, bf16/fp16 operands are multiplied in their own dtype with a float32
+    output (no [V, H] float32 copy of the LM head per chunk); elsewhere both
+    operands are upcast.
+    """
+    low = b.dtype if b.dtype in _LOW_PRECISION else a.dtype
+    if a.is_cuda and dtype == torch.float32 and low in _LOW_PRECISION:
+        return torch.mm(a.to(low), b.to(low), out_dtype=torch.float32)
+    return a.to(dtype) @ b.to(dtype)
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype) -> torch.Tensor:
+    """hidden [n, H] @ weight.T (+ bias) -> [n, V] logits in `dtype`."""
+    logits = _matmul(hidden, weight.t(), dtype)
+    return logits if bias is None else logits + bias.to(dtype)
+
+
+def _chunks(num_tokens: int, chunk_size: int):
+    for start in range(0, num_tokens, chunk_size):
+        yield slice(start, min(start + chunk_size, num_tokens))
+
+
+# --------------------------------------------------------------------------- objectives
+
+
+def autograd_logit_grad(per_token_fn, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """d(sum_n loss_n)/d student_logits for one chunk, by autograd on a detached leaf.
+
+    Exact for every option (any beta, clip mode, top_k) because it differentiates
+    the same per-token function the forward ran.
+    """
+    leaf = student_logits.detach().requires_grad_(True)
+    with torch.enable_grad():
+        per_token, _ = per_token_fn(leaf, teacher_logits)
+        (grad,) = torch.autograd.grad(per_token.sum(), leaf)
+    return grad
+
+
+def forward_kl_logit_grad(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, cfg: DivergenceConfig
+) -> torch.Tensor:
+    """Analytic d(sum_n D_n)/d s for forward KL (beta = 0) with the entry clip or no clip.
+
+    With K_n the entries kept by the clip (l_v <= tau; all entries without clip) and
+    M_n = sum_{v in K_n} p_T(v) the teacher mass on them:
+        dD_n/ds_v = (p_S(v) M_n - p_T(v) 1[v in K_n]) / T
+    i.e. a clipped entry loses its pull towards the teacher but still takes part in
+    the student's normalisation.
+    """
+    dtype = compute_dtype(student_logits, teacher_logits)
+    student_logp = tempered_log_probs(student_logits, cfg.temperature, dtype)
+    teacher_logp = tempered_log_probs(teacher_logits, cfg.temperature, dtype)
+    kept_teacher = teacher_logp.exp()
+    if cfg.clip_enabled:
+        # Same rule as the clamp in token_divergence: gradient passes where l_v <= tau.
+        kept_teacher = kept_teacher * (entry_divergence(student_logp, teacher_logp, 0.0) <= cfg.clip)
+    kept_mass = kept_teacher.sum(-1, keepdim=True)
+    return (student_logp.exp() * kept_mass - kept_teacher) / cfg.temperature
+
+
+class DivergenceObjective:
+    """Clipped divergence per token (`rows_divergence`), for `_ChunkedLoss`."""
+
+    stat_keys = DIVERGENCE_STAT_KEYS
+
+    def __init__(self, cfg: DivergenceConfig, use_analytic_grad: bool = True):
+        self.cfg = cfg
+        # Closed form for the released default (forward KL, entry clip or none, full vocab).
+        self.analytic = use_analytic_grad and cfg.beta == 0.0 and cfg.top_k == 0 and (
+            cfg.clip_mode == "entry" or not cfg.clip_enabled
+        )
+
+    def per_token(self, student_logits, teacher_logits, rows: slice, with_stats: bool = True):
+        return rows_divergence(student_logits, teacher_logits, self.cfg, with_stats=with_stats)
+
+    def logit_grad(self, student_logits, teacher_logits, rows: slice) -> torch.Tensor:
+        if self.analytic:
+            return forward_kl_logit_grad(student_logits, teacher_logits, self.cfg)
+        return autograd_logit_grad(
+            lambda s, t: self.per_token(s, t, rows, with_stats=False), student_logits, teacher_logits
+        )
+
+
+class TinkerObjective:
+    """Sampled-token estimator per token (`rows_tinker`), for `_ChunkedLoss`."""
+
+    stat_keys = TINKER_STAT_KEYS
+
+    def __init__(self, target_ids: torch.Tensor, temperature: float):
+        self.target_ids = target_ids
+        self.temperature = temperature
+
+    def per_token(self, student_logits, teacher_logits, rows: slice, with_stats: bool = True):
+        return rows_tinker(
+            student_logits, teacher_logits, self.target_ids[rows], temperature=self.temperature, with_stats=with_stats
+        )
+
+    def logit_grad(self, student_logits, teacher_logits, rows: slice) -> torch.Tensor:
+        return autograd_logit_grad(
+            lambda s, t: self.per_token(s, t, rows, with_stats=False), student_logits, teacher_logits
+        )
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    """loss = mean_n objective(h_S[n] W^T + b, h_T[n] W^T + b), chunked over tokens n.
+
+    Returns (loss, stats) where stats is a detached vector ordered as
+    `objective.stat_keys`. Gradients: student hidden, weight, bias; never the teacher.
+    """
+
+    @staticmethod
+    def forward(ctx, student_hidden, teacher_hidden, weight, bias, objective, chunk_size):
+        num_tokens = student_hidden.shape[0]
+        dtype = compute_dtype(student_hidden, teacher_hidden, weight)
+        loss_sum = torch.zeros((), dtype=dtype, device=student_hidden.device)
+        stat_sums = torch.zeros(len(objective.stat_keys), dtype=dtype, device=student_hidden.device)
+        for rows in _chunks(num_tokens, chunk_size):
+            student_logits = _logits(student_hidden[rows], weight, bias, dtype)
+            teacher_logits = _logits(teacher_hidden[rows], weight, bias, dtype)
+            per_token, stats = objective.per_token(student_logits, teacher_logits, rows)
+            loss_sum += per_token.sum()
+            stat_sums += torch.stack([stats[key].sum() for key in objective.stat_keys])
+
+        ctx.save_for_backward(student_hidden, teacher_hidden, weight, bias)
+        ctx.objective, ctx.chunk_size, ctx.dtype = objective, chunk_size, dtype
+        stats = mean_over_tokens(stat_sums, num_tokens)
+        ctx.mark_non_differentiable(stats)
+        return mean_over_tokens(loss_sum, num_tokens), stats
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_stats):
+        student_hidden, teacher_hidden, weight, bias = ctx.saved_tensors
+        need_hidden, _, need_weight, need_bias = ctx.needs_input_grad[:4]
+        dtype, num_tokens = ctx.dtype, student_hidden.shape[0]
+        # d loss / d D_n: the token mean times the incoming gradient.
+        scale = grad_loss.to(dtype) / max(num_tokens, 1)
+
+        def buffer(like):  # accumulate in float32 (float64) whatever the parameter dtype
+            return torch.zeros(like.shape, dtype=dtype, device=like.device)
+
+        grad_hidden = buffer(student_hidden) if need_hidden else None
+        grad_weight = buffer(weight) if need_weight else None
+        grad_bias = buffer(bias) if need_bias else None
+        for rows in _chunks(num_tokens, ctx.chunk_size):
+            hidden = student_hidden[rows]
+            student_logits = _logits(hidden, weight, bias, dtype)
+            teacher_logits = _logits(teacher_hidden[rows], weight, bias, dtype)
+            grad_logits = ctx.objective.logit_grad(student_logits, teacher_logits, rows) * scale
+            if need_hidden:
+                grad_hidden[rows] = _matmul(grad_logits, weight, dtype)
+            if need_weight:
+                grad_weight += _matmul(grad_logits.t(), hidden, dtype)
+            if need_bias:
+                grad_bias += grad_logits.sum(0)
+
+        def cast(grad, like):
+            return None if grad is None else grad.to(like.dtype)
+
+        return cast(grad_hidden, student_hidden), None, cast(grad_weight, weight), cast(grad_bias, bias), None, None
+
+
+def _check_inputs(student_hidden, teacher_hidden, lm_head_weight, lm_head_bias, chunk_size):
+    if student_hidden.dim() != 2 or student_hidden.shape != teacher_hidden.shape:
+        raise ValueError(
+            f"hidden states must both be [N, H], got {tuple(student_hidden.shape)} and {tuple(teacher_hidden.shape)}"
+        )
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != student_hidden.shape[1]:
+        raise ValueError(f"lm_head_weight {tuple(lm_head_weight.shape)} is not [V, {student_hidden.shape[1]}]")
+    if lm_head_bias is not None and lm_head_bias.shape != lm_head_weight.shape[:1]:
+        raise ValueError(f"lm_head_bias {tuple(lm_head_bias.shape)} is not [{lm_head_weight.shape[0]}]")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def _apply(objective, student_hidden, teacher_hidden, weight, bias, chunk_size):
+    _check_inputs(student_hidden, teacher_hidden, weight, bias, chunk_size)
+    # The teacher is a constant: detaching here also keeps it out of the saved graph.
+    loss, stats = _ChunkedLoss.apply(student_hidden, teacher_hidden.detach(), weight, bias, objective, chunk_size)
+    return loss, dict(zip(objective.stat_keys, stats.unbind()))
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def chunked_divergence_loss(
+    student_hidden: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    *,
+    beta: float = 0.0,
+    temperature: float = 1.0,
+    clip: float | None = 0.05,
+    clip_mode: str = "entry",
+    top_k: int = 0,
+    chunk_size: int = 1024,
+    lm_head_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`opsd_loss.divergence_loss` on logits = hidden @ W.T (+ bias), chunked over tokens.
+
+    Args:
+        student_hidden: [N, H] final hidden states of the masked completion tokens
+            (bf16 or fp32; receives the gradient).
+        teacher_hidden: [N, H], same tokens, no gradient.
+        lm_head_weight: [V, H]; gets a gradient too if it requires grad (same for
+            lm_head_bias [V]).
+        chunk_size: tokens per chunk; memory scales with chunk_size * V.
+    Returns:
+        (loss, stats) with the same values and keys as `divergence_loss`; N = 0 gives
+        a zero loss that still back-propagates.
+    """
+    cfg = DivergenceConfig(beta=beta, temperature=temperature, clip=clip, clip_mode=clip_mode, top_k=top_k)
+    return _apply(DivergenceObjective(cfg), student_hidden, teacher_hidden, lm_head_weight, lm_head_bias, chunk_size)
+
+
+def chunked_tinker_loss(
+    student_hidden: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    lm_head_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`opsd_loss.tinker_loss` on hidden states, chunked; target_ids [N] are the sampled tokens."""
+    if target_ids.shape != student_hidden.shape[:1]:
+        raise ValueError(f"target_ids {tuple(target_ids.shape)} is not [{student_hidden.shape[0]}]")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    objective = TinkerObjective(target_ids, temperature)
+    return _apply(objective, student_hidden, teacher_hidden, lm_head_weight, lm_head_bias, chunk_size)

@@ -1,0 +1,320 @@
+"""Typed configuration: the `OPSD_*` environment switches and the recipe file.
+
+This is the one place where switches and `recipe.env` files are parsed. It uses
+the standard library only, so `python opsd_config.py check recipe.env` answers
+(and fails) in a fraction of a second, before torch or any model is loaded.
+
+Recipe files (SPEC section 6) are .env files: `KEY=VALUE` lines, `#` starts a
+comment (also after a value), blank lines are ignored, and an `export ` prefix
+or quotes around a value are tolerated. Only the whitelisted keys of `Recipe`
+are accepted; budget knobs (`BUDGET_KNOBS`) are fixed by train_capped.sh and are
+ignored with a warning. Every other problem is a `RecipeError` whose message is
+one line, `PATH:LINE: message`.
+
+CLI:
+    python opsd_config.py check RECIPE   # parsed recipe as key=value lines; exit 2 on error
+    python opsd_config.py switches       # the OPSD_* switches in effect; exit 2 on error
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+
+class ConfigError(ValueError):
+    """A bad switch or recipe; the message is always one line."""
+
+
+class RecipeError(ConfigError):
+    """A bad recipe file. str() is `PATH:LINE: message` (`PATH: message` when the
+    problem is the file itself)."""
+
+    def __init__(self, path: str, line: int | None, message: str):
+        self.path, self.line, self.message = str(path), line, message
+        where = f"{path}:{line}" if line else str(path)
+        super().__init__(f"{where}: {message}")
+
+
+# --------------------------------------------------------------------------
+# Environment switches
+# --------------------------------------------------------------------------
+
+# Allowed values; the first one is the default.
+CLIP_MODES = ("entry", "token")
+PAD_SIDES = ("right", "left")
+TEACHER_CONTEXTS = ("solution", "cot", "both")
+STUDENT_PROMPTS = ("paper", "eval")
+DATA_SELECTS = ("none", "hard", "nomath")
+
+# Switches field -> (environment variable, allowed values)
+_SWITCHES = {
+    "clip_mode": ("OPSD_CLIP_MODE", CLIP_MODES),
+    "pad_side": ("OPSD_PAD_SIDE", PAD_SIDES),
+    "teacher_context": ("OPSD_TEACHER_CONTEXT", TEACHER_CONTEXTS),
+    "student_prompt": ("OPSD_STUDENT_PROMPT", STUDENT_PROMPTS),
+    "data_select": ("OPSD_DATA_SELECT", DATA_SELECTS),
+}
+
+
+@dataclass(frozen=True)
+class Switches:
+    """The method switches of SPEC sections 2-4, read from the environment."""
+
+    clip_mode: str = CLIP_MODES[0]
+    pad_side: str = PAD_SIDES[0]
+    teacher_context: str = TEACHER_CONTEXTS[0]
+    student_prompt: str = STUDENT_PROMPTS[0]
+    data_select: str = DATA_SELECTS[0]
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Switches:
+        """Unset or empty variables take the default; values are matched after
+        stripping whitespace and lower-casing. A bad value is a ConfigError."""
+        return cls(**{name: _read_switch(env, var, allowed) for name, (var, allowed) in _SWITCHES.items()})
+
+    def as_env(self) -> dict[str, str]:
+        """{variable: value}, e.g. to log the run's switches or pass them on."""
+        return {var: getattr(self, name) for name, (var, _) in _SWITCHES.items()}
+
+
+def _read_switch(env: Mapping[str, str], var: str, allowed: tuple[str, ...]) -> str:
+    raw = env.get(var, "")
+    value = raw.strip().lower()
+    if not value:
+        return allowed[0]
+    if value not in allowed:
+        raise ConfigError(f"{var}={raw!r} is not allowed; expected one of: {', '.join(allowed)}")
+    return value
+
+
+# --------------------------------------------------------------------------
+# The recipe
+# --------------------------------------------------------------------------
+
+MAX_COMPLETION_LENGTH_CAP = 4096
+
+# Fixed by train_capped.sh (100 steps at global batch 32 on OPSD_MODEL).
+BUDGET_KNOBS = (
+    "max_steps", "num_train_epochs", "per_device_train_batch_size",
+    "gradient_accumulation_steps", "num_processes", "model",
+)
+
+# transformers.SchedulerType values (transformers 5.24), hard-coded so that no
+# import is needed to validate a recipe.
+SCHEDULER_TYPES = (
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+    "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau",
+    "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay", "greedy",
+)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The whitelisted recipe keys with the released defaults (SPEC section 6).
+    Each field's type is the type of its default, which is how values are parsed."""
+
+    learning_rate: float = 5e-6
+    lr_scheduler_type: str = "constant"
+    warmup_ratio: float = 0.0
+    max_grad_norm: float = 0.1
+    lora_r: int = 64
+    lora_alpha: int = 128
+    beta: float = 0.0
+    jsd_token_clip: float = 0.05  # 0 (or `none` in the file) disables the clip
+    temperature: float = 1.1
+    top_p: float = 0.95
+    top_k: int = 20  # 0 disables top-k sampling
+    lmbda: float = 1.0
+    max_completion_length: int = 1024
+    fixed_teacher: bool = True
+    use_ema_teacher: bool = False
+    ema_decay: float = 0.999
+    reason_first: bool = False
+    teacher_thinking: bool = False
+    top_k_loss: int = 0
+    use_tinker_loss: bool = False
+
+    def as_lines(self) -> list[str]:
+        """`key=value` lines in field order; parse_recipe reads them back unchanged."""
+        return [f"{f.name}={_format_value(getattr(self, f.name))}" for f in dataclasses.fields(self)]
+
+
+_FIELD_TYPES: dict[str, type] = {f.name: type(f.default) for f in dataclasses.fields(Recipe)}
+
+# key -> (accepts the parsed value, what the allowed range is)
+_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "learning_rate": (lambda v: v > 0, "> 0"),
+    "warmup_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "max_grad_norm": (lambda v: v >= 0, ">= 0"),
+    "lora_r": (lambda v: v >= 1, ">= 1"),
+    "lora_alpha": (lambda v: v >= 1, ">= 1"),
+    "beta": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "jsd_token_clip": (lambda v: v >= 0, ">= 0 (0 or none disables the clip)"),
+    "temperature": (lambda v: v > 0, "> 0"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": (lambda v: v >= 0, ">= 0 (0 disables top-k)"),
+    "lmbda": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "max_completion_length": (lambda v: 1 <= v <= MAX_COMPLETION_LENGTH_CAP, f"in [1, {MAX_COMPLETION_LENGTH_CAP}]"),
+    "ema_decay": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "top_k_loss": (lambda v: v >= 0, ">= 0 (0 disables)"),
+}
+
+_BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
+_EXPORT = re.compile(r"^export\s+")
+_INTEGER = re.compile(r"[+-]?\d+")
+
+
+class _LineProblem(Exception):
+    """Raised by the per-line helpers; parse_recipe adds the path and line number."""
+
+
+def parse_recipe(path: str | os.PathLike) -> tuple[Recipe, list[str]]:
+    """Parse a recipe file into a Recipe (unset keys keep their defaults) and a
+    list of one-line warnings. Raises RecipeError on the first problem."""
+    text = _read_text(path)
+    values: dict[str, object] = {}
+    set_on: dict[str, int] = {}  # key -> line that set it
+    warnings: list[str] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        try:
+            entry = _split_line(line)
+            if entry is None:
+                continue
+            key, raw = entry
+            if key in BUDGET_KNOBS:
+                warnings.append(f"{path}:{number}: {key} is a budget knob fixed by train_capped.sh; ignored")
+                continue
+            if key in set_on:
+                raise _LineProblem(f"duplicate key {key} (first set on line {set_on[key]})")
+            values[key] = _parse_value(key, raw)
+            set_on[key] = number
+        except _LineProblem as problem:
+            raise RecipeError(path, number, str(problem)) from None
+    recipe = Recipe(**values)
+    _check_teacher_choice(path, recipe, set_on)
+    return recipe, warnings
+
+
+def _read_text(path: str | os.PathLike) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise RecipeError(path, None, f"cannot read recipe file ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise RecipeError(path, None, "recipe file is not UTF-8 text") from None
+
+
+def _split_line(line: str) -> tuple[str, str] | None:
+    """(key, raw value) of a `KEY=VALUE` line, or None for a blank/comment line."""
+    body = line.split("#", 1)[0].strip()
+    if not body:
+        return None
+    body = _EXPORT.sub("", body, count=1)
+    key, sep, value = body.partition("=")
+    key = key.strip()
+    if not sep or not key.isidentifier():
+        raise _LineProblem(f"expected KEY=VALUE, got {line.strip()!r}")
+    return key, _unquote(value.strip())
+
+
+def _unquote(value: str) -> str:
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1].strip()
+    return value
+
+
+def _parse_value(key: str, raw: str) -> object:
+    kind = _FIELD_TYPES.get(key)
+    if kind is None:
+        raise _LineProblem(_unknown_key_message(key))
+    value = _convert(key, raw, kind)
+    check = _RANGES.get(key)
+    if check is not None and not check[0](value):
+        raise _LineProblem(f"{key}={raw} is out of range; must be {check[1]}")
+    return value
+
+
+def _convert(key: str, raw: str, kind: type) -> object:
+    if kind is bool:
+        if raw.lower() not in _BOOLEANS:
+            raise _LineProblem(f"{key}={raw!r} is not a boolean; use true/false or 1/0")
+        return _BOOLEANS[raw.lower()]
+    if kind is int:
+        if not _INTEGER.fullmatch(raw):
+            raise _LineProblem(f"{key}={raw!r} is not an integer")
+        return int(raw)
+    if kind is float:
+        if key == "jsd_token_clip" and raw.lower() == "none":
+            return 0.0
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise _LineProblem(f"{key}={raw!r} is not a finite number")
+        return value
+    # the only string key
+    if raw not in SCHEDULER_TYPES:
+        raise _LineProblem(f"{key}={raw!r} is not a scheduler; expected one of: {', '.join(SCHEDULER_TYPES)}")
+    return raw
+
+
+def _unknown_key_message(key: str) -> str:
+    message = f"unknown key {key!r}"
+    close = difflib.get_close_matches(key.lower(), [*_FIELD_TYPES, *BUDGET_KNOBS], n=1)
+    return f"{message} (did you mean {close[0]}?)" if close else f"{message}; allowed keys: {', '.join(_FIELD_TYPES)}"
+
+
+def _check_teacher_choice(path, recipe: Recipe, set_on: dict[str, int]) -> None:
+    """fixed_teacher and use_ema_teacher are mutually exclusive. fixed_teacher is
+    true by default, so a file asking for an EMA teacher must turn it off."""
+    if not (recipe.fixed_teacher and recipe.use_ema_teacher):
+        return
+    line = max(set_on.get("fixed_teacher", 0), set_on["use_ema_teacher"])
+    default = "" if "fixed_teacher" in set_on else " (fixed_teacher is true by default)"
+    raise RecipeError(
+        path, line,
+        f"fixed_teacher and use_ema_teacher are mutually exclusive{default}; set fixed_teacher=false for an EMA teacher",
+    )
+
+
+def _format_value(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+# --------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="opsd_config.py", description="Validate OPSD configuration before anything loads.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("check", help="parse a recipe file and print it as key=value lines")
+    check.add_argument("recipe", help="path of the recipe file, e.g. recipe.env")
+    commands.add_parser("switches", help="print the OPSD_* switches read from the environment")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "check":
+            recipe, warnings = parse_recipe(args.recipe)
+            for warning in warnings:
+                print(f"warning: {warning}", file=sys.stderr)
+            lines = recipe.as_lines()
+        else:
+            lines = [f"{var}={value}" for var, value in Switches.from_env().as_env().items()]
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""data_collator: exact prompt text and ids on the real Qwen3 tokenizer, both
+padding geometries, the [OPSD align] self-check and the prompt length policy."""
+import warnings
+
+import pytest
+import torch
+
+import prompts
+import tiny_default
+from data_collator import (
+    AlignmentError,
+    OPSDCollator,
+    PromptLengthWarning,
+    build_scoring_batch,
+    check_alignment,
+    gather_completion_positions,
+)
+
+INSTR = "Please reason step by step, and put your final answer within \\boxed{}."
+THINK_OFF = "<think>\n\n</think>\n\n"
+THINK_OFF_IDS = [151667, 271, 151668, 271]
+TRANSITION = ("The reference above is correct. Make sure you understand why each of its steps holds, "
+              "then solve the problem yourself: reason in your own words and arrive at the same final answer.")
+ROW = {"problem": "What is 2+3?", "solution": "2+3=5, so the answer is \\boxed{5}.",
+       "COT_Reason": "Two plus three: count up from two. Three, four, five. So 5."}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_default.build_qwen3_tokenizer()
+
+
+def chat(user: str, think_off: bool) -> str:
+    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n" + (THINK_OFF if think_off else "")
+
+
+def teacher_user(context: str) -> str:
+    return (f"Problem: What is 2+3?\n\n=== Reference solution (verified) ===\n{context}\n"
+            f"=== End of reference ===\n\n{TRANSITION}\n\n{INSTR}")
+
+
+# -- prompts: exact text and ids ---------------------------------------------------------
+
+def test_instruction_constant():
+    assert prompts.INSTRUCTION == INSTR
+
+
+def test_paper_student_prompt(tok):
+    ids = OPSDCollator(tok).student_prompt_ids(ROW)
+    assert tok.decode(ids) == (
+        "<|im_start|>user\nProblem: What is 2+3?\n\nPlease reason step by step, and put your final answer "
+        "within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    assert ids[:3] == [151644, 872, 198]  # <|im_start|> user \n
+    assert ids[-6:] == [77091, 198, *THINK_OFF_IDS]  # assistant \n, empty think block
+
+
+def test_eval_student_prompt_is_the_eval_prompt(tok):
+    collator = OPSDCollator(tok, student_prompt="eval")
+    ids = collator.student_prompt_ids(ROW)
+    assert tok.decode(ids) == chat(f"What is 2+3?\n\n{INSTR}", think_off=False)
+    assert ids == collator.eval_prompt_ids(ROW["problem"]) == OPSDCollator(tok).eval_prompt_ids(ROW["problem"])
+    assert ids[-3:] == [151644, 77091, 198] and 151667 not in ids  # thinking on: no pre-filled block
+
+
+def test_prompt_ids_match_the_tokenizing_chat_template(tok):
+    rendered = tok.apply_chat_template(prompts.student_messages(ROW["problem"], "paper"), tokenize=True,
+                                       add_generation_prompt=True, enable_thinking=False)
+    assert OPSDCollator(tok).student_prompt_ids(ROW) == rendered["input_ids"]
+
+
+@pytest.mark.parametrize("mode, context", [
+    ("solution", "2+3=5, so the answer is \\boxed{5}."),
+    ("cot", "Two plus three: count up from two. Three, four, five. So 5."),
+    ("both", "Solution:\n2+3=5, so the answer is \\boxed{5}.\n\n"
+             "Detailed reasoning:\nTwo plus three: count up from two. Three, four, five. So 5."),
+])
+@pytest.mark.parametrize("thinking", [False, True])
+def test_teacher_prompt(tok, mode, context, thinking):
+    ids = OPSDCollator(tok, teacher_context=mode, teacher_thinking=thinking).teacher_prompt_ids(ROW)
+    assert tok.decode(ids) == chat(teacher_user(context), think_off=not thinking)
+    assert (ids[-4:] == THINK_OFF_IDS) is (not thinking)
+
+
+def test_teacher_prompt_with_rationale(tok):
+    rationale = "<think>\nscratch work\n</think>\n\nThe key idea is counting on."
+    ids = OPSDCollator(tok).teacher_prompt_ids(ROW, rationale=rationale)
+    context = f"{ROW['solution']}\n\nAnalysis of the reference:\nThe key idea is counting on."
+    assert tok.decode(ids) == chat(teacher_user(context), think_off=True)
+
+
+def test_reason_first_prompt(tok):
+    text = tok.decode(OPSDCollator(tok).reason_first_prompt_ids(ROW))
+    assert text == chat(
+        f"Problem: What is 2+3?\n\n=== Reference solution (verified) ===\n{ROW['solution']}\n"
+        f"=== End of reference ===\n\n{prompts.REASON_FIRST_REQUEST}",
+        think_off=True,
+    )
+
+
+def test_bad_settings_are_rejected(tok):
+    for kwargs in ({"student_prompt": "chat"}, {"teacher_context": "hint"}, {"pad_side": "middle"}):
+        with pytest.raises(ValueError, match="is not allowed"):
+            OPSDCollator(tok, **kwargs)
+
+
+# -- prompt length policy ----------------------------------------------------------------
+
+LONG_TRACE = " ".join(f"Step {i}: add {i} to the running total." for i in range(300))
+
+
+def test_teacher_context_truncated_to_fit(tok):
+    row = dict(ROW, COT_Reason=LONG_TRACE)
+    full = OPSDCollator(tok, teacher_context="cot").teacher_prompt_ids(row)
+    limit = len(OPSDCollator(tok).teacher_prompt_ids(ROW)) + 60
+    collator = OPSDCollator(tok, teacher_context="cot", max_teacher_prompt_length=limit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fitting cut is silent
+        ids = collator.teacher_prompt_ids(row)
+    assert len(full) > limit >= len(ids) >= limit - 8  # fits, and not cut much more than needed
+    text = tok.decode(ids)
+    assert text.startswith("<|im_start|>user\nProblem: What is 2+3?\n\n=== Reference solution (verified) ===\n"
+                           "Step 0: add 0 to the running total. Step 1:")
+    assert "Step 299" not in text
+    kept_end = text.index("\n[... reference truncated ...]\n=== End of reference ===\n\n")
+    assert LONG_TRACE.startswith(text[text.index("Step 0"):kept_end])
+    assert text.endswith(f"{TRANSITION}\n\n{INSTR}<|im_end|>\n<|im_start|>assistant\n{THINK_OFF}")
+    assert collator.truncated_contexts == 1
+
+
+def test_prompt_within_limit_is_untouched(tok):
+    ids = OPSDCollator(tok).teacher_prompt_ids(ROW)
+    assert OPSDCollator(tok, max_teacher_prompt_length=len(ids)).teacher_prompt_ids(ROW) == ids
+
+
+def test_truncation_never_splits_a_character(tok):
+    row = dict(ROW, solution="𝔸𝔹ℂ𝔻" * 200)
+    limit = len(OPSDCollator(tok).teacher_prompt_ids(ROW)) + 41
+    for extra in range(6):  # several cut points, some inside a multi-token character
+        ids = OPSDCollator(tok, max_teacher_prompt_length=limit + extra).teacher_prompt_ids(row)
+        assert len(ids) <= limit + extra and "\ufffd" not in tok.decode(ids)
+
+
+def test_problem_is_never_truncated(tok):
+    problem = "Find x. " * 100
+    row = dict(ROW, problem=problem)
+    collator = OPSDCollator(tok, max_teacher_prompt_length=50, max_prompt_length=50)
+    with pytest.warns(PromptLengthWarning, match="max_teacher_prompt_length=50") as caught:
+        ids = collator.teacher_prompt_ids(row)
+        collator.teacher_prompt_ids(row)  # warned once only
+    assert len(caught) == 1
+    assert tok.decode(ids) == chat(f"Problem: {problem}\n\n=== Reference solution (verified) ===\n\n"
+                                   f"=== End of reference ===\n\n{TRANSITION}\n\n{INSTR}", think_off=True)
+    with pytest.warns(PromptLengthWarning, match="max_prompt_length=50") as caught:
+        student = collator.student_prompt_ids(row)
+        collator.student_prompt_ids(row)
+    assert len(caught) == 1
+    assert student == OPSDCollator(tok).student_prompt_ids(row)
+
+
+# -- scoring geometry ----------------------------------------------------------------------
+
+PROMPTS = [[11, 12, 13], [21], [31, 32]]
+COMPLETIONS = [[14, 15], [22, 23, 24], [33]]
+PAD = 0
+
+
+def test_right_geometry():
+    b = build_scoring_batch(PROMPTS, COMPLETIONS, pad_id=PAD, pad_side="right")
+    assert b.input_ids.tolist() == [[11, 12, 13, 14, 15, 0],
+                                    [21, 0, 0, 22, 23, 24],
+                                    [31, 32, 0, 33, 0, 0]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0],
+                                         [1, 0, 0, 1, 1, 1],
+                                         [1, 1, 0, 1, 0, 0]]
+    assert b.position_ids is None  # released: the pad gap consumes rotary positions
+    assert b.completion_ids.tolist() == [[14, 15, 0], [22, 23, 24], [33, 0, 0]]
+    assert b.completion_mask.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0]]
+    assert b.completion_start.tolist() == [3, 3, 3]
+    assert b.prompt_lengths.tolist() == [3, 1, 2]
+    assert b.pad_gap.tolist() == [0, 2, 1]
+
+
+def test_left_geometry():
+    b = build_scoring_batch(PROMPTS, COMPLETIONS, pad_id=PAD, pad_side="left")
+    assert b.input_ids.tolist() == [[11, 12, 13, 14, 15, 0],
+                                    [0, 0, 21, 22, 23, 24],
+                                    [0, 31, 32, 33, 0, 0]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0],
+                                         [0, 0, 1, 1, 1, 1],
+                                         [0, 1, 1, 1, 0, 0]]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 4, 4],
+                                       [0, 0, 0, 1, 2, 3],
+                                       [0, 0, 1, 2, 2, 2]]
+    assert b.completion_ids.tolist() == [[14, 15, 0], [22, 23, 24], [33, 0, 0]]
+    assert b.completion_mask.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0]]
+    assert b.completion_start.tolist() == [3, 3, 3]
+    assert b.prompt_lengths.tolist() == [3, 1, 2]
+    assert b.pad_gap.tolist() == [0, 0, 0]
+
+
+def test_left_positions_are_unpadded_positions():
+    b = build_scoring_batch(PROMPTS, COMPLETIONS, pad_id=PAD, pad_side="left")
+    for row, (prompt, completion) in enumerate(zip(PROMPTS, COMPLETIONS)):
+        real = b.attention_mask[row].bool()
+        assert b.position_ids[row][real].tolist() == list(range(len(prompt) + len(completion)))
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_gathered_positions_predict_the_completion(side):
+    b = build_scoring_batch(PROMPTS, COMPLETIONS, pad_id=PAD, pad_side=side)
+    next_token = torch.roll(b.input_ids, shifts=-1, dims=1)  # column t holds the token that t predicts
+    gathered = gather_completion_positions(next_token, b)
+    assert gathered.shape == b.completion_ids.shape
+    mask = b.completion_mask.bool()
+    assert torch.equal(gathered[mask], b.completion_ids[mask])
+    hidden = torch.randn(3, b.input_ids.shape[1], 5)
+    assert gather_completion_positions(hidden, b).shape == (3, 3, 5)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_alignment_check_passes(side):
+    b = build_scoring_batch(PROMPTS, COMPLETIONS, pad_id=PAD, pad_side=side)
+    summary = check_alignment(b, COMPLETIONS)
+    assert summary.startswith("ok: 3 rows, 6 completion tokens")
+    if side == "right":
+        assert summary.endswith("pad gap between prompt and completion: min 0 / mean 1.0 / max 2 tokens")
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_alignment_check_catches_a_shift(side):
+    b = build_scoring_batch(PROMPTS, COMPLETIONS, pad_id=PAD, pad_side=side)
+    b.input_ids[1] = torch.roll(b.input_ids[1], shifts=1)  # row 1 off by one position
+    with pytest.raises(AlignmentError, match=r"^\[OPSD align\] row 1: input_ids\[3:6\] differ from the sampled completion at token 0$"):
+        check_alignment(b, COMPLETIONS)
+
+
+def test_alignment_check_catches_a_wrong_mask():
+    b = build_scoring_batch(PROMPTS, COMPLETIONS, pad_id=PAD, pad_side="right")
+    b.completion_mask[2, 1] = 1  # supervises a pad
+    with pytest.raises(AlignmentError, match="row 2: completion_mask covers 2 tokens, the completion has 1"):
+        check_alignment(b, COMPLETIONS)
+
+
+def test_alignment_check_catches_wrong_positions():
+    b = build_scoring_batch(PROMPTS, COMPLETIONS, pad_id=PAD, pad_side="left")
+    b.position_ids[0, 3:] += 1
+    with pytest.raises(AlignmentError, match="row 0: completion position_ids"):
+        check_alignment(b, COMPLETIONS)
+
+
+def test_batch_input_errors():
+    with pytest.raises(ValueError, match="one completion per prompt"):
+        build_scoring_batch([[1]], [[2], [3]], pad_id=PAD, pad_side="right")
+    with pytest.raises(ValueError, match="at least one token"):
+        build_scoring_batch([[]], [[2]], pad_id=PAD, pad_side="right")
+
+
+def test_left_padding_scores_tokens_where_they_were_sampled():
+    """A real Qwen3 forward: left geometry reproduces each row's unpadded logits;
+    right geometry does so only for the row without a pad gap."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = Qwen3ForCausalLM(config).eval()
+
+    def completion_logits(batch):
+        with torch.no_grad():
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                        position_ids=batch.position_ids)
+        return gather_completion_positions(out.logits, batch)
+
+    def alone(row):
+        single = build_scoring_batch([PROMPTS[row]], [COMPLETIONS[row]], pad_id=PAD, pad_side="left")
+        return completion_logits(single)[0, :len(COMPLETIONS[row])]
+
+    left = completion_logits(build_scoring_batch(PROMPTS, COMPLETIONS, pad_id=PAD, pad_side="left"))
+    right = completion_logits(build_scoring_batch(PROMPTS, COMPLETIONS, pad_id=PAD, pad_side="right"))
+    for row, completion in enumerate(COMPLETIONS):
+        torch.testing.assert_close(left[row, :len(completion)], alone(row), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(right[0, :2], alone(0), atol=1e-5, rtol=1e-5)  # pad gap 0
+    assert not torch.allclose(right[1, :3], alone(1), atol=1e-3)  # pad gap 2 shifts rotary positions
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_tiny_rows_align_for_both_roles(tok, side):
+    from opsd_data import load_train_dataset
+
+    rows = load_train_dataset("tiny", teacher_context="both").select(range(8)).to_list()
+    collator = OPSDCollator(tok, teacher_context="both", pad_side=side)
+    completions = [tok.encode(row["solution"], add_special_tokens=False) + [tok.eos_token_id] for row in rows]
+    student = collator.scoring_batch([collator.student_prompt_ids(r) for r in rows], completions)
+    teacher = collator.scoring_batch([collator.teacher_prompt_ids(r) for r in rows], completions)
+    assert check_alignment(student, completions).startswith("ok: 8 rows")
+    assert check_alignment(teacher, completions).startswith("ok: 8 rows")
+    assert torch.equal(student.completion_ids, teacher.completion_ids)
+    assert torch.equal(student.completion_mask, teacher.completion_mask)
+    assert student.input_ids.shape[1] < teacher.input_ids.shape[1]  # the teacher also reads the reference

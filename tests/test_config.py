@@ -1,0 +1,233 @@
+"""opsd_config: environment switches, recipe parsing and the `check` CLI."""
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from opsd_config import BUDGET_KNOBS, ConfigError, Recipe, RecipeError, Switches, parse_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RELEASED = {
+    "learning_rate": 5e-6, "lr_scheduler_type": "constant", "warmup_ratio": 0.0,
+    "max_grad_norm": 0.1, "lora_r": 64, "lora_alpha": 128, "beta": 0.0,
+    "jsd_token_clip": 0.05, "temperature": 1.1, "top_p": 0.95, "top_k": 20, "lmbda": 1.0,
+    "max_completion_length": 1024, "fixed_teacher": True, "use_ema_teacher": False,
+    "ema_decay": 0.999, "reason_first": False, "teacher_thinking": False,
+    "top_k_loss": 0, "use_tinker_loss": False,
+}
+
+# every key set to a non-default value: (text in the file, parsed value)
+EVERY_KEY = {
+    "learning_rate": ("1e-5", 1e-5), "lr_scheduler_type": ("cosine", "cosine"),
+    "warmup_ratio": ("0.1", 0.1), "max_grad_norm": ("1.0", 1.0), "lora_r": ("16", 16),
+    "lora_alpha": ("32", 32), "beta": ("0.5", 0.5), "jsd_token_clip": ("0.1", 0.1),
+    "temperature": ("0.7", 0.7), "top_p": ("1", 1.0), "top_k": ("0", 0), "lmbda": ("0.5", 0.5),
+    "max_completion_length": ("4096", 4096), "fixed_teacher": ("false", False),
+    "use_ema_teacher": ("true", True), "ema_decay": ("0.99", 0.99), "reason_first": ("true", True),
+    "teacher_thinking": ("true", True), "top_k_loss": ("64", 64), "use_tinker_loss": ("true", True),
+}
+
+
+def write(tmp_path, text, name="recipe.env"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, str(ROOT / "opsd_config.py"), *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT)
+
+
+# -- recipe: values ---------------------------------------------------------
+
+def test_recipe_fields_are_the_whitelist_with_released_defaults():
+    assert dataclasses.asdict(Recipe()) == RELEASED
+    for name, value in RELEASED.items():
+        assert type(getattr(Recipe(), name)) is type(value), name
+
+
+def test_empty_file_gives_defaults(tmp_path):
+    recipe, warnings = parse_recipe(write(tmp_path, "# nothing set\n\n"))
+    assert recipe == Recipe() and warnings == []
+
+
+def test_every_key_is_parsed_with_its_type(tmp_path):
+    text = "".join(f"{key}={raw}\n" for key, (raw, _) in EVERY_KEY.items())
+    recipe, warnings = parse_recipe(write(tmp_path, text))
+    assert warnings == []
+    for key, (_, expected) in EVERY_KEY.items():
+        value = getattr(recipe, key)
+        assert value == expected and type(value) is type(expected), key
+
+
+def test_comments_blank_lines_whitespace_quotes_and_export(tmp_path):
+    text = (
+        "# the released recipe, tweaked\n"
+        "\n"
+        "   learning_rate = 2e-6   # trailing comment\n"
+        "\tbeta=\"0.25\"\n"
+        "export lr_scheduler_type='linear'\n"
+        "export  lora_r = \"8\"  # export, spaces and quotes together\n"
+        "   \n"
+    )
+    recipe, warnings = parse_recipe(write(tmp_path, text))
+    assert (recipe.learning_rate, recipe.beta, recipe.lr_scheduler_type, recipe.lora_r) == (2e-6, 0.25, "linear", 8)
+    assert warnings == []
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("true", True), ("TRUE", True), ("True", True), ("1", True),
+    ("false", False), ("FALSE", False), ("False", False), ("0", False),
+])
+def test_boolean_spellings(tmp_path, raw, expected):
+    recipe, _ = parse_recipe(write(tmp_path, f"reason_first={raw}\n"))
+    assert recipe.reason_first is expected
+
+
+def test_jsd_token_clip_none_disables(tmp_path):
+    recipe, _ = parse_recipe(write(tmp_path, "jsd_token_clip=none\n"))
+    assert recipe.jsd_token_clip == 0.0
+
+
+def test_ema_teacher_with_fixed_teacher_off(tmp_path):
+    recipe, _ = parse_recipe(write(tmp_path, "fixed_teacher=false\nuse_ema_teacher=true\n"))
+    assert (recipe.fixed_teacher, recipe.use_ema_teacher) == (False, True)
+
+
+def test_as_lines_round_trips(tmp_path):
+    text = "".join(f"{key}={raw}\n" for key, (raw, _) in EVERY_KEY.items())
+    recipe, _ = parse_recipe(write(tmp_path, text))
+    again, _ = parse_recipe(write(tmp_path, "\n".join(recipe.as_lines()), name="again.env"))
+    assert again == recipe
+
+
+# -- recipe: budget knobs ---------------------------------------------------
+
+def test_budget_knobs_warn_with_line_and_are_ignored(tmp_path):
+    text = "beta=0.5\n" + "".join(f"{knob}=7\n" for knob in BUDGET_KNOBS)
+    path = write(tmp_path, text)
+    recipe, warnings = parse_recipe(path)
+    assert recipe == dataclasses.replace(Recipe(), beta=0.5)
+    assert len(warnings) == len(BUDGET_KNOBS)
+    for line, (knob, warning) in enumerate(zip(BUDGET_KNOBS, warnings), start=2):
+        assert warning.startswith(f"{path}:{line}: {knob} ")
+        assert "ignored" in warning and "\n" not in warning
+
+
+# -- recipe: errors -----------------------------------------------------------
+
+ERRORS = [
+    # (file text, line named in the message, fragment of the message)
+    ("beta=0\nlearnin_rate=1e-5\n", 2, "unknown key 'learnin_rate' (did you mean learning_rate?)"),
+    ("beta=0\n\nthis is not a setting\n", 3, "expected KEY=VALUE"),
+    ("=5\n", 1, "expected KEY=VALUE"),
+    ("beta=0\nbeta=0.5\n", 2, "duplicate key beta (first set on line 1)"),
+    ("lora_r=sixty\n", 1, "not an integer"),
+    ("lora_r=64.0\n", 1, "not an integer"),
+    ("learning_rate=fast\n", 1, "not a finite number"),
+    ("learning_rate=nan\n", 1, "not a finite number"),
+    ("fixed_teacher=yes\n", 1, "not a boolean"),
+    ("lr_scheduler_type=cosine_annealing\n", 1, "not a scheduler"),
+    ("beta=\n", 1, "not a finite number"),
+    ("max_completion_length=4097\n", 1, "out of range"),
+    ("max_completion_length=0\n", 1, "out of range"),
+    ("learning_rate=0\n", 1, "out of range"),
+    ("learning_rate=-1e-5\n", 1, "out of range"),
+    ("jsd_token_clip=-0.1\n", 1, "out of range"),
+    ("beta=1.5\n", 1, "out of range"),
+    ("beta=-0.1\n", 1, "out of range"),
+    ("temperature=0\n", 1, "out of range"),
+    ("top_p=0\n", 1, "out of range"),
+    ("top_p=1.01\n", 1, "out of range"),
+    ("lmbda=2\n", 1, "out of range"),
+    ("ema_decay=1\n", 1, "out of range"),
+    ("ema_decay=-0.5\n", 1, "out of range"),
+    ("lora_r=0\n", 1, "out of range"),
+    ("warmup_ratio=1.5\n", 1, "out of range"),
+    ("max_grad_norm=-1\n", 1, "out of range"),
+    ("top_k_loss=-1\n", 1, "out of range"),
+    ("fixed_teacher=true\n# both on\nuse_ema_teacher=true\n", 3, "mutually exclusive"),
+    ("use_ema_teacher=true\nbeta=0\nfixed_teacher=1\n", 3, "mutually exclusive"),
+    ("# fixed_teacher is on by default\nuse_ema_teacher=true\n", 2, "mutually exclusive"),
+]
+
+
+@pytest.mark.parametrize("text, line, fragment", ERRORS)
+def test_recipe_errors_name_the_line(tmp_path, text, line, fragment):
+    path = write(tmp_path, text)
+    with pytest.raises(RecipeError) as caught:
+        parse_recipe(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}:{line}: ")
+    assert fragment in message
+    assert "\n" not in message
+    assert caught.value.line == line
+
+
+def test_missing_recipe_file(tmp_path):
+    with pytest.raises(RecipeError, match="cannot read recipe file"):
+        parse_recipe(tmp_path / "absent.env")
+
+
+# -- CLI ------------------------------------------------------------------------
+
+def test_cli_check_prints_recipe_and_warnings(tmp_path):
+    path = write(tmp_path, "beta=0.5\nmax_steps=10\n")
+    result = run_cli("check", str(path))
+    assert result.returncode == 0
+    expected = dataclasses.replace(Recipe(), beta=0.5).as_lines()
+    assert result.stdout.splitlines() == expected
+    assert "beta=0.5" in expected and "fixed_teacher=true" in expected
+    assert result.stderr.splitlines() == [f"warning: {path}:2: max_steps is a budget knob fixed by train_capped.sh; ignored"]
+
+
+@pytest.mark.parametrize("text, line, fragment", [ERRORS[0], ERRORS[3], ERRORS[11], ERRORS[28]])
+def test_cli_check_errors_exit_2_with_one_line(tmp_path, text, line, fragment):
+    path = write(tmp_path, text)
+    result = run_cli("check", str(path))
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}:{line}: ") and fragment in lines[0]
+
+
+def test_cli_switches(tmp_path):
+    ok = run_cli("switches", env={"OPSD_PAD_SIDE": "left"})
+    assert ok.returncode == 0 and "OPSD_PAD_SIDE=left" in ok.stdout.splitlines()
+    bad = run_cli("switches", env={"OPSD_PAD_SIDE": "middle"})
+    assert bad.returncode == 2 and bad.stderr.startswith("error: OPSD_PAD_SIDE=")
+
+
+# -- switches ---------------------------------------------------------------------
+
+def test_switch_defaults():
+    assert Switches.from_env({}) == Switches("entry", "right", "solution", "paper", "none")
+
+
+@pytest.mark.parametrize("var, field, values", [
+    ("OPSD_CLIP_MODE", "clip_mode", ["entry", "token"]),
+    ("OPSD_PAD_SIDE", "pad_side", ["right", "left"]),
+    ("OPSD_TEACHER_CONTEXT", "teacher_context", ["solution", "cot", "both"]),
+    ("OPSD_STUDENT_PROMPT", "student_prompt", ["paper", "eval"]),
+    ("OPSD_DATA_SELECT", "data_select", ["none", "hard", "nomath"]),
+])
+def test_each_switch_value(var, field, values):
+    for value in values:
+        switches = Switches.from_env({var: value})
+        assert getattr(switches, field) == value
+        assert switches.as_env()[var] == value
+    assert getattr(Switches.from_env({var: f" {values[-1].upper()} "}), field) == values[-1]
+    assert getattr(Switches.from_env({var: ""}), field) == values[0]  # empty = unset
+    with pytest.raises(ConfigError) as caught:
+        Switches.from_env({var: "bogus"})
+    message = str(caught.value)
+    assert var in message and "'bogus'" in message and ", ".join(values) in message and "\n" not in message
+
+
+def test_switches_read_os_environ_by_default(monkeypatch):
+    monkeypatch.setenv("OPSD_CLIP_MODE", "token")
+    assert Switches.from_env().clip_mode == "token"
