@@ -12,18 +12,18 @@ bad input exits with status 2 and a one-line `error:` message.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from dataclasses import dataclass, field
 
-from opsd_config import ConfigError, RecipeError, Switches, parse_recipe
+from opsd_config import ConfigError, Recipe, RecipeError, Switches, parse_recipe
 from opsd_data import DataError, load_train_dataset
 
-TINY_PRESET = dict(
-    # The embedded default on 2 CPU cores: short completions, a short prompt budget.
-    max_completion_length=24,
-    max_teacher_prompt_length=384,
-)
+TINY_PRESET = {  # the embedded default on 2 CPU cores: short completions, a short prompt budget
+    "max_completion_length": 24,
+    "max_teacher_prompt_length": 384,
+}
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -48,9 +48,25 @@ class ScriptArguments:
 
 
 RECIPE_TO_ARGS = (
-    "learning_rate", "lr_scheduler_type", "warmup_ratio", "max_grad_norm", "lora_r", "lora_alpha", "beta",
-    "jsd_token_clip", "temperature", "top_p", "top_k", "lmbda", "max_completion_length", "fixed_teacher",
-    "use_ema_teacher", "ema_decay", "reason_first", "teacher_thinking", "top_k_loss", "use_tinker_loss",
+    "learning_rate",
+    "lr_scheduler_type",
+    "max_grad_norm",
+    "lora_r",
+    "lora_alpha",
+    "beta",
+    "jsd_token_clip",
+    "temperature",
+    "top_p",
+    "top_k",
+    "lmbda",
+    "max_completion_length",
+    "fixed_teacher",
+    "use_ema_teacher",
+    "ema_decay",
+    "reason_first",
+    "teacher_thinking",
+    "top_k_loss",
+    "use_tinker_loss",
 )
 SWITCH_TO_ARG = {
     "OPSD_CLIP_MODE": ("clip_mode", "clip_mode"),
@@ -64,46 +80,66 @@ def _flag(name: str, value) -> list[str]:
     return [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
 
 
-def overrides(script_args: ScriptArguments, switches: Switches, env) -> list[str]:
+def overrides(preset: str | None, recipe: Recipe | None, max_steps: int, switches: Switches, env) -> list[str]:
     """Extra command-line flags from the preset, the recipe and the set switches.
 
     Appended after the user's flags, so they win; going through the parser keeps
     every type conversion and check of the config dataclasses in one path.
     """
     extra: list[str] = []
-    if script_args.preset == "tiny":
-        extra += _flag("model_name_or_path", "tiny") + _flag("dataset_name", "tiny")
-    if script_args.recipe:
-        recipe, warnings = parse_recipe(script_args.recipe)
-        for w in warnings:
-            print(f"warning: {w}", file=sys.stderr)
+    if recipe is not None:
         for key in RECIPE_TO_ARGS:
             extra += _flag(key, getattr(recipe, key))
+        # transformers 5 folds the ratio into `warmup_steps` (a float < 1 is a ratio).
+        ratio = recipe.warmup_ratio
+        extra += _flag("warmup_steps", ratio if ratio < 1 else max_steps)
     for var, (attr, arg) in SWITCH_TO_ARG.items():
         if var in env:
             extra += _flag(arg, getattr(switches, attr))
-    if script_args.preset == "tiny":
+    if preset == "tiny":
         length = TINY_PRESET["max_completion_length"]
-        if script_args.recipe:
+        if recipe is not None:
             length = min(length, recipe.max_completion_length)
         extra += _flag("max_completion_length", length)
         extra += _flag("max_teacher_prompt_length", TINY_PRESET["max_teacher_prompt_length"])
     return extra
 
 
+def _early_flags(argv: list[str]) -> argparse.Namespace:
+    """--recipe, --preset and --max_steps, read before the (slow) config parse."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--recipe")
+    pre.add_argument("--preset")
+    pre.add_argument("--max_steps", type=int, default=-1)
+    return pre.parse_known_args(argv)[0]
+
+
 def parse(argv=None, env=os.environ):
-    """Parse and validate everything that can be checked without a model."""
+    """Parse and validate everything that can be checked without a model.
+
+    Switches and the recipe are checked first (stdlib only, instant), then the
+    config dataclasses, then the dataset.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    early = _early_flags(argv)
+    if early.preset not in (None, "", "tiny"):
+        raise ConfigError(f"--preset {early.preset!r}: expected tiny")
+    switches = Switches.from_env(env)
+    recipe = None
+    if early.recipe:
+        recipe, warnings = parse_recipe(early.recipe)
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
+
     from trl import TrlParser
 
     from opsd_trainer import OPSDConfig
 
-    argv = list(sys.argv[1:] if argv is None else argv)
     parser = TrlParser((ScriptArguments, OPSDConfig))
-    script_args, _ = parser.parse_args_and_config(argv)
-    if script_args.preset not in (None, "", "tiny"):
-        raise ConfigError(f"--preset {script_args.preset!r}: expected tiny")
-    switches = Switches.from_env(env)
-    script_args, config = parser.parse_args_and_config(argv + overrides(script_args, switches, env))
+    # The tiny preset's model and data come first, so explicit flags still win.
+    defaults = ["--model_name_or_path", "tiny", "--dataset_name", "tiny"] if early.preset == "tiny" else []
+    extra = overrides(early.preset, recipe, early.max_steps, switches, env)
+    script_args, config = parser.parse_args_and_config(defaults + argv + extra)
     dataset = load_train_dataset(
         script_args.dataset_name, select=switches.data_select, teacher_context=config.teacher_context
     )

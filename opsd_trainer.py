@@ -36,12 +36,14 @@ from trl.models.utils import unwrap_model_for_generation
 from data_collator import OPSDCollator, build_scoring_batch, check_alignment, gather_completion_positions
 from ema_teacher import AdapterEMA
 from opsd_chunked_loss import chunked_divergence_loss, chunked_tinker_loss
+from opsd_config import CLIP_MODES, PAD_SIDES, STUDENT_PROMPTS, TEACHER_CONTEXTS, Recipe
 from opsd_logging import append_metrics, kl_line
 from opsd_loss import divergence_loss, tinker_loss
 from rollout import SamplingSettings, TransformersBackend
 
 EMA_FILE = "ema_adapter.pt"
 STAGING_DIR = ".staging"  # checkpoints are written here, then renamed into place
+RELEASED = Recipe()  # SPEC §6 defaults: the one source of the released recipe's values
 
 
 @dataclass
@@ -50,23 +52,54 @@ class OPSDConfig(DistillationConfig):
 
     `temperature`, `top_p`, `top_k`, `beta` and `max_completion_length` are the
     base class's fields: one temperature serves sampling and the loss, as in the
-    released recipe.
+    released recipe. Defaults are the released recipe's (SPEC §6), so a run without
+    a recipe file is the released configuration.
     """
 
-    jsd_token_clip: float | None = field(default=0.05, metadata={"help": "Clip tau; 0 or None disables."})
-    clip_mode: str = field(default="entry", metadata={"help": "entry (released) or token (direction-preserving)."})
-    pad_side: str = field(default="right", metadata={"help": "right (released, pad gap) or left (contiguous)."})
-    student_prompt: str = field(default="paper", metadata={"help": "paper or eval."})
-    teacher_context: str = field(default="solution", metadata={"help": "solution, cot or both."})
-    teacher_thinking: bool = field(default=False, metadata={"help": "enable_thinking for the teacher prompt."})
-    fixed_teacher: bool = field(default=True, metadata={"help": "Teacher = initial weights (adapter disabled)."})
-    use_ema_teacher: bool = field(default=False, metadata={"help": "Teacher = EMA of the adapter."})
-    ema_decay: float = field(default=0.999, metadata={"help": "EMA decay per optimizer step."})
-    reason_first: bool = field(default=False, metadata={"help": "Teacher writes an analysis of the reference first."})
+    # Base-class fields whose defaults differ in the released recipe.
+    learning_rate: float = field(default=RELEASED.learning_rate)
+    lr_scheduler_type: str = field(default=RELEASED.lr_scheduler_type)
+    max_grad_norm: float = field(default=RELEASED.max_grad_norm)
+    beta: float = field(default=RELEASED.beta)
+    temperature: float = field(default=RELEASED.temperature)
+    top_p: float = field(default=RELEASED.top_p)
+    top_k: int = field(default=RELEASED.top_k)
+    max_completion_length: int | None = field(default=RELEASED.max_completion_length)
+    logging_steps: float = field(default=1)
+    # TRL checkpoints activations by default; say it under transformers 5's name (the old one warns).
+    gradient_checkpointing: bool | None = field(default=None)
+    activation_checkpointing: bool | None = field(default=True)
+
+    jsd_token_clip: float | None = field(
+        default=RELEASED.jsd_token_clip, metadata={"help": "Clip tau; 0 or None disables."}
+    )
+    clip_mode: str = field(
+        default=CLIP_MODES[0], metadata={"help": "entry (released) or token (direction-preserving)."}
+    )
+    pad_side: str = field(default=PAD_SIDES[0], metadata={"help": "right (released, pad gap) or left (contiguous)."})
+    student_prompt: str = field(default=STUDENT_PROMPTS[0], metadata={"help": "paper or eval."})
+    teacher_context: str = field(default=TEACHER_CONTEXTS[0], metadata={"help": "solution, cot or both."})
+    teacher_thinking: bool = field(
+        default=RELEASED.teacher_thinking, metadata={"help": "enable_thinking for the teacher prompt."}
+    )
+    fixed_teacher: bool = field(
+        default=RELEASED.fixed_teacher, metadata={"help": "Teacher = initial weights (adapter disabled)."}
+    )
+    use_ema_teacher: bool = field(default=RELEASED.use_ema_teacher, metadata={"help": "Teacher = EMA of the adapter."})
+    ema_decay: float = field(default=RELEASED.ema_decay, metadata={"help": "EMA decay per optimizer step."})
+    reason_first: bool = field(
+        default=RELEASED.reason_first, metadata={"help": "Teacher writes an analysis of the reference first."}
+    )
     reason_first_max_tokens: int = field(default=512, metadata={"help": "Length limit of that analysis."})
-    top_k_loss: int = field(default=0, metadata={"help": "Restrict the divergence to the teacher's top-k (0 = off)."})
-    use_tinker_loss: bool = field(default=False, metadata={"help": "Sampled-token estimator instead of full vocab."})
-    lmbda: float = field(default=1.0, metadata={"help": "Share of on-policy batches; the rest use the solution."})
+    top_k_loss: int = field(
+        default=RELEASED.top_k_loss, metadata={"help": "Restrict the divergence to the teacher's top-k (0 = off)."}
+    )
+    use_tinker_loss: bool = field(
+        default=RELEASED.use_tinker_loss, metadata={"help": "Sampled-token estimator instead of full vocab."}
+    )
+    lmbda: float = field(
+        default=RELEASED.lmbda, metadata={"help": "Share of on-policy batches; the rest use the solution."}
+    )
     max_prompt_length: int | None = field(default=None, metadata={"help": "Student prompt limit (warns only)."})
     max_teacher_prompt_length: int | None = field(
         default=None, metadata={"help": "Teacher prompt limit; the privileged context is truncated to fit."}
@@ -86,10 +119,10 @@ class OPSDConfig(DistillationConfig):
             self.bf16 = False  # the base default (bf16) fails on CPU-only machines
         super().__post_init__()
         choices = {
-            "clip_mode": ("entry", "token"),
-            "pad_side": ("right", "left"),
-            "student_prompt": ("paper", "eval"),
-            "teacher_context": ("solution", "cot", "both"),
+            "clip_mode": CLIP_MODES,
+            "pad_side": PAD_SIDES,
+            "student_prompt": STUDENT_PROMPTS,
+            "teacher_context": TEACHER_CONTEXTS,
             "loss_implementation": ("chunked", "logits"),
         }
         for name, allowed in choices.items():
@@ -150,15 +183,7 @@ class OPSDTrainer(DistillationTrainer):
                 "fixed_teacher / use_ema_teacher need a LoRA (peft) student: the teacher is the base weights "
                 "with the adapter disabled or swapped, never a second model copy"
             )
-        self.collator = OPSDCollator(
-            self._tokenizer,
-            student_prompt=args.student_prompt,
-            teacher_context=args.teacher_context,
-            teacher_thinking=args.teacher_thinking,
-            pad_side=args.pad_side,
-            max_prompt_length=args.max_prompt_length,
-            max_teacher_prompt_length=args.max_teacher_prompt_length,
-        )
+        self.collator = make_collator(self._tokenizer, args)
         self.sampling = SamplingSettings(
             temperature=args.temperature,
             top_p=args.top_p,
@@ -304,9 +329,9 @@ class OPSDTrainer(DistillationTrainer):
         if not self._alignment_checked:
             self._report_alignment(student, teacher, completions)
 
-        student_hidden = self._completion_hidden(unwrapped, student)
+        student_hidden = completion_hidden_states(unwrapped, student)
         with torch.no_grad(), self._teacher_weights(unwrapped):
-            teacher_hidden = self._completion_hidden(unwrapped, teacher)
+            teacher_hidden = completion_hidden_states(unwrapped, teacher)
 
         mask = student.completion_mask.bool()
         head = _base_model(unwrapped).get_output_embeddings()
@@ -315,39 +340,39 @@ class OPSDTrainer(DistillationTrainer):
             s, t = student_hidden[mask], teacher_hidden[mask]
             if a.use_tinker_loss:
                 return chunked_tinker_loss(
-                    s, t, head.weight, student.completion_ids[mask],
-                    temperature=a.temperature, chunk_size=a.loss_chunk_size,
+                    s,
+                    t,
+                    head.weight,
+                    student.completion_ids[mask],
+                    temperature=a.temperature,
+                    chunk_size=a.loss_chunk_size,
                 )
             return chunked_divergence_loss(
-                s, t, head.weight,
-                beta=a.beta, temperature=a.temperature, clip=a.jsd_token_clip, clip_mode=a.clip_mode,
-                top_k=a.top_k_loss, chunk_size=a.loss_chunk_size, lm_head_bias=head.bias,
+                s,
+                t,
+                head.weight,
+                beta=a.beta,
+                temperature=a.temperature,
+                clip=a.jsd_token_clip,
+                clip_mode=a.clip_mode,
+                top_k=a.top_k_loss,
+                chunk_size=a.loss_chunk_size,
+                lm_head_bias=head.bias,
             )
         # "logits": full [B, C, V] logits for both roles (the released-style path).
         student_logits, teacher_logits = head(student_hidden), head(teacher_hidden)
         if a.use_tinker_loss:
-            return tinker_loss(
-                student_logits, teacher_logits, student.completion_ids, mask, temperature=a.temperature
-            )
+            return tinker_loss(student_logits, teacher_logits, student.completion_ids, mask, temperature=a.temperature)
         return divergence_loss(
-            student_logits, teacher_logits, mask,
-            beta=a.beta, temperature=a.temperature, clip=a.jsd_token_clip, clip_mode=a.clip_mode, top_k=a.top_k_loss,
+            student_logits,
+            teacher_logits,
+            mask,
+            beta=a.beta,
+            temperature=a.temperature,
+            clip=a.jsd_token_clip,
+            clip_mode=a.clip_mode,
+            top_k=a.top_k_loss,
         )
-
-    def _completion_hidden(self, unwrapped, batch) -> torch.Tensor:
-        """Final hidden states at the positions that predict each completion token: [B, C, H].
-
-        Only the backbone runs here; logits are formed by the loss, and never for
-        prompt positions.
-        """
-        decoder = _base_model(unwrapped).get_decoder()
-        out = decoder(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,  # None for `right`: pads consume rotary positions (released)
-            use_cache=False,
-        )
-        return gather_completion_positions(out.last_hidden_state, batch)
 
     def _report_alignment(self, student, teacher, completions) -> None:
         """The `[OPSD align]` self-check: both roles supervise exactly the sampled tokens."""
@@ -396,6 +421,34 @@ class OPSDTrainer(DistillationTrainer):
                 self.state.best_model_checkpoint = final
             rotate_checkpoints(run_dir, save_total_limit=self.args.save_total_limit, use_mtime=False)
         self.accelerator.wait_for_everyone()
+
+
+def make_collator(tokenizer, args: OPSDConfig) -> OPSDCollator:
+    """The prompt builder for both roles, as configured by the switches."""
+    return OPSDCollator(
+        tokenizer,
+        student_prompt=args.student_prompt,
+        teacher_context=args.teacher_context,
+        teacher_thinking=args.teacher_thinking,
+        pad_side=args.pad_side,
+        max_prompt_length=args.max_prompt_length,
+        max_teacher_prompt_length=args.max_teacher_prompt_length,
+    )
+
+
+def completion_hidden_states(model, batch) -> torch.Tensor:
+    """Final hidden states at the positions that predict each completion token: [B, C, H].
+
+    Only the backbone runs; logits are formed by the loss, never for prompt positions.
+    """
+    decoder = _base_model(model).get_decoder()
+    out = decoder(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,  # None for `right`: pads consume rotary positions (released)
+        use_cache=False,
+    )
+    return gather_completion_positions(out.last_hidden_state, batch)
 
 
 def _base_model(model):

@@ -1,0 +1,319 @@
+"""OPSDTrainer end to end on the embedded tiny default (CPU).
+
+Runs go through `opsd_train.main`, the code path `train_capped.sh` launches, so
+what is tested here is what users run.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+import opsd_train
+import opsd_trainer
+from data_collator import build_scoring_batch
+from opsd_trainer import OPSDTrainer, completion_hidden_states, make_collator
+from tiny_default import build_qwen3_tokenizer, resolve_model
+
+
+def tiny_argv(out, steps, *extra):
+    return [
+        "--preset",
+        "tiny",
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(steps),
+        "--per_device_train_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "1",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        str(steps),
+        "--logging_steps",
+        "1",
+        "--report_to",
+        "none",
+        "--learning_rate",
+        "1e-2",
+        "--seed",
+        "0",
+        *extra,
+    ]
+
+
+def make_trainer(out, steps, *extra, env=None):
+    script_args, config, dataset = opsd_train.parse(tiny_argv(out, steps, *extra), env=env or {})
+    model, tokenizer = opsd_train.build_model_and_tokenizer(script_args)
+    return OPSDTrainer(
+        model=model,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=opsd_train.lora_config(script_args),
+    )
+
+
+def base_model():
+    return AutoModelForCausalLM.from_pretrained(resolve_model("tiny"), dtype=torch.float32).eval()
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+PROBE = torch.tensor([[151644, 872, 198, 3838, 374, 220, 17, 10, 18, 30, 151645, 198, 151644, 77091, 198]])
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    assert opsd_train.main(tiny_argv(out, 2, "--save_steps", "1")) == 0
+    return out
+
+
+def test_checkpoint_reloads_and_changes_logits(trained_run):
+    ckpt = trained_run / "checkpoint-2"
+    assert (ckpt / "adapter_model.safetensors").is_file()
+    assert (trained_run / "checkpoint-1" / "adapter_model.safetensors").is_file()
+    assert not any((trained_run / opsd_trainer.STAGING_DIR).iterdir())  # every staged save was moved into place
+    with torch.no_grad():
+        base_logits = base_model()(PROBE).logits
+        tuned_logits = PeftModel.from_pretrained(base_model(), ckpt).eval()(PROBE).logits
+    assert (tuned_logits - base_logits).abs().max() > 1e-3
+
+
+def test_metrics_file_and_console_lines(trained_run):
+    records = read_metrics(trained_run)
+    steps = [r["step"] for r in records if "opsd/true_kl" in r]
+    assert steps == [1, 2]
+    for r in records:
+        if "opsd/true_kl" in r:
+            for key in (
+                "opsd/clipped_entry_frac",
+                "opsd/clipped_token_frac",
+                "opsd/teacher_argmax_clipped_frac",
+                "opsd/clipped_teacher_mass",
+                "opsd/student_entropy",
+                "opsd/teacher_entropy",
+                "loss",
+            ):
+                assert key in r and r[key] is not None
+            assert r["opsd/true_kl"] > 0
+
+
+def test_align_and_kl_lines_printed(tmp_path, capsys):
+    assert opsd_train.main(tiny_argv(tmp_path, 1)) == 0
+    out = capsys.readouterr().out
+    assert out.count("[OPSD align]") == 1
+    assert "pad_side=right" in out
+    assert "[OPSD kl] step=1" in out and "true_kl=" in out
+
+
+def test_resume_continues_at_the_right_step(trained_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    # A save interrupted mid-way leaves only a staging folder: resume must ignore it.
+    (run / opsd_trainer.STAGING_DIR / "checkpoint-9").mkdir(parents=True)
+    assert opsd_train.main(tiny_argv(run, 3, "--save_steps", "1")) == 0
+    assert f"resuming from {run / 'checkpoint-2'}" in capsys.readouterr().out
+    state = json.loads((run / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3
+    assert [r["step"] for r in read_metrics(run) if "opsd/true_kl" in r] == [1, 2, 3]
+
+
+def test_fixed_teacher_is_the_base_model_and_student_moves(tmp_path):
+    trainer = make_trainer(tmp_path, 1)
+    trainer.train()
+    model = trainer.model.eval()
+    with torch.no_grad():
+        base_logits = base_model()(PROBE).logits
+        student_logits = model(PROBE).logits
+        with trainer._teacher_weights(model):
+            teacher_logits = model(PROBE).logits
+    torch.testing.assert_close(teacher_logits, base_logits, rtol=0, atol=1e-6)
+    assert (student_logits - base_logits).abs().max() > 1e-3
+
+
+def test_ema_teacher_follows_the_ema_rule(tmp_path):
+    trainer = make_trainer(tmp_path, 1, "--fixed_teacher", "false", "--use_ema_teacher", "true", "--ema_decay", "0.75")
+    before = {k: v.clone() for k, v in trainer.ema.shadow.items()}
+    trainer.train()
+    live = {k: p.detach() for k, p in trainer.model.named_parameters() if k in before}
+    moved = 0
+    for name, old in before.items():
+        expected = 0.75 * old + 0.25 * live[name]
+        torch.testing.assert_close(trainer.ema.shadow[name], expected, rtol=0, atol=1e-7)
+        moved += int(not torch.equal(old, live[name]))
+    assert moved > 0
+    model = trainer.model.eval()
+    with torch.no_grad():
+        live_logits = model(PROBE).logits
+        with trainer._teacher_weights(model):
+            ema_logits = model(PROBE).logits
+        restored = model(PROBE).logits
+        base_logits = base_model()(PROBE).logits
+    assert (ema_logits - live_logits).abs().max() > 1e-4
+    assert (ema_logits - base_logits).abs().max() > 1e-4
+    torch.testing.assert_close(restored, live_logits, rtol=0, atol=0)
+
+
+def test_alignment_check_fails_loudly(tmp_path, monkeypatch):
+    trainer = make_trainer(tmp_path, 1)
+    real = opsd_trainer.build_scoring_batch
+    monkeypatch.setattr(opsd_trainer, "build_scoring_batch", lambda p, c, **kw: _corrupt(real(p, c, **kw)))
+    with pytest.raises(Exception, match="(?i)align"):
+        trainer.train()
+
+
+def _corrupt(batch):
+    batch.input_ids[:, batch.completion_start[0]] += 1  # the first supervised token is no longer the sampled one
+    return batch
+
+
+def _completion_logprobs(model, batch):
+    hidden = completion_hidden_states(model, batch)
+    logits = model.get_output_embeddings()(hidden).float()
+    lp = torch.log_softmax(logits, -1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+    return lp * batch.completion_mask
+
+
+def test_padding_geometries():
+    model = base_model()
+    pad = build_qwen3_tokenizer().pad_token_id
+    completions = [[40, 41, 42, 43], [50, 51]]
+    with torch.no_grad():
+        # Equal-length prompts: no pad gap, both geometries are the same computation.
+        equal = [[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]]
+        right = _completion_logprobs(model, build_scoring_batch(equal, completions, pad_id=pad, pad_side="right"))
+        left = _completion_logprobs(model, build_scoring_batch(equal, completions, pad_id=pad, pad_side="left"))
+        torch.testing.assert_close(right, left, rtol=0, atol=1e-6)
+
+        # Unequal prompts: `left` equals an unpadded single-row forward; `right` does not for the short row.
+        prompts = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27]]
+        right = _completion_logprobs(model, build_scoring_batch(prompts, completions, pad_id=pad, pad_side="right"))
+        left = _completion_logprobs(model, build_scoring_batch(prompts, completions, pad_id=pad, pad_side="left"))
+        for row, (p, c) in enumerate(zip(prompts, completions)):
+            alone = _completion_logprobs(model, build_scoring_batch([p], [c], pad_id=pad, pad_side="left"))[0]
+            torch.testing.assert_close(left[row, : len(c)], alone[: len(c)], rtol=1e-6, atol=1e-5)
+            if row == 0:  # the short prompt has a pad gap of 5 under `right`
+                assert (right[row, : len(c)] - alone[: len(c)]).abs().max() > 1e-3
+            else:
+                torch.testing.assert_close(right[row, : len(c)], alone[: len(c)], rtol=1e-6, atol=1e-5)
+
+
+SWITCHES = [
+    ("OPSD_CLIP_MODE", "token", "clip_mode"),
+    ("OPSD_PAD_SIDE", "left", "pad_side"),
+    ("OPSD_TEACHER_CONTEXT", "cot", "teacher_context"),
+    ("OPSD_STUDENT_PROMPT", "eval", "student_prompt"),
+]
+
+
+@pytest.fixture(scope="module")
+def default_parse(tmp_path_factory):
+    return opsd_train.parse(tiny_argv(tmp_path_factory.mktemp("p"), 1), env={})
+
+
+def _config_diff(a, b):
+    da, db = a.to_dict(), b.to_dict()
+    return {k for k in da if da[k] != db[k]} - {"output_dir", "logging_dir"}
+
+
+@pytest.mark.parametrize("var,value,attr", SWITCHES)
+def test_each_switch_changes_its_field_and_nothing_else(var, value, attr, default_parse, tmp_path):
+    _, base_cfg, base_data = default_parse
+    _, cfg, data = opsd_train.parse(tiny_argv(tmp_path, 1), env={var: value})
+    assert getattr(cfg, attr) == value
+    assert _config_diff(base_cfg, cfg) == {attr}
+    assert data.to_list() == base_data.to_list()
+
+
+def test_prompt_switches_change_only_their_role(default_parse, tmp_path):
+    _, base_cfg, data = default_parse
+    tok = build_qwen3_tokenizer()
+    row = data[0]
+    base = make_collator(tok, base_cfg)
+    _, eval_cfg, _ = opsd_train.parse(tiny_argv(tmp_path, 1), env={"OPSD_STUDENT_PROMPT": "eval"})
+    _, cot_cfg, _ = opsd_train.parse(tiny_argv(tmp_path, 1), env={"OPSD_TEACHER_CONTEXT": "cot"})
+    student_eval, teacher_cot = make_collator(tok, eval_cfg), make_collator(tok, cot_cfg)
+    assert student_eval.student_prompt_ids(row) != base.student_prompt_ids(row)
+    assert student_eval.teacher_prompt_ids(row) == base.teacher_prompt_ids(row)
+    assert teacher_cot.teacher_prompt_ids(row) != base.teacher_prompt_ids(row)
+    assert teacher_cot.student_prompt_ids(row) == base.student_prompt_ids(row)
+
+
+def test_data_select_switch_changes_only_the_data(default_parse, tmp_path):
+    _, base_cfg, base_data = default_parse
+    _, cfg, data = opsd_train.parse(tiny_argv(tmp_path, 1), env={"OPSD_DATA_SELECT": "nomath"})
+    assert _config_diff(base_cfg, cfg) == set()
+    assert 0 < len(data) < len(base_data)
+    assert "math" not in set(data["source"])
+
+
+def test_bad_switch_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OPSD_CLIP_MODE", "sideways")
+    assert opsd_train.main(tiny_argv(tmp_path, 1)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "OPSD_CLIP_MODE" in err and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_recipe_values_reach_the_trainer_config(tmp_path, capsys):
+    recipe = tmp_path / "recipe.env"
+    recipe.write_text(
+        "learning_rate=3e-4\nlr_scheduler_type=cosine\nwarmup_ratio=0.1\nmax_grad_norm=0.5\n"
+        "lora_r=8\nlora_alpha=16\nbeta=0.5\njsd_token_clip=0.2\ntemperature=0.7\ntop_p=0.9\ntop_k=5\n"
+        "max_completion_length=16\nfixed_teacher=false\nuse_ema_teacher=true\nema_decay=0.9\n"
+        "top_k_loss=7\nteacher_thinking=true\nmax_steps=999  # budget knob: warned, ignored\n"
+    )
+    script_args, cfg, _ = opsd_train.parse(tiny_argv(tmp_path, 1, "--recipe", str(recipe)), env={})
+    assert "max_steps" in capsys.readouterr().err
+    assert cfg.max_steps == 1
+    assert cfg.learning_rate == 3e-4 and str(cfg.lr_scheduler_type.value) == "cosine"
+    assert cfg.warmup_steps == 0.1 and cfg.max_grad_norm == 0.5  # transformers 5: a float < 1 is a ratio
+    assert (cfg.beta, cfg.jsd_token_clip, cfg.temperature, cfg.top_p, cfg.top_k) == (0.5, 0.2, 0.7, 0.9, 5)
+    assert cfg.max_completion_length == 16 and cfg.top_k_loss == 7 and cfg.teacher_thinking
+    assert (cfg.fixed_teacher, cfg.use_ema_teacher, cfg.ema_decay) == (False, True, 0.9)
+    lora = opsd_train.lora_config(script_args)
+    assert (lora.r, lora.lora_alpha) == (8, 16)
+
+
+def test_bad_recipe_fails_before_loading(tmp_path, capsys):
+    recipe = tmp_path / "recipe.env"
+    recipe.write_text("beta=0\nlearning_rat=1e-5\n")
+    assert opsd_train.main(tiny_argv(tmp_path / "out", 1, "--recipe", str(recipe))) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and ":2:" in err and "\n" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_non_finite_loss_stops_with_step_and_checkpoint(tmp_path, monkeypatch, capsys):
+    real = opsd_trainer.chunked_divergence_loss
+
+    def poisoned(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(opsd_trainer, "chunked_divergence_loss", poisoned)
+    assert opsd_train.main(tiny_argv(tmp_path, 2)) == 1
+    err = capsys.readouterr().err
+    assert "non-finite loss" in err and "step 1" in err and "last good checkpoint: none" in err
+
+
+def test_token_clip_run_lowers_true_kl(tmp_path, monkeypatch):
+    """The objective does what it says: a short token-clip run lowers the logged true KL."""
+    monkeypatch.setenv("OPSD_CLIP_MODE", "token")
+    steps = 8
+    assert (
+        opsd_train.main(tiny_argv(tmp_path, steps, "--per_device_train_batch_size", "4", "--temperature", "1.0")) == 0
+    )
+    kl = [r["opsd/true_kl"] for r in read_metrics(tmp_path) if "opsd/true_kl" in r]
+    assert len(kl) == steps
+    first, last = sum(kl[:2]) / 2, sum(kl[-2:]) / 2
+    print(f"token clip: true KL first two steps {first:.4f} -> last two {last:.4f}")
+    assert last < 0.8 * first
