@@ -305,15 +305,36 @@ def test_non_finite_loss_stops_with_step_and_checkpoint(tmp_path, monkeypatch, c
     assert "non-finite loss" in err and "step 1" in err and "last good checkpoint: none" in err
 
 
-def test_token_clip_run_lowers_true_kl(tmp_path, monkeypatch):
-    """The objective does what it says: a short token-clip run lowers the logged true KL."""
+def test_token_clip_run_lowers_true_kl(tmp_path, monkeypatch, capsys):
+    """The objective does what it says: an on-policy token-clip run lowers the logged true KL.
+
+    Eight fixed rows in one batch per step keep the per-step KL comparable
+    (different problems have very different KL); lr 1e-3 is stable on the tiny model.
+    """
+    from tiny_default import tiny_train_path
+
+    rows = tmp_path / "eight.jsonl"
+    rows.write_text("".join(tiny_train_path().read_text().splitlines(keepends=True)[:8]))
     monkeypatch.setenv("OPSD_CLIP_MODE", "token")
-    steps = 8
-    assert (
-        opsd_train.main(tiny_argv(tmp_path, steps, "--per_device_train_batch_size", "4", "--temperature", "1.0")) == 0
+    steps = 12
+    argv = tiny_argv(
+        tmp_path / "run",
+        steps,
+        "--dataset_name",
+        str(rows),
+        "--per_device_train_batch_size",
+        "8",
+        "--learning_rate",
+        "1e-3",
+        "--temperature",
+        "1.0",
+        "--save_strategy",
+        "no",
     )
-    kl = [r["opsd/true_kl"] for r in read_metrics(tmp_path) if "opsd/true_kl" in r]
+    assert opsd_train.main(argv) == 0
+    kl = [r["opsd/true_kl"] for r in read_metrics(tmp_path / "run") if "opsd/true_kl" in r]
     assert len(kl) == steps
-    first, last = sum(kl[:2]) / 2, sum(kl[-2:]) / 2
-    print(f"token clip: true KL first two steps {first:.4f} -> last two {last:.4f}")
-    assert last < 0.8 * first
+    first, last = sum(kl[:2]) / 2, sum(kl[-3:]) / 3
+    with capsys.disabled():
+        print(f"\ntoken clip, on-policy: true KL first 2 steps {first:.3f} -> last 3 steps {last:.3f}")
+    assert last < 0.85 * first

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Evaluate a LoRA checkpoint, or the base model, with the frozen protocol
+# (SPEC section 5). The last line printed is the FINAL avg@k line.
+set -euo pipefail
+
+usage() {
+  cat <<'USAGE'
+usage: dev_eval.sh CHECKPOINT|base
+
+  CHECKPOINT   a LoRA checkpoint folder (holding adapter_config.json), or 'base'
+
+environment:
+  OPSD_MODEL         base model: hub id or local folder   (default Qwen/Qwen3-1.7B)
+  OPSD_EVAL_DATA     eval set: hub name, .json/.jsonl/.parquet  (default HuggingFaceH4/aime_2024)
+  OPSD_EVAL_BACKEND  transformers | vllm | auto           (default auto: vllm with CUDA, else transformers)
+  OPSD_EVAL_OUT      output folder for eval_<name>.json   (default <repo>/outputs/eval/<dataset>)
+  OPSD_PRESET=tiny   embedded tiny model and eval set: first 8 problems, 4 short samples each
+                     (OPSD_MODEL / OPSD_EVAL_DATA, when set, still win)
+USAGE
+}
+
+if [[ $# -eq 1 && ( "$1" == "-h" || "$1" == "--help" ) ]]; then
+  usage
+  exit 0
+fi
+if [[ $# -ne 1 ]]; then
+  usage >&2
+  exit 2
+fi
+
+# Paths the caller gave are relative to the caller's folder; make them absolute
+# before moving to the repository (hub names, which are not existing paths, pass as is).
+absolute_if_path() {
+  if [[ -e "$1" ]]; then realpath -- "$1"; else printf '%s\n' "$1"; fi
+}
+
+checkpoint="$1"
+[[ "$checkpoint" == base ]] || checkpoint="$(realpath -m -- "$checkpoint")"  # always a local folder
+
+args=("$checkpoint" --backend "${OPSD_EVAL_BACKEND:-auto}")
+if [[ -n "${OPSD_PRESET:-}" ]]; then
+  args+=(--preset "$OPSD_PRESET")
+  # Under the preset, only explicitly set variables override its tiny model and data.
+  if [[ -n "${OPSD_MODEL:-}" ]]; then args+=(--model "$(absolute_if_path "$OPSD_MODEL")"); fi
+  if [[ -n "${OPSD_EVAL_DATA:-}" ]]; then args+=(--dataset "$(absolute_if_path "$OPSD_EVAL_DATA")"); fi
+else
+  args+=(--model "$(absolute_if_path "${OPSD_MODEL:-Qwen/Qwen3-1.7B}")")
+  args+=(--dataset "$(absolute_if_path "${OPSD_EVAL_DATA:-HuggingFaceH4/aime_2024}")")
+fi
+if [[ -n "${OPSD_EVAL_OUT:-}" ]]; then args+=(--output-dir "$(realpath -m -- "$OPSD_EVAL_OUT")"); fi
+
+cd "$(dirname "$(realpath -- "${BASH_SOURCE[0]}")")"
+exec python opsd_eval.py "${args[@]}"

@@ -1,0 +1,358 @@
+"""Sampling backends: turn prompt token ids into sampled completions.
+
+Evaluation and the trainer both need "sample n completions for each of these
+prompts with these settings", and both need the result in the same form: the
+sampled token ids, cut right after the first EOS, plus whether the sample ran
+out of budget. This module hides the engine behind that one call:
+
+- `TransformersBackend` wraps an in-memory (optionally peft-wrapped) model and
+  calls `model.generate`. It runs anywhere, including CPU tests, and is what the
+  trainer uses for on-policy rollouts.
+- `VLLMBackend` drives vLLM's offline engine. It is the production engine for
+  evaluation on GPUs; vLLM is imported only when this backend is built, so the
+  rest of the project never needs it installed.
+- `make_backend` picks one by name ("transformers" | "vllm" | "auto").
+
+Reproducibility contract: the same seed, prompts, settings, `n` and batch size
+give identical completions, independently of whatever ran before in the process.
+Changing the batch size (transformers) or the engine may change the samples.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+BACKENDS = ("transformers", "vllm", "auto")
+
+# LoRA ranks vLLM can be configured for (`max_lora_rank` must be one of these).
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class BackendUnavailable(RuntimeError):
+    """A requested sampling engine cannot be used here (one-line message)."""
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How to sample. temperature == 0 means greedy; top_k <= 0 disables top-k;
+    seed None draws from the process-global RNG (not reproducible)."""
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    """One sampled completion. `ids` end with the EOS token if one was sampled and
+    hold nothing after it (no pads). `truncated`: the sample hit max_new_tokens
+    without sampling EOS."""
+    ids: list[int]
+    truncated: bool
+
+
+def derive_seed(seed: int, *keys: int) -> int:
+    """A well-mixed 63-bit seed for a sub-stream (a batch, a prompt) of `seed`.
+    Hashing rather than `seed + key` keeps sub-streams of nearby seeds apart."""
+    text = ":".join(str(part) for part in (seed, *keys))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def to_completion(ids: Iterable[int], eos_token_ids: Sequence[int]) -> Completion:
+    """Cut `ids` right after the first EOS; what follows it is padding. A sample
+    without EOS can only have stopped by running out of tokens: truncated."""
+    ids = list(ids)
+    eos = set(eos_token_ids)
+    for position, token in enumerate(ids):
+        if token in eos:
+            return Completion(ids=ids[: position + 1], truncated=False)
+    return Completion(ids=ids, truncated=True)
+
+
+def eos_token_ids_of(tokenizer, generation_config=None) -> list[int]:
+    """Every id that ends a sample: the tokenizer's EOS plus the checkpoint's
+    generation_config list (Qwen3: <|im_end|> and <|endoftext|>)."""
+    ids = _as_id_list(getattr(tokenizer, "eos_token_id", None))
+    if generation_config is not None:
+        ids += _as_id_list(generation_config.eos_token_id)
+    return list(dict.fromkeys(ids))
+
+
+# --------------------------------------------------------------------------
+# transformers
+# --------------------------------------------------------------------------
+
+class TransformersBackend:
+    """Batched `model.generate` on left-padded prompts.
+
+    Rows are the prompts repeated n times (prompt-major) and are sampled in
+    batches of `batch_size`. Each batch re-seeds torch's RNG from
+    (seed, batch index) inside `torch.random.fork_rng`, so results depend only on
+    the call's arguments and the caller's RNG state is left untouched.
+
+    Speed: `cache_implementation="static"` pre-allocates the KV cache; on CUDA,
+    transformers then also compiles the forward pass with torch.compile on its
+    own (its auto-compile rule for compilable caches). Whether that beats the
+    default dynamic cache for our shapes is benchmarked on the GPU machine; this
+    is the one switch to flip.
+    """
+
+    def __init__(self, model, *, pad_token_id: int, eos_token_ids: Sequence[int] | int,
+                 batch_size: int = 16, cache_implementation: str | None = None):
+        if cache_implementation not in (None, "static"):
+            raise ValueError(f"cache_implementation must be None or 'static', got {cache_implementation!r}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.model = model
+        self.pad_token_id = int(pad_token_id)
+        self.eos_token_ids = _as_id_list(eos_token_ids)
+        self.batch_size = batch_size
+        self.cache_implementation = cache_implementation
+
+    def generate(self, prompt_ids: list[list[int]], settings: SamplingSettings, n: int = 1,
+                 progress: bool = False) -> list[list[Completion]]:
+        """n completions for each prompt: result[prompt][sample]."""
+        rows = [list(prompt) for prompt in prompt_ids for _ in range(n)]
+        completions: list[Completion] = []
+        with _progress_bar(len(rows), progress) as bar, _inference_mode(self.model):
+            for batch_index, start in enumerate(range(0, len(rows), self.batch_size)):
+                batch = rows[start:start + self.batch_size]
+                completions += self._generate_batch(batch, settings, batch_index)
+                bar.update(len(batch))
+        return [completions[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
+
+    def _generate_batch(self, batch: list[list[int]], settings: SamplingSettings,
+                        batch_index: int) -> list[Completion]:
+        device = _model_device(self.model)
+        input_ids, attention_mask = left_pad(batch, self.pad_token_id, device)
+        # position_ids are derived by generate() from the attention mask, so
+        # left padding does not shift the prompt's rotary positions.
+        with _seeded_rng(settings.seed, batch_index, device):
+            output = self.model.generate(
+                input_ids=input_ids, attention_mask=attention_mask,
+                generation_config=self._generation_config(settings),
+            )
+        new_tokens = output[:, input_ids.shape[1]:].tolist()
+        return [to_completion(row, self.eos_token_ids) for row in new_tokens]
+
+    def _generation_config(self, settings: SamplingSettings):
+        from transformers import GenerationConfig
+
+        # Every sampling knob is set explicitly: generate() fills unset (None)
+        # fields from the checkpoint's generation_config.json (Qwen3 ships
+        # temperature 0.6 / top_k 20) and then from library defaults (top_k 50).
+        # Greedy: the sampling knobs are inert; these values merely stop the
+        # checkpoint's sampling defaults from triggering "flag ignored" warnings.
+        sampling = dict(do_sample=False, temperature=1.0, top_p=1.0, top_k=50)
+        if settings.temperature > 0:
+            sampling = dict(do_sample=True, temperature=settings.temperature, top_p=settings.top_p,
+                            top_k=max(settings.top_k, 0))  # 0 = no top-k filter
+        return GenerationConfig(
+            max_new_tokens=settings.max_new_tokens,
+            min_new_tokens=0,
+            repetition_penalty=1.0,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            cache_implementation=self.cache_implementation,
+            **sampling,
+        )
+
+
+def left_pad(rows: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack variable-length prompts, padded on the left, with their attention mask."""
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            input_ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+            attention_mask[i, width - len(row):] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+@contextlib.contextmanager
+def _seeded_rng(seed: int | None, batch_index: int, device: torch.device):
+    """Seed torch's RNG for one batch and restore the caller's RNG state after."""
+    if seed is None:
+        yield
+        return
+    cuda_devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda_devices):
+        torch.manual_seed(derive_seed(seed, batch_index))
+        yield
+
+
+@contextlib.contextmanager
+def _inference_mode(model):
+    """Sample from the policy itself: eval mode switches off dropout (LoRA dropout
+    included) and gradient checkpointing; the caller's mode is restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _model_device(model) -> torch.device:
+    # A PeftModel's `.device` is not reliable across versions; parameters are.
+    return next(model.parameters()).device
+
+
+# --------------------------------------------------------------------------
+# vLLM
+# --------------------------------------------------------------------------
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as exc:
+        raise BackendUnavailable(
+            f"the vllm backend needs vLLM, which cannot be imported here ({exc}); "
+            "install it on a GPU machine (pip install -r requirements-gpu.txt) or use --backend transformers"
+        ) from None
+    return vllm
+
+
+class VLLMBackend:
+    """vLLM's offline engine over token-id prompts, optionally with one LoRA adapter.
+
+    Each prompt gets its own seed derived from (seed, prompt index); vLLM gives
+    the n samples of a request seeds seed, seed+1, ..., so deriving per-prompt
+    seeds by hashing keeps different prompts on unrelated random streams.
+    """
+
+    def __init__(self, model_path: str, *, lora_path: str | None = None, max_model_len: int | None = None,
+                 gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1, seed: int = 0):
+        vllm = _import_vllm()
+        engine_args = dict(
+            model=str(model_path), tokenizer=str(model_path), seed=seed,
+            max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+        )
+        self.lora_request = None
+        if lora_path is not None:
+            from vllm.lora.request import LoRARequest
+
+            engine_args.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(lora_path))
+            self.lora_request = LoRARequest("checkpoint", 1, str(lora_path))
+        self.llm = vllm.LLM(**engine_args)
+        self.eos_token_ids = _eos_ids_from_folder(str(model_path))
+
+    def generate(self, prompt_ids: list[list[int]], settings: SamplingSettings, n: int = 1,
+                 progress: bool = False) -> list[list[Completion]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [
+            SamplingParams(
+                n=n,
+                seed=None if settings.seed is None else derive_seed(settings.seed, index),
+                temperature=settings.temperature,
+                top_p=settings.top_p if settings.temperature > 0 else 1.0,
+                top_k=settings.top_k if settings.top_k > 0 else -1,  # -1 = disabled in every vLLM version
+                max_tokens=settings.max_new_tokens,
+            )
+            for index in range(len(prompt_ids))
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=progress, lora_request=self.lora_request)
+        return [[self._completion(sample) for sample in output.outputs] for output in outputs]
+
+    def _completion(self, sample) -> Completion:
+        ids = list(sample.token_ids)
+        # vLLM keeps the sampled EOS in token_ids. Should an engine version report
+        # an EOS stop without it (no stop strings are used, so stop_reason None
+        # means EOS), restore it so the Completion contract still holds.
+        if sample.finish_reason == "stop" and sample.stop_reason is None \
+                and (not ids or ids[-1] not in self.eos_token_ids):
+            ids.append(self.eos_token_ids[0])
+        return to_completion(ids, self.eos_token_ids)
+
+
+def vllm_lora_rank(lora_path: str | Path) -> int:
+    """Smallest rank vLLM accepts that fits the adapter's `r` (from adapter_config.json)."""
+    config = json.loads((Path(lora_path) / "adapter_config.json").read_text())
+    ranks = [int(config.get("r", 8)), *(int(r) for r in (config.get("rank_pattern") or {}).values())]
+    needed = max(ranks)
+    for rank in VLLM_LORA_RANKS:
+        if rank >= needed:
+            return rank
+    raise ValueError(f"LoRA rank {needed} in {lora_path} exceeds vLLM's maximum {VLLM_LORA_RANKS[-1]}")
+
+
+def _eos_ids_from_folder(model_path: str) -> list[int]:
+    """The EOS ids vLLM stops on, read the way vLLM reads them: tokenizer EOS plus
+    the generation_config.json list, when there is one."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        generation_config = GenerationConfig.from_pretrained(model_path)
+    except OSError:  # no generation_config.json
+        generation_config = None
+    return eos_token_ids_of(tokenizer, generation_config)
+
+
+# --------------------------------------------------------------------------
+# Choosing a backend
+# --------------------------------------------------------------------------
+
+def resolve_backend_name(name: str) -> str:
+    """'auto' -> 'vllm' when vLLM is importable and CUDA is present, else
+    'transformers'. An explicit 'vllm' that cannot work raises BackendUnavailable
+    now, before anything expensive is loaded."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        return "vllm" if vllm_available() and torch.cuda.is_available() else "transformers"
+    if name == "vllm":
+        _import_vllm()
+    return name
+
+
+def make_backend(name: str, *, model=None, model_path: str | None = None, lora_path: str | None = None,
+                 pad_token_id: int | None = None, eos_token_ids: Sequence[int] | int | None = None,
+                 batch_size: int = 16, cache_implementation: str | None = None, **vllm_args):
+    """Build a backend by name. transformers needs `model`, `pad_token_id`,
+    `eos_token_ids` (the model already carries any adapter); vLLM needs
+    `model_path` and optionally `lora_path` and engine arguments."""
+    name = resolve_backend_name(name)
+    if name == "vllm":
+        if model_path is None:
+            raise ValueError("the vllm backend needs model_path")
+        return VLLMBackend(model_path, lora_path=lora_path, **vllm_args)
+    if model is None or pad_token_id is None or eos_token_ids is None:
+        raise ValueError("the transformers backend needs model, pad_token_id and eos_token_ids")
+    return TransformersBackend(model, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids,
+                               batch_size=batch_size, cache_implementation=cache_implementation)
+
+
+# --------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------
+
+def _as_id_list(ids: Sequence[int] | int | None) -> list[int]:
+    if ids is None:
+        return []
+    if isinstance(ids, int):
+        return [ids]
+    return [int(i) for i in ids]
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, disable=not enabled, desc="sampling", unit="sample", dynamic_ncols=True)

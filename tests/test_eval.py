@@ -1,0 +1,336 @@
+"""Evaluation (opsd_eval.py, dev_eval.sh): grading, metrics, the FINAL line, and
+end-to-end runs of the tiny preset.
+
+The end-to-end part runs `OPSD_PRESET=tiny bash dev_eval.sh base` once as a
+subprocess and reuses it; the determinism and LoRA checks run the same entry
+point in-process, which is much cheaper than more subprocesses."""
+import json
+import os
+import re
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import opsd_eval
+from opsd_eval import (TINY_SETTINGS, answers_match, extract_boxed, final_line, grade, is_correct,
+                       majority_vote, normalize_answer, pass_at_k, summarize)
+
+ROOT = Path(__file__).resolve().parents[1]
+FINAL_RE = re.compile(r"^FINAL avg@(\d+) accuracy: (\d+\.\d\d)% \((\d+)/(\d+) solutions correct on (\d+) problems\)$")
+
+
+# ---------------------------------------------------------------- extraction
+
+@pytest.mark.parametrize("text, expected", [
+    (r"so the answer is \boxed{204}.", "204"),
+    (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),                   # nested braces
+    (r"\boxed{\sqrt{\frac{a}{b}}} and more text", r"\sqrt{\frac{a}{b}}"),
+    (r"\boxed {42}", "42"),                                      # space before the brace
+    (r"\fbox{17}", "17"),
+    (r"first \boxed{7} \boxed{204}", "204"),                     # two boxes close together: the last
+    (r"\boxed{7}\boxed{204}", "204"),
+    (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),                          # escaped set braces are literal
+    (r"\boxed{ 12 }", "12"),
+    (r"\[ \boxed{\text{(B)}} \] Therefore B.", r"\text{(B)}"),
+    ("no box at all", None),
+    (r"\boxed{12", None),                                        # never closed (truncated)
+    (r"\boxed{5} then \boxed{\frac{1}{2}", None),                # the last box is unbalanced
+    (r"put your answer within \boxed{}", None),                  # empty box
+])
+def test_extract_boxed(text, expected):
+    assert extract_boxed(text) == expected
+
+
+# ---------------------------------------------------------------- answer comparison
+
+@pytest.mark.parametrize("completion, gold, expected", [
+    (r"\boxed{204}", "204", True),
+    (r"\boxed{033}", "33", True),                                # leading zeros
+    (r"\boxed{33}", "033", True),
+    (r"\boxed{\frac{1}{2}}", "0.5", True),
+    (r"\boxed{\dfrac{1}{2}}", r"\frac{1}{2}", True),
+    (r"\boxed{\tfrac12}", "1/2", True),
+    (r"\boxed{-7}", "-7", True),
+    (r"\boxed{-7}", "7", False),
+    (r"\boxed{7} \boxed{204}", "204", True),
+    (r"\boxed{7} \boxed{204}", "7204", False),                   # not joined into 7204
+    (r"\boxed{\text{(B)}}", "(B)", True),
+    (r"\boxed{10 \text{ cm}}", "10", True),
+    (r"\boxed{\left( 1, 2 \right)}", "(1,2)", True),             # tuples
+    (r"\boxed{\{1,2\}}", r"\{2,1\}", True),                      # sets
+    (r"\boxed{x = 5}", "5", True),
+    (r"\boxed{5.}", "5", True),
+    (r"\boxed{2\sqrt{3}}", r"\sqrt{12}", True),
+    (r"\boxed{3}", "4", False),
+    ("The answer is 204.", "204", False),                        # no box, no credit
+    (r"\boxed{204", "204", False),
+    (r"\boxed{204}", r"\boxed{204}", True),                      # boxed gold
+])
+def test_is_correct(completion, gold, expected):
+    assert is_correct(completion, gold) is expected
+
+
+@pytest.mark.parametrize("raw, normal", [
+    ("$033$", "33"), (r"\left(1,\ 2\right)", r"(1,\2)"), (r"\dfrac{1}{2}", r"\frac{1}{2}"),
+    (r"\text{ yes }", "yes"), ("-0012", "-12"), (r"5\!000.", "5000"), ("  x + 1 ", "x+1"),
+])
+def test_normalize_answer(raw, normal):
+    assert normalize_answer(raw) == normal
+
+
+def test_grade_reasons():
+    assert grade(r"... \boxed{12}", "12", truncated=False) == ("12", True, "correct")
+    assert grade(r"... \boxed{13}", "12", truncated=False) == ("13", False, "wrong_answer")
+    assert grade("thinking that never ends", "12", truncated=True) == (None, False, "truncated")
+    assert grade("I give up.", "12", truncated=False) == (None, False, "no_answer")
+    # a truncated completion that did box an answer is graded on it
+    assert grade(r"\boxed{12} wait, let me re", "12", truncated=True) == ("12", True, "correct")
+
+
+def test_is_correct_in_worker_threads():
+    """math-verify's own signal timeout fails outside the main thread; ours must not."""
+    cases = [(rf"\boxed{{\frac{{{i}}}{{2}}}}", str(i / 2), True) for i in range(1, 25)]
+    cases += [(rf"\boxed{{{i + 1}}}", str(i), False) for i in range(24)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda case: is_correct(case[0], case[1]), cases))
+    assert results == [expected for _, _, expected in cases]
+
+
+def test_answer_check_time_limit(monkeypatch):
+    monkeypatch.setattr(opsd_eval, "MATH_VERIFY_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(opsd_eval, "_math_verify_equal", lambda answer, gold: time.sleep(30))
+    started = time.monotonic()
+    assert answers_match(r"\frac{1}{2}", "0.5") is False      # math-verify "hangs": rejected in time
+    assert answers_match("033", "33") is True                 # the string fallback still decides
+    assert time.monotonic() - started < 5
+
+
+# ---------------------------------------------------------------- metrics and the FINAL line
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (4, 0, 1, 0.0), (4, 4, 1, 1.0), (4, 1, 1, 0.25), (4, 1, 2, 0.5), (4, 2, 2, 5 / 6),
+    (12, 3, 12, 1.0), (12, 0, 12, 0.0), (12, 6, 1, 0.5), (5, 2, 3, 0.9),
+])
+def test_pass_at_k(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("answers, winner", [
+    (["5", "7", "7", None], 1),
+    (["7", "5", "5", "7"], 0),            # tie: the answer seen first wins
+    (["5", None, "7", "7", "5"], 0),
+    ([None, None], None),
+    (["033", "5", "33", "5 "], 0),        # equal answers vote together after normalising (033 == 33)
+    ([None, r"\dfrac12", r"\frac12", "1"], 1),
+])
+def test_majority_vote(answers, winner):
+    assert majority_vote(answers) == winner
+
+
+def graded(*rows):
+    """Problems from rows of answers; gold is "1". '1' correct, others wrong, None no answer."""
+    problems = []
+    for answers in rows:
+        samples = [{"answer": a, "correct": a == "1", "truncated": a is None, "num_tokens": 10}
+                   for a in answers]
+        problems.append({"samples": samples, **opsd_eval.problem_summary(samples)})
+    return problems
+
+
+def test_summary_metrics_on_a_hand_made_table():
+    problems = graded(["1", "1", "2", None],     # 2/4, majority 1 (right)
+                      ["2", "2", "1", "3"],      # 1/4, majority 2 (wrong)
+                      [None, None, None, None])  # 0/4, no majority
+    metrics = summarize(problems, k=4)
+    assert (metrics["num_correct"], metrics["num_samples"], metrics["num_problems"]) == (3, 12, 3)
+    assert metrics["avg@4"] == pytest.approx(25.0)
+    assert metrics["pass@1"] == pytest.approx(25.0)                     # pass@1 is avg@k
+    assert metrics["pass@2"] == pytest.approx(100 * (5 / 6 + 1 / 2 + 0) / 3)
+    assert metrics["pass@4"] == pytest.approx(100 * 2 / 3)
+    assert metrics["maj@4"] == pytest.approx(100 / 3)
+    assert metrics["truncated_rate"] == pytest.approx(100 * 5 / 12)
+    assert metrics["no_answer_rate"] == pytest.approx(100 * 5 / 12)
+    assert final_line(3, 12, 3, 4) == "FINAL avg@4 accuracy: 25.00% (3/12 solutions correct on 3 problems)"
+
+
+def test_final_line_format():
+    line = final_line(193, 360, 30, 12)
+    assert line == "FINAL avg@12 accuracy: 53.61% (193/360 solutions correct on 30 problems)"
+    assert FINAL_RE.match(line)
+    assert final_line(2, 3, 1, 3).startswith("FINAL avg@3 accuracy: 66.67% ")
+
+
+def test_names_of_reports():
+    assert opsd_eval.run_name(None) == "base"
+    assert opsd_eval.run_name("/runs/capped/checkpoint-100") == "capped_checkpoint-100"
+    assert opsd_eval.dataset_tag("HuggingFaceH4/aime_2024") == "aime_2024"
+    assert opsd_eval.dataset_tag("data/aime 25.jsonl") == "aime-25"
+    assert opsd_eval.dataset_tag("tiny") == "tiny"
+
+
+def test_frozen_settings():
+    frozen = opsd_eval.FROZEN_SETTINGS
+    assert (frozen.n_samples, frozen.seed, frozen.enable_thinking) == (12, 20260610, True)
+    assert (frozen.temperature, frozen.top_p, frozen.top_k, frozen.max_new_tokens) == (1.0, 0.95, 0, 38912)
+    assert frozen.max_problems is None
+    assert TINY_SETTINGS.seed == frozen.seed and TINY_SETTINGS.n_samples < frozen.n_samples
+
+
+# ---------------------------------------------------------------- end to end (tiny preset)
+
+def dev_eval(*args, env=None, cwd=None):
+    full_env = {**os.environ, "OPSD_PRESET": "tiny", **(env or {})}
+    return subprocess.run(["bash", str(ROOT / "dev_eval.sh"), *args], capture_output=True, text=True,
+                          env=full_env, cwd=cwd or ROOT, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    """One `OPSD_PRESET=tiny bash dev_eval.sh base`, started from another folder."""
+    out = tmp_path_factory.mktemp("base_eval")
+    started = time.monotonic()
+    proc = dev_eval("base", env={"OPSD_EVAL_OUT": str(out)}, cwd=out)
+    return proc, out / "eval_base.json", time.monotonic() - started
+
+
+def in_process(capsys, *argv):
+    """opsd_eval's entry point in this process: (exit status, stdout, stderr)."""
+    status = opsd_eval.main([*argv, "--preset", "tiny", "--backend", "transformers"])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def completions_of(report):
+    return [[(s["answer"], s["completion"]) for s in p["samples"]] for p in report["problems"]]
+
+
+@pytest.mark.slow
+def test_dev_eval_base_end_to_end(base_run):
+    proc, report_path, elapsed = base_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    match = FINAL_RE.match(last)
+    assert match, last
+    k, pct, correct, total, problems = match.groups()
+
+    report = json.loads(report_path.read_text())
+    assert set(report) >= {"settings", "model", "checkpoint", "dataset", "backend", "metrics", "problems"}
+    assert report["settings"] == opsd_eval.asdict(TINY_SETTINGS) and int(k) == TINY_SETTINGS.n_samples
+    assert (report["checkpoint"], report["dataset"], report["backend"]) == ("base", "tiny", "transformers")
+    metrics = report["metrics"]
+    assert (metrics["num_correct"], metrics["num_samples"], metrics["num_problems"]) == \
+        (int(correct), int(total), int(problems)) == (metrics["num_correct"], len(report["problems"]) * int(k),
+                                                    len(report["problems"]))
+    assert f"{metrics[f'avg@{k}']:.2f}" == pct
+    assert {f"pass@{j}" for j in range(1, int(k) + 1)} | {f"maj@{k}"} <= set(metrics)
+    for problem in report["problems"]:
+        assert {"gold", "accuracy", "num_correct", "majority_answer", "majority_correct"} <= set(problem)
+        assert len(problem["samples"]) == int(k)
+        for sample in problem["samples"]:
+            assert set(sample) >= {"answer", "correct", "reason", "num_tokens", "truncated"}
+            assert sample["reason"] in {"correct", "wrong_answer", "no_answer", "truncated"}
+            assert 0 < sample["num_tokens"] <= TINY_SETTINGS.max_new_tokens
+    assert not list(report_path.parent.glob(".*.tmp")), "temporary file left behind"
+    print(f"tiny dev_eval.sh base: {elapsed:.1f}s")
+
+
+@pytest.fixture(scope="module")
+def first_problems(tmp_path_factory):
+    """The first 4 problems of the tiny eval set as a local file. With 4 samples
+    each they fill exactly the first sampling batch (16 rows) of the full run,
+    which is seeded from (seed, batch 0): the same seed must give these
+    problems the same completions as in the full run."""
+    import tiny_default
+
+    rows = tiny_default.tiny_eval_path().read_text().splitlines(keepends=True)[:4]
+    path = tmp_path_factory.mktemp("data") / "first4.jsonl"
+    path.write_text("".join(rows))
+    return path
+
+
+@pytest.mark.slow
+def test_same_seed_same_completions(base_run, first_problems, tmp_path, capsys):
+    status, out, _ = in_process(capsys, "base", "--dataset", str(first_problems), "--output-dir", str(tmp_path))
+    assert status == 0 and FINAL_RE.match(out.strip().splitlines()[-1])
+    again = json.loads((tmp_path / "eval_base.json").read_text())
+    full = json.loads(base_run[1].read_text())
+    assert completions_of(again) == completions_of(full)[:4]
+
+
+def make_lora_checkpoint(folder: Path) -> Path:
+    """A LoRA adapter for the tiny model whose B matrices are non-zero, so it
+    actually changes the model (a freshly initialised adapter is a no-op)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import tiny_default
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_default.tiny_model_dir())
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_lora_checkpoint_changes_completions(base_run, first_problems, tmp_path, capsys):
+    checkpoint = make_lora_checkpoint(tmp_path / "run" / "checkpoint-7")
+    status, out, err = in_process(capsys, str(checkpoint), "--dataset", str(first_problems),
+                                  "--output-dir", str(tmp_path / "out"))
+    assert status == 0, err
+    report = json.loads((tmp_path / "out" / "eval_run_checkpoint-7.json").read_text())
+    assert report["checkpoint"] == str(checkpoint)
+    base = completions_of(json.loads(base_run[1].read_text()))[:4]
+    assert completions_of(report) != base
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.mark.parametrize("case", ["missing checkpoint", "not an adapter", "missing data", "no answer column",
+                                  "unknown preset"])
+def test_bad_inputs_exit_2_with_one_line_and_write_nothing(case, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    checkpoint, extra = "base", []
+    if case == "missing checkpoint":
+        checkpoint = str(tmp_path / "nope")
+    elif case == "not an adapter":
+        (tmp_path / "empty").mkdir()
+        checkpoint = str(tmp_path / "empty")
+    elif case == "missing data":
+        extra = ["--dataset", str(tmp_path / "missing.jsonl")]
+    elif case == "no answer column":
+        extra = ["--dataset", str(write_jsonl(tmp_path / "data.jsonl", [{"problem": "1+1?", "solution": "2"}]))]
+    if case == "unknown preset":
+        monkeypatch.setenv("OPSD_PRESET", "huge")
+        status = opsd_eval.main([checkpoint, "--output-dir", str(out)])
+        err = capsys.readouterr().err
+    else:
+        status, _, err = in_process(capsys, checkpoint, "--output-dir", str(out), *extra)
+    assert status == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert not out.exists()
+    if case == "no answer column":
+        assert "answer" in lines[0]
+
+
+def test_dev_eval_bad_checkpoint_and_usage(tmp_path):
+    proc = dev_eval("no-such-checkpoint", env={"OPSD_EVAL_OUT": str(tmp_path / "out")}, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: checkpoint folder not found: {tmp_path / 'no-such-checkpoint'}"]
+    assert not (tmp_path / "out").exists()
+    usage = dev_eval()
+    assert usage.returncode == 2 and usage.stderr.startswith("usage: dev_eval.sh")
+    assert dev_eval("-h").returncode == 0

@@ -1,0 +1,274 @@
+"""Sampling backends (rollout.py) on the embedded tiny Qwen3 model.
+
+The EOS cases are made exact with a hook on lm_head that sets the EOS token's
+probability to a chosen value: 1 (every sample is just EOS), 0 (every sample
+runs out of tokens) or in between (a mix, to check the cutting invariants)."""
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+import rollout
+from rollout import (BackendUnavailable, Completion, SamplingSettings, TransformersBackend, derive_seed,
+                     make_backend, resolve_backend_name, to_completion, vllm_lora_rank)
+
+SAMPLE = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=123)
+GREEDY = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=None)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import tiny_default
+
+    folder = tiny_default.tiny_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    _, tokenizer = tiny
+    problems = ["What is 1 + 1?", "Find the sum of all positive divisors of 36, and explain why.", "x?"]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True, enable_thinking=True) for p in problems]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def backend_for(tiny, model=None, **kwargs):
+    base, tokenizer = tiny
+    return TransformersBackend(model or base, pad_token_id=tokenizer.pad_token_id,
+                               eos_token_ids=[tokenizer.eos_token_id], **kwargs)
+
+
+def all_ids(result):
+    return [[c.ids for c in samples] for samples in result]
+
+
+class eos_probability:
+    """Context: the model's next-token distribution gives EOS exactly probability p
+    (at temperature 1, no top-p/top-k), the other tokens sharing the rest."""
+
+    def __init__(self, model, eos_id, p):
+        self.model, self.eos_id, self.p = model, eos_id, p
+
+    def _hook(self, module, inputs, logits):
+        logits = logits.clone()
+        if self.p == 1:
+            logits.fill_(-math.inf)
+            logits[..., self.eos_id] = 0.0
+        else:
+            logits[..., self.eos_id] = -math.inf
+            if self.p > 0:
+                logits[..., self.eos_id] = logits.logsumexp(-1) + math.log(self.p / (1 - self.p))
+        return logits
+
+    def __enter__(self):
+        self.handle = self.model.get_output_embeddings().register_forward_hook(self._hook)
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+# ---------------------------------------------------------------- pure helpers
+
+def test_to_completion_cuts_after_first_eos():
+    assert to_completion([5, 6, 2, 9, 2], eos_token_ids=[2]) == Completion([5, 6, 2], truncated=False)
+    assert to_completion([2, 0, 0], eos_token_ids=[2, 0]) == Completion([2], truncated=False)
+    assert to_completion([5, 6, 7], eos_token_ids=[2]) == Completion([5, 6, 7], truncated=True)
+
+
+def test_derive_seed_is_stable_and_separates_streams():
+    assert derive_seed(20260610, 0) == derive_seed(20260610, 0)
+    seeds = {derive_seed(s, k) for s in range(5) for k in range(5)}
+    assert len(seeds) == 25 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_lora_rank_rounds_up_to_what_vllm_accepts(tmp_path):
+    import json
+
+    for r, expected in [(4, 8), (8, 8), (64, 64), (100, 128)]:
+        (tmp_path / "adapter_config.json").write_text(json.dumps({"r": r}))
+        assert vllm_lora_rank(tmp_path) == expected
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8, "rank_pattern": {"q_proj": 32}}))
+    assert vllm_lora_rank(tmp_path) == 32
+
+
+# ---------------------------------------------------------------- EOS and truncation
+
+def test_certain_eos_gives_single_token_completions(tiny, prompts):
+    model, tokenizer = tiny
+    with eos_probability(model, tokenizer.eos_token_id, 1.0):
+        result = backend_for(tiny).generate(prompts, SAMPLE, n=2)
+    assert all(c == Completion([tokenizer.eos_token_id], truncated=False) for s in result for c in s)
+
+
+def test_impossible_eos_truncates_every_completion(tiny, prompts):
+    model, tokenizer = tiny
+    with eos_probability(model, tokenizer.eos_token_id, 0.0):
+        result = backend_for(tiny).generate(prompts, SAMPLE, n=2)
+    for completion in (c for s in result for c in s):
+        assert completion.truncated and len(completion.ids) == SAMPLE.max_new_tokens
+        assert tokenizer.eos_token_id not in completion.ids
+
+
+def test_mixed_batches_are_cut_after_eos_with_no_padding(tiny, prompts):
+    model, tokenizer = tiny
+    eos = tokenizer.eos_token_id
+    with eos_probability(model, eos, 0.2):
+        result = backend_for(tiny, batch_size=4).generate(prompts, SAMPLE, n=4)
+    completions = [c for s in result for c in s]
+    for c in completions:
+        assert eos not in c.ids[:-1]
+        if c.truncated:
+            assert len(c.ids) == SAMPLE.max_new_tokens and c.ids[-1] != eos
+        else:
+            assert c.ids[-1] == eos and len(c.ids) <= SAMPLE.max_new_tokens
+    # the seed is fixed, so this mix is deterministic: both kinds, several lengths
+    assert {c.truncated for c in completions} == {True, False}
+    assert len({len(c.ids) for c in completions if not c.truncated}) > 1
+
+
+# ---------------------------------------------------------------- shapes and seeds
+
+def test_n_samples_per_prompt(tiny, prompts):
+    result = backend_for(tiny).generate(prompts, SAMPLE, n=3)
+    assert len(result) == len(prompts) and all(len(samples) == 3 for samples in result)
+    assert all(len({tuple(c.ids) for c in samples}) > 1 for samples in result)
+
+
+def test_same_seed_same_samples_whatever_ran_before(tiny, prompts):
+    backend = backend_for(tiny, batch_size=2)
+    first = backend.generate(prompts, SAMPLE, n=2)
+    torch.manual_seed(999)
+    torch.rand(1000)  # disturb the global RNG: it must not matter
+    assert all_ids(backend.generate(prompts, SAMPLE, n=2)) == all_ids(first)
+
+
+def test_different_seed_different_samples(tiny, prompts):
+    backend = backend_for(tiny)
+    other = SamplingSettings(**{**SAMPLE.__dict__, "seed": SAMPLE.seed + 1})
+    assert all_ids(backend.generate(prompts, other, n=2)) != all_ids(backend.generate(prompts, SAMPLE, n=2))
+
+
+def test_caller_rng_state_is_left_untouched(tiny, prompts):
+    state = torch.get_rng_state()
+    backend_for(tiny).generate(prompts, SAMPLE)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_left_padding_keeps_each_prompt_greedy_completion(tiny, prompts):
+    """A short prompt padded next to a long one decodes exactly as it does alone:
+    pads are masked and rotary positions come from the attention mask."""
+    backend = backend_for(tiny)
+    batched = backend.generate(prompts, GREEDY)
+    alone = [backend.generate([p], GREEDY)[0] for p in prompts]
+    assert all_ids(batched) == all_ids(alone)
+
+
+def test_static_cache_matches_dynamic_cache(tiny, prompts):
+    dynamic = backend_for(tiny).generate(prompts, GREEDY)
+    static = backend_for(tiny, cache_implementation="static").generate(prompts, GREEDY)
+    assert all_ids(static) == all_ids(dynamic)
+    with pytest.raises(ValueError, match="cache_implementation"):
+        backend_for(tiny, cache_implementation="offloaded")
+
+
+def test_peft_model_samples_with_its_adapter_and_keeps_its_mode(tiny, prompts):
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = tiny
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                                                                 target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(0)
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(std=0.5)  # a freshly initialised adapter is a no-op; make it act
+    peft_model.train()
+    adapted = backend_for(tiny, model=peft_model).generate(prompts, GREEDY)
+    assert peft_model.training, "generate must restore the caller's train/eval mode"
+    assert all_ids(adapted) != all_ids(backend_for(tiny).generate(prompts, GREEDY))
+
+
+# ---------------------------------------------------------------- choosing a backend, vLLM
+
+@pytest.fixture
+def no_vllm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    monkeypatch.setattr(rollout, "vllm_available", lambda: False)
+
+
+def test_missing_vllm_is_a_clear_one_line_error(no_vllm):
+    for build in (lambda: rollout.VLLMBackend("some/model"), lambda: make_backend("vllm", model_path="m"),
+                  lambda: resolve_backend_name("vllm")):
+        with pytest.raises(BackendUnavailable, match="vLLM") as error:
+            build()
+        assert "\n" not in str(error.value) and "--backend transformers" in str(error.value)
+
+
+def test_auto_falls_back_to_transformers(no_vllm, tiny):
+    assert resolve_backend_name("auto") == "transformers"
+    model, tokenizer = tiny
+    backend = make_backend("auto", model=model, pad_token_id=tokenizer.pad_token_id,
+                           eos_token_ids=tokenizer.eos_token_id)
+    assert isinstance(backend, TransformersBackend)
+    with pytest.raises(ValueError, match="unknown backend"):
+        resolve_backend_name("sglang")
+
+
+def fake_vllm(calls, eos_id):
+    """A stand-in for the parts of vLLM that VLLMBackend touches; it records the calls."""
+    def sample(ids, reason):
+        return types.SimpleNamespace(token_ids=ids, finish_reason=reason, stop_reason=None)
+
+    class LLM:
+        def __init__(self, **kwargs):
+            calls["engine"] = kwargs
+
+        def generate(self, prompts, params, use_tqdm, lora_request):
+            calls.update(prompts=prompts, params=params, lora_request=lora_request)
+            outputs = [sample([7, 8, eos_id], "stop"), sample([7, 8], "stop"), sample([7, 8, 9], "length")]
+            return [types.SimpleNamespace(outputs=outputs[:p.n]) for p in params]
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = LLM
+    vllm.SamplingParams = lambda **kwargs: types.SimpleNamespace(**kwargs)
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    lora = types.ModuleType("vllm.lora")
+    request = types.ModuleType("vllm.lora.request")
+    request.LoRARequest = lambda name, lora_id, path: (name, lora_id, path)
+    return {"vllm": vllm, "vllm.inputs": inputs, "vllm.lora": lora, "vllm.lora.request": request}
+
+
+def test_vllm_backend_requests_and_completions(monkeypatch, tmp_path, tiny):
+    import json
+
+    import tiny_default
+
+    _, tokenizer = tiny
+    eos = tokenizer.eos_token_id
+    calls = {}
+    for name, module in fake_vllm(calls, eos).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 16}))
+
+    backend = rollout.VLLMBackend(str(tiny_default.tiny_model_dir()), lora_path=str(tmp_path),
+                                  max_model_len=512, seed=5)
+    assert calls["engine"]["enable_lora"] and calls["engine"]["max_lora_rank"] == 16
+    result = backend.generate([[1, 2], [3]], SAMPLE, n=3)
+
+    assert [p["prompt_token_ids"] for p in calls["prompts"]] == [[1, 2], [3]]
+    first, second = calls["params"]
+    assert (first.n, first.max_tokens, first.top_k, first.top_p) == (3, 8, -1, 1.0)
+    assert first.seed == derive_seed(SAMPLE.seed, 0) != second.seed == derive_seed(SAMPLE.seed, 1)
+    assert calls["lora_request"][2] == str(tmp_path)
+    # EOS kept, EOS restored when the engine dropped it, truncation from running out of tokens
+    assert result[0] == [Completion([7, 8, eos], False), Completion([7, 8, eos], False),
+                         Completion([7, 8, 9], True)]
