@@ -21,9 +21,7 @@ class AdapterEMA:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1), got {decay}")
         self.decay = decay
-        self.shadow = {
-            name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad
-        }
+        self.shadow = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
         if not self.shadow:
             raise ValueError("use_ema_teacher needs trainable (adapter) parameters; the model has none")
 
