@@ -13,6 +13,7 @@ bad input exits with status 2 and a one-line `error:` message.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
@@ -140,6 +141,8 @@ def parse(argv=None, env=os.environ):
     defaults = ["--model_name_or_path", "tiny", "--dataset_name", "tiny"] if early.preset == "tiny" else []
     extra = overrides(early.preset, recipe, early.max_steps, switches, env)
     script_args, config = parser.parse_args_and_config(defaults + argv + extra)
+    if config.use_vllm and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("--use_vllm true: vllm is not installed (pip install -r requirements-gpu.txt)")
     dataset = load_train_dataset(
         script_args.dataset_name, select=switches.data_select, teacher_context=config.teacher_context
     )

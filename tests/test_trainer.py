@@ -338,3 +338,68 @@ def test_token_clip_run_lowers_true_kl(tmp_path, monkeypatch, capsys):
     with capsys.disabled():
         print(f"\ntoken clip, on-policy: true KL first 2 steps {first:.3f} -> last 3 steps {last:.3f}")
     assert last < 0.85 * first
+
+
+def _rows(trainer, n=2):
+    return [trainer.train_dataset[i] for i in range(n)]
+
+
+def test_reason_first_puts_the_teachers_analysis_into_its_context(tmp_path):
+    from prompts import RATIONALE_LABEL
+
+    plain = make_trainer(tmp_path / "a", 1)
+    reasoning = make_trainer(tmp_path / "b", 1, "--reason_first", "true", "--reason_first_max_tokens", "8")
+    rows = _rows(plain)
+    without = plain._generate_and_score_completions(rows)["teacher_prompt_ids"]
+    with_analysis = reasoning._generate_and_score_completions(rows)["teacher_prompt_ids"]
+    label = reasoning._tokenizer.decode(with_analysis[0])
+    assert RATIONALE_LABEL in label
+    assert all(len(w) > len(p) for w, p in zip(with_analysis, without))
+
+
+def test_lmbda_zero_uses_the_reference_solution_as_completion(tmp_path):
+    trainer = make_trainer(tmp_path, 1, "--lmbda", "0")
+    rows = _rows(trainer)
+    batch = trainer._generate_and_score_completions(rows)
+    tok = trainer._tokenizer
+    for row, completion in zip(rows, batch["completion_ids"]):
+        solution = tok(row["solution"], add_special_tokens=False)["input_ids"][: trainer.args.max_completion_length - 1]
+        assert completion == solution + [tok.eos_token_id]
+
+
+@pytest.mark.parametrize("tinker", [False, True])
+def test_chunked_and_full_logit_paths_agree_in_the_trainer(tmp_path, tinker):
+    """The default chunked loss and the released-style full-logit loss give the same loss,
+    diagnostics and gradients on the same micro-batch."""
+    extra = ["--use_tinker_loss", "true"] if tinker else []
+    trainer = make_trainer(tmp_path, 1, *extra)
+    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    model = trainer.model
+    results = {}
+    for impl in ("chunked", "logits"):
+        trainer.args.loss_implementation = impl
+        model.zero_grad()
+        loss, stats = trainer._opsd_loss(model, inputs)
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+        results[impl] = (loss.detach(), {k: v.detach() for k, v in stats.items()}, grads)
+    (loss_c, stats_c, grad_c), (loss_l, stats_l, grad_l) = results["chunked"], results["logits"]
+    torch.testing.assert_close(loss_c, loss_l, rtol=1e-5, atol=1e-6)
+    assert stats_c.keys() == stats_l.keys()
+    for key in stats_c:
+        torch.testing.assert_close(stats_c[key], stats_l[key], rtol=1e-4, atol=1e-6)
+    # fp32 sums in a different order: compare the gradient as a vector.
+    assert grad_c.norm() > 0
+    assert (grad_c - grad_l).norm() / grad_l.norm() < 1e-4
+
+
+def test_use_vllm_without_vllm_is_a_one_line_error(tmp_path, capsys):
+    pytest.importorskip("torch")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    assert opsd_train.main(tiny_argv(tmp_path / "out", 1, "--use_vllm", "true")) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error:") and "vllm" in err.lower()
+    assert not (tmp_path / "out").exists()
