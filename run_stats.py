@@ -1,0 +1,711 @@
+"""Statistics for comparing evaluation runs: is arm B better than arm A, or is it noise?
+
+    python run_stats.py summary RUN.json [RUN2.json ...]            [--bootstrap N] [--seed S] [--json OUT]
+    python run_stats.py compare --a A1.json [A2.json ...] --b B1.json [B2.json ...]
+                                [--bootstrap N] [--seed S] [--run-sd SD] [--json OUT]
+
+Inputs are the reports `opsd_eval.py` writes (`eval_<name>.json`). One file is one
+training run of an arm (one training seed); give several per arm. All files must
+share the dataset, the frozen settings block and the problem set, else the tool
+prints one line `error: FILE: ...` on stderr and exits with status 2. Numbers are
+avg@k in percentage points, recomputed from the per-sample `correct` flags.
+
+Where the noise comes from, and which number sees which part of it
+-------------------------------------------------------------------
+An avg@k moves for three reasons: (1) evaluation sampling: re-evaluating the
+same checkpoint with another sampling seed gives other completions; (2) training:
+retraining the arm with another seed gives another checkpoint; (3) the problem
+set: 30 AIME problems are a small draw from "problems like these".
+
+* sampling se (one run): the standard error of that run's avg@k from (1) alone,
+  problems and checkpoint fixed: sqrt(sum_i p_i (1 - p_i) / (k - 1)) / P, where p_i
+  is the share of the k samples of problem i that are correct (unbiased for the
+  binomial variance p_i (1 - p_i) / k of each problem's accuracy).
+* problems 95% CI (one run): percentile bootstrap over problems, (1) + (3).
+* sd / se / 95% CI across runs: spread of the runs' avg@k, (1) + (2) on these
+  problems; the CI is a Student-t interval for the arm's mean over training seeds.
+* runs+problems 95% CI: the hierarchical bootstrap below, (1) + (2) + (3).
+
+compare: the difference of means B - A, in points, with
+1. a hierarchical bootstrap CI. Each of `--bootstrap` resamples draws P problems
+   with replacement (ONE draw shared by both arms: the comparison stays paired by
+   problem), then, independently in each arm, that arm's R runs with replacement;
+   an arm's resampled mean is the average of its per-problem accuracies over the
+   drawn runs x drawn problems; the resampled difference is B - A. The 95% CI is
+   the 2.5th and 97.5th percentile (percentile bootstrap). An arm with one run has
+   nothing to resample at the run level: its training-seed noise is then missing.
+   Caveats: resampling only 2-4 runs understates run-to-run variance (by a factor
+   (R-1)/R) and is coarse, so the verdict also requires the t test below; sampling
+   noise enters through both levels, which errs on the wide side (on simulated
+   arms with a known effect the tests see it covered in nearly all data sets).
+   Problems are put in one canonical order (sorted by text and gold answer) first,
+   so the numbers do not depend on the order of problems inside the files.
+2. a run-level t test on the run means: Welch's t (unequal variances,
+   Welch-Satterthwaite df) when both arms have >= 2 runs; when one arm has a single
+   run and the other >= 2, a t test that assumes the single run has the other
+   arm's run-to-run sd: t = d / (s * sqrt(1 + 1/R)), df = R - 1. The p-value comes
+   from the Student-t CDF implemented here (regularized incomplete beta function,
+   continued fraction). Not available for 1 vs 1.
+3. per-problem paired tests, on each problem's mean accuracy over an arm's runs:
+   an exact sign test (problems where B beats A vs where A beats B, ties dropped)
+   and an exact sign-flip permutation test of the summed per-problem differences
+   (all 2^m sign patterns of the m untied problems, counted by convolution). These condition on the runs
+   given: they see evaluation-sampling noise, not training-seed noise, so they can
+   say "these checkpoints differ" but never "these arms differ".
+4. optionally `--run-sd SD`, an assumed per-run sd from elsewhere (e.g. the 1.48 of
+   the retrained anchor, SPEC section 7): a normal interval d +- 1.96 SD sqrt(1/R_A + 1/R_B).
+
+The verdict calls a difference real only when the bootstrap CI excludes 0 AND the
+run-level test gives p < 0.05; if only one does, it says "inconclusive". With 1 vs
+1 runs it never claims an arm difference (unless `--run-sd` is given, and then it
+says the noise level was assumed).
+
+The statistics are pure functions on numbers and arrays (no files); the file
+handling and the command line sit at the bottom. Standard library and numpy only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import NormalDist
+from typing import Sequence
+
+import numpy as np
+
+CONFIDENCE = 0.95
+ALPHA = 0.05
+DEFAULT_BOOTSTRAP = 10000
+MIN_BOOTSTRAP = 100
+
+
+# --------------------------------------------------------------------------
+# 1. The Student-t distribution (no scipy)
+# --------------------------------------------------------------------------
+
+def _continued_fraction(term, max_terms: int = 1000, eps: float = 1e-15) -> float:
+    """Value of 1 + a_1 / (1 + a_2 / (1 + a_3 / ...)) with a_j = term(j), by the
+    modified Lentz method (each partial denominator is 1)."""
+    tiny = 1e-300
+    value, c, d = 1.0, 1.0, 0.0
+    for j in range(1, max_terms + 1):
+        a = term(j)
+        d = 1.0 + a * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + a / c
+        c = c if abs(c) > tiny else tiny
+        step = c * d
+        value *= step
+        if abs(step - 1.0) < eps:
+            return value
+    raise ArithmeticError("continued fraction did not converge")
+
+
+def betainc(a: float, b: float, x: float) -> float:
+    """Regularized incomplete beta function I_x(a, b), for a, b > 0 and 0 <= x <= 1.
+
+    I_x(a, b) = x^a (1-x)^b / (a B(a, b)) / (1 + d_1 / (1 + d_2 / (1 + ...))) with
+    d_(2m+1) = -(a+m)(a+b+m) x / ((a+2m)(a+2m+1)) and d_(2m) = m(b-m) x / ((a+2m-1)(a+2m)).
+    The fraction converges fast for x < (a+1)/(a+b+2); above that the symmetry
+    I_x(a, b) = 1 - I_(1-x)(b, a) is used."""
+    if not 0.0 <= x <= 1.0:
+        raise ValueError(f"betainc needs 0 <= x <= 1, got {x}")
+    return _betainc(a, b, x, 1.0 - x)
+
+
+def _betainc(a: float, b: float, x: float, y: float) -> float:
+    """I_x(a, b) with y = 1 - x passed in separately, so that callers who know 1 - x
+    more precisely than the subtraction gives (the t CDF for large df) keep it."""
+    if a <= 0 or b <= 0:
+        raise ValueError(f"betainc needs a, b > 0, got a={a}, b={b}")
+    if x <= 0.0 or y <= 0.0:
+        return 0.0 if x <= 0.0 else 1.0
+    if x > (a + 1.0) / (a + b + 2.0):
+        return 1.0 - _betainc(b, a, y, x)
+
+    def term(j: int) -> float:
+        m = j // 2
+        if j % 2:  # odd: d_(2m+1)
+            return -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        return m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+
+    log_front = (a * math.log(x) + b * math.log(y) - math.log(a)
+                 - (math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)))
+    return math.exp(log_front) / _continued_fraction(term)
+
+
+def _t_tail(t: float, df: float) -> float:
+    """P(|T| >= |t|) = I_(df/(df+t^2))(df/2, 1/2)."""
+    return _betainc(df / 2.0, 0.5, df / (df + t * t), t * t / (df + t * t))
+
+
+# Above this df the standard normal is used: it differs from Student's t by less
+# than 1e-8 there, less than the rounding of lgamma at such large arguments.
+NORMAL_DF = 1e7
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with `df` > 0 degrees of freedom (df may be
+    fractional, as Welch's is; df = inf is the standard normal)."""
+    if df <= 0:
+        raise ValueError(f"df must be > 0, got {df}")
+    if math.isinf(t):
+        return 1.0 if t > 0 else 0.0
+    if df > NORMAL_DF:
+        return NormalDist().cdf(t)
+    tail = 0.5 * _t_tail(t, df)  # P(T > |t|)
+    return 1.0 - tail if t > 0 else tail
+
+
+def t_two_sided_p(t: float, df: float) -> float:
+    """P(|T| >= |t|)."""
+    if df <= 0:
+        raise ValueError(f"df must be > 0, got {df}")
+    if math.isinf(t):
+        return 0.0
+    if df > NORMAL_DF:
+        return 2.0 * NormalDist().cdf(-abs(t))
+    return min(1.0, _t_tail(t, df))
+
+
+def t_ppf(q: float, df: float) -> float:
+    """The q-quantile of Student's t (inverse of t_cdf), by bisection."""
+    if not 0.0 < q < 1.0:
+        raise ValueError(f"q must be in (0, 1), got {q}")
+    if q < 0.5:
+        return -t_ppf(1.0 - q, df)
+    if q == 0.5:
+        return 0.0
+    low, high = 0.0, 1.0
+    while t_cdf(high, df) < q:
+        low, high = high, 2.0 * high
+    for _ in range(200):
+        mid = 0.5 * (low + high)
+        if t_cdf(mid, df) < q:
+            low = mid
+        else:
+            high = mid
+        if high - low < 1e-12 * max(1.0, high):
+            break
+    return 0.5 * (low + high)
+
+
+# --------------------------------------------------------------------------
+# 2. One arm: descriptive statistics and within-run uncertainty
+# --------------------------------------------------------------------------
+
+def describe(values: Sequence[float], confidence: float = CONFIDENCE) -> dict:
+    """n, mean, sample sd (n-1), standard error of the mean and a Student-t
+    interval for the mean; sd, se and ci are None for a single value."""
+    x = np.asarray(values, dtype=float)
+    if x.size == 0:
+        raise ValueError("describe needs at least one value")
+    n, mean = int(x.size), float(x.mean())
+    if n < 2:
+        return {"n": n, "mean": mean, "sd": None, "se": None, "ci": None}
+    sd = float(x.std(ddof=1))
+    se = sd / math.sqrt(n)
+    half = t_ppf(0.5 + confidence / 2.0, n - 1) * se
+    return {"n": n, "mean": mean, "sd": sd, "se": se, "ci": [mean - half, mean + half]}
+
+
+def sampling_se(num_correct: Sequence[int], k: int) -> float | None:
+    """Standard error (in points) of one run's avg@k from evaluation sampling alone:
+    the problems and the checkpoint fixed, only the k samples per problem random.
+    sqrt(sum_i p_i (1 - p_i) / (k - 1)) / P with p_i = num_correct_i / k. None for k = 1."""
+    if k < 2:
+        return None
+    p = np.asarray(num_correct, dtype=float) / k
+    return 100.0 * math.sqrt(float(np.sum(p * (1.0 - p))) / (k - 1)) / p.size
+
+
+def _problem_weights(rng: np.random.Generator, num_problems: int, n_resamples: int) -> np.ndarray:
+    """[resample, problem] How often each problem is drawn (multinomial counts)."""
+    return rng.multinomial(num_problems, np.full(num_problems, 1.0 / num_problems), size=n_resamples)
+
+
+def _resampled_means(rng: np.random.Generator, values: np.ndarray, problem_weights: np.ndarray) -> np.ndarray:
+    """[resample] Mean of `values` [run, problem] over the drawn problems and a fresh
+    draw of runs (with replacement) for each resample."""
+    runs, problems = values.shape
+    run_weights = rng.multinomial(runs, np.full(runs, 1.0 / runs), size=len(problem_weights))
+    return np.einsum("br,rp,bp->b", run_weights, values, problem_weights) / (runs * problems)
+
+
+def _percentile_ci(draws: np.ndarray, confidence: float) -> list[float]:
+    tail = 100.0 * (1.0 - confidence) / 2.0
+    low, high = np.percentile(draws, [tail, 100.0 - tail])
+    return [float(low), float(high)]
+
+
+def bootstrap_mean(values, n_resamples: int = DEFAULT_BOOTSTRAP, seed: int = 0,
+                   confidence: float = CONFIDENCE) -> dict:
+    """Hierarchical bootstrap of one arm's mean: `values` is [run, problem] (per-problem
+    accuracy of each run); each resample draws the problems, then the runs, with
+    replacement. With one run this is the plain bootstrap over problems.
+    Returns mean, se (sd of the resampled means) and the percentile ci."""
+    values = np.atleast_2d(np.asarray(values, dtype=float))
+    rng = np.random.default_rng(seed)
+    weights = _problem_weights(rng, values.shape[1], n_resamples)
+    draws = _resampled_means(rng, values, weights)
+    return {"mean": float(values.mean()), "se": float(draws.std(ddof=1)),
+            "ci": _percentile_ci(draws, confidence), "n_resamples": n_resamples, "seed": seed}
+
+
+# --------------------------------------------------------------------------
+# 3. Two arms
+# --------------------------------------------------------------------------
+
+def bootstrap_difference(values_a, values_b, n_resamples: int = DEFAULT_BOOTSTRAP, seed: int = 0,
+                         confidence: float = CONFIDENCE) -> dict:
+    """Hierarchical, problem-paired bootstrap of mean(B) - mean(A).
+
+    values_a [runs_a, problem], values_b [runs_b, problem]: per-problem accuracy of
+    each run, problems in the same order. Each resample draws P problems with
+    replacement (one draw for both arms), then each arm's runs with replacement,
+    independently per arm; the statistic is the difference of the two resampled
+    means. Returns diff, se, the percentile ci, n_resamples and seed. The same seed
+    gives the same numbers."""
+    a = np.atleast_2d(np.asarray(values_a, dtype=float))
+    b = np.atleast_2d(np.asarray(values_b, dtype=float))
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"arms have different numbers of problems: {a.shape[1]} vs {b.shape[1]}")
+    rng = np.random.default_rng(seed)
+    weights = _problem_weights(rng, a.shape[1], n_resamples)
+    draws = _resampled_means(rng, b, weights) - _resampled_means(rng, a, weights)
+    return {"diff": float(b.mean() - a.mean()), "se": float(draws.std(ddof=1)),
+            "ci": _percentile_ci(draws, confidence), "n_resamples": n_resamples, "seed": seed}
+
+
+def welch_t(means_a: Sequence[float], means_b: Sequence[float], confidence: float = CONFIDENCE) -> dict | None:
+    """Welch's t test of mean(B) - mean(A) on run means (>= 2 runs per arm):
+    t, Welch-Satterthwaite df, two-sided p and a t interval for the difference.
+    None when either arm has fewer than 2 runs or neither arm has any spread."""
+    a, b = np.asarray(means_a, dtype=float), np.asarray(means_b, dtype=float)
+    if a.size < 2 or b.size < 2:
+        return None
+    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+    if va + vb == 0:
+        return None
+    diff, se = float(b.mean() - a.mean()), math.sqrt(va + vb)
+    df = float((va + vb) ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1)))
+    return _t_result("Welch t on run means", diff, se, df, confidence)
+
+
+def single_run_t(means_a: Sequence[float], means_b: Sequence[float], confidence: float = CONFIDENCE) -> dict | None:
+    """t test for one run against R >= 2 runs of the other arm, assuming the single
+    run has the same run-to-run sd s as that arm: t = d / (s sqrt(1 + 1/R)), df = R - 1.
+    None unless exactly one arm has a single run and the other >= 2 with some spread."""
+    a, b = np.asarray(means_a, dtype=float), np.asarray(means_b, dtype=float)
+    if min(a.size, b.size) != 1 or max(a.size, b.size) < 2:
+        return None
+    group = a if a.size > 1 else b
+    sd = float(group.std(ddof=1))
+    if sd == 0:
+        return None
+    se = sd * math.sqrt(1.0 + 1.0 / group.size)
+    return _t_result("t, single run vs the other arm's run-to-run sd", float(b.mean() - a.mean()),
+                     se, float(group.size - 1), confidence)
+
+
+def _t_result(method: str, diff: float, se: float, df: float, confidence: float) -> dict:
+    t = diff / se
+    half = t_ppf(0.5 + confidence / 2.0, df) * se
+    return {"method": method, "diff": diff, "se": se, "t": t, "df": df,
+            "p": t_two_sided_p(t, df), "ci": [diff - half, diff + half]}
+
+
+def run_level_test(means_a: Sequence[float], means_b: Sequence[float], confidence: float = CONFIDENCE) -> dict | None:
+    """Welch when both arms have >= 2 runs, the single-run t when one arm has 1, None for 1 vs 1."""
+    return welch_t(means_a, means_b, confidence) or single_run_t(means_a, means_b, confidence)
+
+
+def problem_scores(correct_a, correct_b) -> np.ndarray:
+    """Integer per-problem differences, proportional to mean accuracy of B minus
+    mean accuracy of A: R_A * sum_runs(correct_B) - R_B * sum_runs(correct_A), from
+    correct-sample counts [run, problem] (same k in both arms)."""
+    a = np.atleast_2d(np.asarray(correct_a, dtype=np.int64))
+    b = np.atleast_2d(np.asarray(correct_b, dtype=np.int64))
+    return a.shape[0] * b.sum(axis=0) - b.shape[0] * a.sum(axis=0)
+
+
+def sign_test(scores: Sequence[int]) -> dict:
+    """Exact two-sided sign test: problems where B beats A vs where A beats B (ties dropped)."""
+    s = np.asarray(scores)
+    wins, losses = int((s > 0).sum()), int((s < 0).sum())
+    m = wins + losses
+    low = min(wins, losses)
+    p = 1.0 if m == 0 else min(1.0, 2.0 * sum(math.comb(m, j) for j in range(low + 1)) / 2.0 ** m)
+    return {"b_better": wins, "a_better": losses, "tied": int(s.size - m), "p": p}
+
+
+def sign_flip_test(scores: Sequence[int]) -> float:
+    """Exact two-sided paired permutation test: under the null each problem's
+    difference is as likely to have either sign. p = P(|sum of +-s_i| >= |sum of s_i|)
+    over all 2^m sign patterns of the m nonzero scores, counted exactly by
+    convolving the per-problem two-point distributions on the integer grid."""
+    signed = np.asarray(scores, dtype=np.int64)
+    s = np.abs(signed[signed != 0])
+    divisor = math.gcd(*map(int, s)) if s.size else 1  # a smaller grid, same p
+    s //= divisor
+    observed = abs(int(signed.sum())) // divisor
+    total = int(s.sum())
+    dist = np.zeros(2 * total + 1)
+    dist[total] = 1.0  # index = sum + total
+    for v in s:
+        v = int(v)
+        new = np.zeros_like(dist)
+        new[v:] += 0.5 * dist[:dist.size - v]
+        new[:dist.size - v] += 0.5 * dist[v:]
+        dist = new
+    sums = np.abs(np.arange(dist.size) - total)
+    return float(min(1.0, dist[sums >= observed].sum()))
+
+
+def assumed_noise_interval(diff: float, run_sd: float, runs_a: int, runs_b: int,
+                           confidence: float = CONFIDENCE) -> dict:
+    """Normal interval for the difference when the per-run sd is taken from elsewhere."""
+    se = run_sd * math.sqrt(1.0 / runs_a + 1.0 / runs_b)
+    half = NormalDist().inv_cdf(0.5 + confidence / 2.0) * se
+    return {"run_sd": run_sd, "se": se, "ci": [diff - half, diff + half]}
+
+
+def _runs(a: int, b: int) -> str:
+    return f"{a} vs {b} runs"
+
+
+def verdict(diff: float, ci: Sequence[float], runs_a: int, runs_b: int, run_p: float | None = None,
+            problem_p: float | None = None, assumed: dict | None = None, alpha: float = ALPHA) -> str:
+    """One plain-language line. A difference is called real only when the bootstrap
+    CI excludes 0 and the run-level test agrees (or, without one, the interval from an
+    assumed per-run sd, and then it says so); with neither (1 vs 1 runs, no assumed
+    sd) it never claims that the arms differ."""
+    low, high = ci
+    head = f"difference {diff:+.2f} points, 95% CI [{low:+.2f}, {high:+.2f}]"
+    runs = _runs(runs_a, runs_b)
+    excludes = low > 0 or high < 0
+    direction = "B above A" if diff > 0 else "B below A"
+    if run_p is not None:
+        if excludes and run_p < alpha:
+            caution = "; few runs, so treat the size as rough" if min(runs_a, runs_b) < 5 else ""
+            return f"{head}: {direction} beyond run-to-run noise with {runs} (run-level p = {run_p:.3g}){caution}"
+        if excludes or run_p < alpha:
+            return (f"{head}: inconclusive with {runs} - the bootstrap CI and the run-level test "
+                    f"(p = {run_p:.3g}) disagree; add runs")
+        return f"{head}: not distinguishable from run-to-run noise with {runs}"
+    if assumed is not None:
+        a_low, a_high = assumed["ci"]
+        where = (f"assuming a per-run sd of {assumed['run_sd']:g} points, 95% interval "
+                 f"[{a_low:+.2f}, {a_high:+.2f}]")
+        beyond = a_low > 0 or a_high < 0
+        if beyond and excludes:
+            return (f"{head}: {direction} by more than the assumed run-to-run noise ({where}); "
+                    f"the noise was assumed, not measured, with {runs}")
+        if beyond or excludes:
+            return (f"{head}: inconclusive with {runs} - the bootstrap CI and the assumed-noise interval "
+                    f"disagree ({where})")
+        return f"{head}: not distinguishable from run-to-run noise ({where}) with {runs}"
+    problem_level = problem_p is not None and problem_p < alpha
+    if excludes and problem_level:
+        return (f"{head}: these checkpoints differ beyond evaluation-sampling noise (per-problem p = "
+                f"{problem_p:.3g}), but run-to-run noise is not measured with {runs}: no evidence yet that "
+                f"the arms differ; train more seeds")
+    if excludes or problem_level:
+        return f"{head}: inconclusive even against evaluation-sampling noise with {runs}; train more seeds"
+    return f"{head}: not distinguishable even from evaluation-sampling noise with {runs}"
+
+
+# --------------------------------------------------------------------------
+# 4. Reading and checking eval reports
+# --------------------------------------------------------------------------
+
+class InputError(Exception):
+    """A bad input; reported as one `error: ...` line, exit status 2."""
+
+
+class ReportError(InputError):
+    """A bad input file; reported as `error: FILE: message`, exit status 2."""
+
+    def __init__(self, path, message: str):
+        super().__init__(f"{path}: {message}")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One eval report, reduced to what the statistics need."""
+    path: str
+    dataset: str
+    settings: dict
+    checkpoint: str
+    keys: tuple            # (problem text, gold answer) per problem, in report order
+    num_correct: np.ndarray  # [problem] correct samples out of k
+    k: int
+
+    @property
+    def avg(self) -> float:
+        return 100.0 * float(self.num_correct.sum()) / (self.k * len(self.keys))
+
+
+def load_run(path) -> Run:
+    """Read one opsd_eval report and check that it is internally consistent."""
+    path = str(path)
+    if not Path(path).is_file():
+        raise ReportError(path, "no such file")
+    try:
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ReportError(path, f"cannot read: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ReportError(path, f"not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    if not isinstance(report, dict):
+        raise ReportError(path, "not an opsd_eval report (not a JSON object)")
+    for field, kind in (("settings", dict), ("dataset", str), ("problems", list)):
+        if not isinstance(report.get(field), kind):
+            raise ReportError(path, f"not an opsd_eval report: no {field!r} {kind.__name__}")
+    k = report["settings"].get("n_samples")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ReportError(path, f"settings.n_samples must be a positive integer, got {k!r}")
+    if not report["problems"]:
+        raise ReportError(path, "the report has no problems")
+
+    keys, counts, seen = [], [], set()
+    for i, problem in enumerate(report["problems"], start=1):
+        samples = problem.get("samples") if isinstance(problem, dict) else None
+        if not isinstance(samples, list) or not isinstance(problem.get("problem"), str):
+            raise ReportError(path, f"problem {i} has no 'problem' text or no 'samples' list")
+        key = (problem["problem"], str(problem.get("gold")))
+        if key in seen:
+            raise ReportError(path, f"problem {i} appears twice")
+        seen.add(key)
+        if len(samples) != k:
+            raise ReportError(path, f"problem {i} has {len(samples)} samples, settings.n_samples is {k}")
+        flags = [s.get("correct") if isinstance(s, dict) else None for s in samples]
+        if not all(isinstance(f, bool) for f in flags):
+            raise ReportError(path, f"problem {i}: every sample needs a true/false 'correct'")
+        keys.append(key)
+        counts.append(sum(flags))
+
+    run = Run(path=path, dataset=report["dataset"], settings=report["settings"],
+              checkpoint=str(report.get("checkpoint", "?")), keys=tuple(keys),
+              num_correct=np.asarray(counts, dtype=np.int64), k=k)
+    metrics = report.get("metrics")
+    stated = metrics.get(f"avg@{k}") if isinstance(metrics, dict) else None
+    if isinstance(stated, (int, float)) and abs(stated - run.avg) > 1e-6:
+        raise ReportError(path, f"metrics avg@{k} is {stated} but its samples give {run.avg:.4f}")
+    return run
+
+
+def check_comparable(runs: Sequence[Run]) -> np.ndarray:
+    """Same dataset, settings and problem set in every run (checked against the
+    first one). Returns correct counts [run, problem], problems sorted by (text, gold)
+    so that no result depends on the order of problems inside the files."""
+    first = runs[0]
+    seen_paths = {}
+    for run in runs:
+        resolved = Path(run.path).resolve()
+        if resolved in seen_paths:
+            raise ReportError(run.path, "given more than once (one file is one run)")
+        seen_paths[resolved] = run
+    order = {key: i for i, key in enumerate(sorted(first.keys))}
+    rows = []
+    for run in runs:
+        if run.dataset != first.dataset:
+            raise ReportError(run.path, f"dataset {run.dataset!r} differs from {first.dataset!r} in {first.path}")
+        if run.settings != first.settings:
+            names = sorted(set(run.settings) | set(first.settings))
+            diffs = [f"{n} {run.settings.get(n)!r} vs {first.settings.get(n)!r}"
+                     for n in names if run.settings.get(n) != first.settings.get(n)]
+            raise ReportError(run.path, f"settings differ from {first.path}: {', '.join(diffs)}")
+        if set(run.keys) != set(first.keys):
+            missing = len(set(first.keys) - set(run.keys))
+            extra = len(set(run.keys) - set(first.keys))
+            raise ReportError(run.path, f"problem set differs from {first.path}: "
+                                        f"{missing} of its problems missing, {extra} others present")
+        row = np.empty(len(first.keys), dtype=np.int64)
+        for key, count in zip(run.keys, run.num_correct):
+            row[order[key]] = count
+        rows.append(row)
+    return np.stack(rows)
+
+
+# --------------------------------------------------------------------------
+# 5. The two commands
+# --------------------------------------------------------------------------
+
+def summarize_runs(runs: Sequence[Run], counts: np.ndarray, n_resamples: int, seed: int) -> dict:
+    """All numbers of `summary` for runs already checked by check_comparable."""
+    k = runs[0].k
+    accuracy = 100.0 * counts / k  # [run, problem], points
+    per_run = []
+    for i, run in enumerate(runs):
+        boot = bootstrap_mean(accuracy[i], n_resamples, seed)
+        per_run.append({"file": run.path, "checkpoint": run.checkpoint, "avg": run.avg,
+                        "sampling_se": sampling_se(counts[i], k), "problems_ci": boot["ci"],
+                        "problems_se": boot["se"]})
+    result = {"command": "summary", "metric": f"avg@{k}", "dataset": runs[0].dataset,
+              "settings": runs[0].settings, "num_problems": int(counts.shape[1]),
+              "samples_per_problem": k, "runs": per_run, "across_runs": None}
+    if len(runs) >= 2:
+        across = describe([r["avg"] for r in per_run])
+        sampling = [r["sampling_se"] for r in per_run if r["sampling_se"] is not None]
+        across["sampling_only_sd"] = math.sqrt(sum(s * s for s in sampling) / len(sampling)) if sampling else None
+        across["bootstrap"] = bootstrap_mean(accuracy, n_resamples, seed)
+        result["across_runs"] = across
+    return result
+
+
+def compare_arms(runs_a: Sequence[Run], runs_b: Sequence[Run], counts: np.ndarray, n_resamples: int,
+                 seed: int, run_sd: float | None = None) -> dict:
+    """All numbers of `compare`; `counts` [run, problem] holds arm A's runs, then arm B's."""
+    k = runs_a[0].k
+    counts_a, counts_b = counts[:len(runs_a)], counts[len(runs_a):]
+    means_a, means_b = [r.avg for r in runs_a], [r.avg for r in runs_b]
+    boot = bootstrap_difference(100.0 * counts_a / k, 100.0 * counts_b / k, n_resamples, seed)
+    run_test = run_level_test(means_a, means_b)
+    scores = problem_scores(counts_a, counts_b)
+    per_problem = {**sign_test(scores), "sign_flip_p": sign_flip_test(scores)}
+    per_problem["sign_test_p"] = per_problem.pop("p")
+    diff = boot["diff"]
+    assumed = assumed_noise_interval(diff, run_sd, len(runs_a), len(runs_b)) if run_sd else None
+    line = verdict(diff, boot["ci"], len(runs_a), len(runs_b), run_p=run_test and run_test["p"],
+                   problem_p=per_problem["sign_flip_p"], assumed=assumed)
+    arms = {}
+    for label, runs, means in (("A", runs_a, means_a), ("B", runs_b, means_b)):
+        arms[label] = {"files": [r.path for r in runs], "per_run": means, **describe(means)}
+    return {"command": "compare", "metric": f"avg@{k}", "dataset": runs_a[0].dataset,
+            "settings": runs_a[0].settings, "num_problems": int(counts.shape[1]), "samples_per_problem": k,
+            "arms": arms, "difference": diff, "bootstrap": boot, "run_level_test": run_test,
+            "per_problem": per_problem, "assumed_run_sd": assumed, "verdict": line}
+
+
+def _f(value, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _ci(ci, spec: str = ".2f") -> str:
+    return "-" if ci is None else f"[{format(ci[0], spec)}, {format(ci[1], spec)}]"
+
+
+def format_summary(result: dict) -> str:
+    metric = result["metric"]
+    lines = [(f"summary {metric} | dataset {result['dataset']} | {result['num_problems']} problems x "
+              f"{result['samples_per_problem']} samples | {len(result['runs'])} run(s)")]
+    width = max(len("run"), *(len(Path(r["file"]).name) for r in result["runs"]))
+    lines.append(f"{'run':<{width}}  {metric:>7}  {'sampling se':>11}  problems 95% CI (bootstrap)")
+    for r in result["runs"]:
+        lines.append(f"{Path(r['file']).name:<{width}}  {r['avg']:>7.2f}  {_f(r['sampling_se']):>11}  "
+                     f"{_ci(r['problems_ci'])}")
+    across = result["across_runs"]
+    if across:
+        boot = across["bootstrap"]
+        lines += [(f"across runs: mean {across['mean']:.2f}, sd {across['sd']:.2f}, se {across['se']:.2f}, "
+                   f"95% CI {_ci(across['ci'])} (t, df {across['n'] - 1})"),
+                  f"  evaluation sampling alone would give a run-to-run sd of about {_f(across['sampling_only_sd'])}",
+                  (f"  runs + problems resampled ({boot['n_resamples']} bootstrap resamples, seed {boot['seed']}): "
+                   f"95% CI {_ci(boot['ci'])}")]
+    lines += ["what each number captures:",
+              "  sampling se      re-evaluating the same checkpoint (other sampling seed), same problems",
+              "  problems 95% CI  another draw of equally many problems like these (includes sampling noise)"]
+    if across:
+        lines += ["  sd, se, 95% CI   retraining with other seeds (plus sampling noise), same problems",
+                  "  runs + problems  both of the above: seeds and problems"]
+    else:
+        lines.append("  one run cannot show training-seed noise: train more seeds "
+                     "(the anchor's per-run sd is about 1.5 points on AIME24 avg@12)")
+    return "\n".join(lines)
+
+
+def format_compare(result: dict) -> str:
+    metric, boot = result["metric"], result["bootstrap"]
+    lines = [(f"compare {metric} | dataset {result['dataset']} | {result['num_problems']} problems x "
+              f"{result['samples_per_problem']} samples"),
+             f"arm  runs     mean      sd      se  per-run {metric}"]
+    for label, arm in result["arms"].items():
+        per_run = " ".join(f"{v:.2f}" for v in arm["per_run"])
+        lines.append(f"{label:<3}  {arm['n']:>4}  {arm['mean']:>7.2f}  {_f(arm['sd']):>6}  {_f(arm['se']):>6}  "
+                     f"{per_run}")
+    for label, arm in result["arms"].items():
+        lines.append(f"{label}: " + ", ".join(Path(f).name for f in arm["files"]))
+    lines.append(f"B - A: {result['difference']:+.2f} points")
+    runs_a, runs_b = result["arms"]["A"]["n"], result["arms"]["B"]["n"]
+    if min(runs_a, runs_b) > 1:
+        resampled = "runs + problems (paired)"
+    elif max(runs_a, runs_b) == 1:
+        resampled = "problems only (paired; one run per arm)"
+    else:
+        several, single = ("A", "B") if runs_a > 1 else ("B", "A")
+        resampled = f"runs of {several} + problems (paired; {single} has one run)"
+    lines.append(f"  bootstrap, {resampled}, {boot['n_resamples']} resamples, seed {boot['seed']}: "
+                 f"95% CI {_ci(boot['ci'], '+.2f')}")
+    test = result["run_level_test"]
+    if test:
+        lines.append(f"  {test['method']}: t = {test['t']:+.2f}, df = {test['df']:.1f}, p = {test['p']:.3g}, "
+                     f"95% CI {_ci(test['ci'], '+.2f')}")
+    else:
+        lines.append("  run-level test: not possible (needs 2 runs in one arm and some spread between them)")
+    pp = result["per_problem"]
+    lines.append(f"  per problem (these runs, evaluation noise only): B better on {pp['b_better']}, "
+                 f"A better on {pp['a_better']}, tied {pp['tied']}; sign test p = {pp['sign_test_p']:.3g}, "
+                 f"sign-flip test p = {pp['sign_flip_p']:.3g} (exact)")
+    if result["assumed_run_sd"]:
+        assumed = result["assumed_run_sd"]
+        lines.append(f"  with an assumed per-run sd of {assumed['run_sd']:g}: "
+                     f"95% interval {_ci(assumed['ci'], '+.2f')}")
+    lines.append(f"verdict: {result['verdict']}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Statistics over opsd_eval reports: one arm's spread "
+                                                 "(summary) or arm B against arm A (compare).")
+    commands = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--bootstrap", type=int, default=DEFAULT_BOOTSTRAP, metavar="N",
+                        help=f"bootstrap resamples (default {DEFAULT_BOOTSTRAP})")
+    common.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    common.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
+    summary = commands.add_parser("summary", parents=[common], help="avg@k per run and across runs")
+    summary.add_argument("runs", nargs="+", metavar="RUN.json")
+    compare = commands.add_parser("compare", parents=[common], help="difference of means B - A")
+    compare.add_argument("--a", nargs="+", required=True, metavar="RUN.json", help="arm A: one report per run")
+    compare.add_argument("--b", nargs="+", required=True, metavar="RUN.json", help="arm B: one report per run")
+    compare.add_argument("--run-sd", type=float, metavar="SD",
+                         help="assumed per-run sd in points (e.g. 1.48, the anchor's); shown as an extra "
+                              "interval, and used by the verdict when no run-level test is possible (1 vs 1)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; returns the exit status (0, or 2 for bad inputs)."""
+    args = parse_args(argv)
+    try:
+        if args.bootstrap < MIN_BOOTSTRAP:
+            raise InputError(f"--bootstrap must be at least {MIN_BOOTSTRAP}, got {args.bootstrap}")
+        if getattr(args, "run_sd", None) is not None and not (math.isfinite(args.run_sd) and args.run_sd > 0):
+            raise InputError(f"--run-sd must be a positive number, got {args.run_sd}")
+        if args.command == "summary":
+            runs = [load_run(p) for p in args.runs]
+            result = summarize_runs(runs, check_comparable(runs), args.bootstrap, args.seed)
+            text = format_summary(result)
+        else:
+            runs_a, runs_b = [load_run(p) for p in args.a], [load_run(p) for p in args.b]
+            counts = check_comparable([*runs_a, *runs_b])
+            result = compare_arms(runs_a, runs_b, counts, args.bootstrap, args.seed, args.run_sd)
+            text = format_compare(result)
+        if args.json:
+            try:
+                Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+            except OSError as exc:
+                raise ReportError(args.json, f"cannot write: {exc.strerror or exc}") from None
+    except InputError as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
