@@ -336,43 +336,22 @@ class OPSDTrainer(DistillationTrainer):
         mask = student.completion_mask.bool()
         head = _base_model(unwrapped).get_output_embeddings()
         a = self.args
-        if a.loss_implementation == "chunked":
+        divergence = {
+            "beta": a.beta, "temperature": a.temperature, "clip": a.jsd_token_clip,
+            "clip_mode": a.clip_mode, "top_k": a.top_k_loss,
+        }  # fmt: skip
+        if a.loss_implementation == "chunked":  # logits formed chunk by chunk, never [B, C, V] at once
             s, t = student_hidden[mask], teacher_hidden[mask]
+            chunking = {"chunk_size": a.loss_chunk_size, "lm_head_bias": head.bias}
             if a.use_tinker_loss:
-                return chunked_tinker_loss(
-                    s,
-                    t,
-                    head.weight,
-                    student.completion_ids[mask],
-                    temperature=a.temperature,
-                    chunk_size=a.loss_chunk_size,
-                )
-            return chunked_divergence_loss(
-                s,
-                t,
-                head.weight,
-                beta=a.beta,
-                temperature=a.temperature,
-                clip=a.jsd_token_clip,
-                clip_mode=a.clip_mode,
-                top_k=a.top_k_loss,
-                chunk_size=a.loss_chunk_size,
-                lm_head_bias=head.bias,
-            )
+                targets = student.completion_ids[mask]
+                return chunked_tinker_loss(s, t, head.weight, targets, temperature=a.temperature, **chunking)
+            return chunked_divergence_loss(s, t, head.weight, **divergence, **chunking)
         # "logits": full [B, C, V] logits for both roles (the released-style path).
         student_logits, teacher_logits = head(student_hidden), head(teacher_hidden)
         if a.use_tinker_loss:
             return tinker_loss(student_logits, teacher_logits, student.completion_ids, mask, temperature=a.temperature)
-        return divergence_loss(
-            student_logits,
-            teacher_logits,
-            mask,
-            beta=a.beta,
-            temperature=a.temperature,
-            clip=a.jsd_token_clip,
-            clip_mode=a.clip_mode,
-            top_k=a.top_k_loss,
-        )
+        return divergence_loss(student_logits, teacher_logits, mask, **divergence)
 
     def _report_alignment(self, student, teacher, completions) -> None:
         """The `[OPSD align]` self-check: both roles supervise exactly the sampled tokens."""
