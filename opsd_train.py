@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -196,11 +197,21 @@ def train(script_args: ScriptArguments, config, dataset):
     resume = None
     if script_args.resume and os.path.isdir(config.output_dir):
         resume = get_last_checkpoint(config.output_dir)
-        if resume and trainer.accelerator.is_main_process:
-            print(f"[OPSD] resuming from {resume}", flush=True)
+    if resume and trainer.accelerator.is_main_process:
+        print(f"[OPSD] resuming from {resume}", flush=True)
+    if resume and 0 < config.max_steps <= _checkpoint_step(resume):
+        # transformers would still run one step past max_steps when resuming at the end.
+        if trainer.accelerator.is_main_process:
+            print(f"[OPSD] {resume} already reached max_steps={config.max_steps}; nothing to train", flush=True)
+        return trainer
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(config.output_dir)  # final adapter + tokenizer at the top of the run folder
     return trainer
+
+
+def _checkpoint_step(checkpoint: str) -> int:
+    with open(os.path.join(checkpoint, "trainer_state.json"), encoding="utf-8") as f:
+        return int(json.load(f)["global_step"])
 
 
 def main(argv=None) -> int:

@@ -43,6 +43,7 @@ def test_train_capped_resumes_a_finished_run_without_new_steps(tiny_run):
     result = run(["bash", "train_capped.sh"], {"OPSD_PRESET": "tiny", "OPSD_OUTPUT": str(out)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resuming from {out / 'checkpoint-8'}" in result.stdout
+    assert "already reached max_steps=8" in result.stdout
     assert (out / "metrics.jsonl").read_text().count("opsd/true_kl") == before
     assert not (out / "checkpoint-9").exists()
 
