@@ -9,7 +9,9 @@
 #   OPSD_OUTPUT         run folder, default outputs/opsd-capped (tiny: outputs/opsd-tiny)
 #   OPSD_NUM_PROCESSES  processes for accelerate launch, default = visible GPUs (1 without GPUs)
 #   OPSD_PER_DEVICE_BATCH  micro-batch per process, default 4; accumulation fills up to 32
-#   OPSD_USE_VLLM       1 = vLLM rollouts (colocate), default 1 when vllm is importable
+#   OPSD_USE_VLLM       1 = vLLM rollouts, default 1 when vllm is importable
+#   OPSD_VLLM_MODE      colocate (default: vLLM shares the training GPUs) or server (a separate
+#                       `trl vllm-serve --model $OPSD_MODEL` must already be running)
 #   OPSD_PRESET=tiny    embedded tiny model + generated data, CPU budget (8 steps x batch 4)
 #   OPSD_CLIP_MODE, OPSD_PAD_SIDE, OPSD_TEACHER_CONTEXT, OPSD_STUDENT_PROMPT, OPSD_DATA_SELECT: ablation switches
 # A run folder that already holds checkpoint-N resumes from the newest one.
@@ -18,7 +20,7 @@ cd "$(dirname "$0")"
 
 recipe="${1:-recipe.env}"
 if [[ "$recipe" == "-h" || "$recipe" == "--help" ]]; then
-  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
   exit 0
 fi
 # Validate the recipe before anything heavy loads (prints warnings; exit 2 on error).
@@ -45,7 +47,7 @@ else
   extra=(--logging_steps 1)
   use_vllm="${OPSD_USE_VLLM:-$(python -c 'import importlib.util as u; print(int(u.find_spec("vllm") is not None))')}"
   if [[ "$use_vllm" == "1" ]]; then
-    extra+=(--use_vllm true --vllm_mode colocate)
+    extra+=(--use_vllm true --vllm_mode "${OPSD_VLLM_MODE:-colocate}")
   fi
 fi
 
