@@ -20,7 +20,7 @@ cd "$(dirname "$0")"
 
 recipe="${1:-recipe.env}"
 if [[ "$recipe" == "-h" || "$recipe" == "--help" ]]; then
-  sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
   exit 0
 fi
 # Validate the recipe before anything heavy loads (prints warnings; exit 2 on error).
