@@ -40,6 +40,7 @@ from opsd_config import CLIP_MODES, PAD_SIDES, STUDENT_PROMPTS, TEACHER_CONTEXTS
 from opsd_logging import append_metrics, kl_line
 from opsd_loss import divergence_loss, tinker_loss
 from rollout import SamplingSettings, TransformersBackend
+from vllm_weights import merged_named_parameters
 
 EMA_FILE = "ema_adapter.pt"
 STAGING_DIR = ".staging"  # checkpoints are written here, then renamed into place
@@ -109,7 +110,12 @@ class OPSDConfig(DistillationConfig):
     )
     loss_chunk_size: int = field(default=1024, metadata={"help": "Tokens per chunk of the chunked loss."})
     rollout_cache_implementation: str | None = field(
-        default=None, metadata={"help": "transformers rollouts: None (dynamic cache) or static."}
+        default="auto",
+        metadata={
+            "help": "transformers rollouts (when vLLM is off): auto (CUDA: graph_compiled, the compiled and "
+            "recorded static-cache decode loop, measured fastest in BENCHMARKS.md; CPU: the dynamic cache), "
+            "graph_compiled, graph, static (generate + static cache) or dynamic / None (generate + dynamic cache)."
+        },
     )
     disable_dropout: bool = field(default=True, metadata={"help": "Dropout off: both roles see one network."})
     remove_unused_columns: bool | None = field(default=False, metadata={"help": "Rows keep their privileged columns."})
@@ -190,6 +196,10 @@ class OPSDTrainer(DistillationTrainer):
             top_k=args.top_k,
             max_new_tokens=args.max_completion_length,
         )
+        if self.use_vllm and is_peft_model(self.model) and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            # Merge LoRA out of place for vLLM: TRL's in-place merge/unmerge would perturb the bf16
+            # base weights, i.e. the fixed teacher, a little at every sync.
+            self.vllm_generation._iter_named_params = lambda: merged_named_parameters(self.vllm_generation.model)
         self.ema = AdapterEMA(self.model, args.ema_decay) if args.use_ema_teacher else None
         if self.ema is not None:
             self.add_callback(_EMAUpdate(self.ema))
@@ -329,9 +339,10 @@ class OPSDTrainer(DistillationTrainer):
         if not self._alignment_checked:
             self._report_alignment(student, teacher, completions)
 
-        student_hidden = completion_hidden_states(unwrapped, student)
-        with torch.no_grad(), self._teacher_weights(unwrapped):
-            teacher_hidden = completion_hidden_states(unwrapped, teacher)
+        with bf16_autocast(unwrapped, enabled=bool(self.args.bf16)):
+            student_hidden = completion_hidden_states(unwrapped, student)
+            with torch.no_grad(), self._teacher_weights(unwrapped):
+                teacher_hidden = completion_hidden_states(unwrapped, teacher)
 
         mask = student.completion_mask.bool()
         head = _base_model(unwrapped).get_output_embeddings()
@@ -413,6 +424,25 @@ def make_collator(tokenizer, args: OPSDConfig) -> OPSDCollator:
         max_prompt_length=args.max_prompt_length,
         max_teacher_prompt_length=args.max_teacher_prompt_length,
     )
+
+
+@contextmanager
+def bf16_autocast(model, enabled: bool):
+    """Mixed precision for the two backbone forwards.
+
+    The loss calls the decoder directly, past the wrapper through which the Trainer
+    applies its autocast; without this, peft runs its float32 adapters in float32
+    (input casts plus fp32 matmuls: 1.24x slower on an H200, BENCHMARKS.md). The
+    adapters' master weights and gradients stay float32.
+    """
+    if not enabled:
+        yield
+        return
+    from peft.helpers import disable_input_dtype_casting
+
+    device_type = next(model.parameters()).device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16), disable_input_dtype_casting(model):
+        yield
 
 
 def completion_hidden_states(model, batch) -> torch.Tensor:

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import rollout
-from rollout import (BackendUnavailable, Completion, SamplingSettings, TransformersBackend, derive_seed,
-                     make_backend, resolve_backend_name, to_completion, vllm_lora_rank)
+from rollout import (BackendUnavailable, Completion, SamplingSettings, StaticDecoder, TransformersBackend,
+                     bucket_width, derive_seed, make_backend, resolve_backend_name, resolve_cache_implementation,
+                     to_completion, vllm_lora_rank)
 
 SAMPLE = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=123)
 GREEDY = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=None)
@@ -194,6 +195,160 @@ def test_peft_model_samples_with_its_adapter_and_keeps_its_mode(tiny, prompts):
     adapted = backend_for(tiny, model=peft_model).generate(prompts, GREEDY)
     assert peft_model.training, "generate must restore the caller's train/eval mode"
     assert all_ids(adapted) != all_ids(backend_for(tiny).generate(prompts, GREEDY))
+
+
+# ---------------------------------------------------------------- the static-cache decode loop ("graph")
+# On CPU the loop runs its step eagerly (nothing is recorded or compiled); the
+# same step function is what CUDA records, so these check its cache, mask,
+# position and sampling logic.
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_model(tiny, dtype=torch.float32, seed=0):
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = tiny
+    peft_model = get_peft_model(copy.deepcopy(model).to(dtype),
+                                LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=ALL_PROJECTIONS))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:  # a freshly initialised adapter is a no-op; make it act
+                param.copy_(torch.randn(param.shape, generator=gen).to(dtype) * 0.3)
+    return peft_model
+
+
+def test_graph_loop_matches_dynamic_cache_greedy(tiny, prompts):
+    dynamic = backend_for(tiny).generate(prompts, GREEDY)
+    graph = backend_for(tiny, cache_implementation="graph")
+    assert all_ids(graph.generate(prompts, GREEDY)) == all_ids(dynamic)
+    # left padding up to the width bucket changes nothing: each prompt alone decodes the same
+    assert [graph.generate([p], GREEDY)[0] for p in prompts] == graph.generate(prompts, GREEDY)
+
+
+def test_graph_loop_short_last_batch_and_n(tiny, prompts):
+    """Batches of 2 over 3 prompts x 2 samples: the short last batch is filled up and cut back."""
+    reference = all_ids(backend_for(tiny).generate(prompts, GREEDY, n=2))
+    assert all_ids(backend_for(tiny, batch_size=4, cache_implementation="graph").generate(prompts, GREEDY, n=2)) \
+        == reference
+    assert all_ids(backend_for(tiny, batch_size=2, cache_implementation="graph").generate(prompts[:1], GREEDY, n=3)) \
+        == [reference[0] + reference[0][:1]]
+
+
+@pytest.mark.parametrize("p", [1.0, 0.0, 0.2])
+def test_graph_loop_eos_cases(tiny, prompts, p):
+    model, tokenizer = tiny
+    eos = tokenizer.eos_token_id
+    with eos_probability(model, eos, p):
+        completions = [c for s in backend_for(tiny, batch_size=4, cache_implementation="graph")
+                       .generate(prompts, SAMPLE, n=4) for c in s]
+    for c in completions:
+        assert eos not in c.ids[:-1]
+        if c.truncated:
+            assert len(c.ids) == SAMPLE.max_new_tokens and c.ids[-1] != eos
+        else:
+            assert c.ids[-1] == eos and len(c.ids) <= SAMPLE.max_new_tokens
+    if p == 1.0:
+        assert all(c == Completion([eos], truncated=False) for c in completions)
+    if p == 0.0:
+        assert all(c.truncated for c in completions)
+    if p == 0.2:
+        assert {c.truncated for c in completions} == {True, False}
+
+
+def test_graph_loop_sampling_is_seeded_and_leaves_the_rng_alone(tiny, prompts):
+    backend = backend_for(tiny, batch_size=2, cache_implementation="graph")
+    state = torch.get_rng_state()
+    first = all_ids(backend.generate(prompts, SAMPLE, n=2))
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.rand(1000)
+    assert all_ids(backend.generate(prompts, SAMPLE, n=2)) == first
+    other = SamplingSettings(**{**SAMPLE.__dict__, "seed": SAMPLE.seed + 1})
+    assert all_ids(backend.generate(prompts, other, n=2)) != first
+    assert all(len({tuple(c) for c in samples}) > 1 for samples in first)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_loop_lora_unmerged_and_teacher_weights_untouched(tiny, prompts, dtype):
+    """Adapter on, adapter disabled (the teacher), adapter on again: each as transformers'
+    own generate samples it; the base weights (the teacher) stay bit-identical."""
+    model = lora_model(tiny, dtype)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    model.train()
+    # float32: the dynamic cache decodes identically; bf16: padded static attention rounds
+    # differently from the dynamic cache, so the reference is transformers' static cache.
+    reference_impl = None if dtype == torch.float32 else "static"
+    graph = backend_for(tiny, model=model, cache_implementation="graph")
+    reference = backend_for(tiny, model=model, cache_implementation=reference_impl)
+    adapted = all_ids(graph.generate(prompts, GREEDY))
+    assert adapted == all_ids(reference.generate(prompts, GREEDY))
+    with model.disable_adapter():
+        teacher = all_ids(graph.generate(prompts, GREEDY))
+        assert teacher == all_ids(reference.generate(prompts, GREEDY))
+    assert teacher != adapted
+    assert all_ids(graph.generate(prompts, GREEDY)) == adapted
+    assert model.training and model.config._attn_implementation == "sdpa"
+    after = model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_graph_loop_sees_in_place_adapter_updates(tiny, prompts):
+    model = lora_model(tiny)
+    graph = backend_for(tiny, model=model, cache_implementation="graph")
+    first = all_ids(graph.generate(prompts, GREEDY))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(-1.0)  # an optimizer step writes in place, like this
+    assert all_ids(graph.generate(prompts, GREEDY)) == all_ids(backend_for(tiny, model=model).generate(prompts, GREEDY))
+    assert all_ids(graph.generate(prompts, GREEDY)) != first
+
+
+def test_sampler_keeps_what_transformers_warpers_keep():
+    """Temperature -> top-k -> top-p: the same candidates with the same probabilities."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from rollout import _Sampler
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 500, generator=gen) * 3
+    for temperature, top_k, top_p in [(1.1, 20, 0.95), (0.7, 0, 0.9), (1.0, 50, 1.0), (1.3, 5, 0.5)]:
+        settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=1)
+        scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+        if top_k:
+            scores = TopKLogitsWarper(top_k)(None, scores)
+        if top_p < 1:
+            scores = TopPLogitsWarper(top_p)(None, scores)
+        expected = scores.softmax(-1)
+        values, index = _Sampler(settings, logits.shape[-1]).filtered(logits)
+        ours = torch.zeros_like(expected).scatter_(-1, index, values.softmax(-1))
+        assert torch.equal(ours > 0, expected > 0)
+        assert torch.allclose(ours, expected, atol=1e-6)
+
+
+def test_sampler_draws_from_the_filtered_distribution():
+    from rollout import _Sampler
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(20000, 1)
+    sampler = _Sampler(SamplingSettings(temperature=1.0, top_p=0.9, top_k=3, max_new_tokens=1), 4)
+    draws = sampler(logits, torch.rand(20000, 3, generator=torch.Generator().manual_seed(1)))
+    freq = torch.bincount(draws, minlength=4).float() / len(draws)
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95, atol=0.015)
+    assert freq[3] == 0
+
+
+def test_bucket_widths_and_engine_choice(tiny):
+    assert [bucket_width(n) for n in (1, 64, 65, 97, 129, 200, 300, 700, 1000)] == \
+        [64, 64, 96, 128, 192, 256, 384, 768, 1024]
+    model, _ = tiny
+    assert resolve_cache_implementation("auto", model) is None  # CPU: the dynamic cache
+    assert resolve_cache_implementation("dynamic", model) is None
+    assert StaticDecoder.supports(model)
+    with pytest.raises(ValueError, match="cache_implementation"):
+        backend_for(tiny, cache_implementation="graphs")
 
 
 # ---------------------------------------------------------------- choosing a backend, vLLM

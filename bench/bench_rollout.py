@@ -1,0 +1,263 @@
+"""Rollout throughput of the transformers backend configurations, LoRA (peft) model.
+
+    python bench/bench_rollout.py                 # GPU: Qwen3-1.7B shape, 32 prompts x 1024 new tokens
+    python bench/bench_rollout.py --shape tiny    # CPU smoke run of the same code
+
+The model is the trainer's: a peft LoRA (r=64, alpha=128, all projections) on the
+random-init base, sampled exactly as `OPSDTrainer._sample` does it
+(`rollout.TransformersBackend`, eval mode, no_grad, the recipe's temperature 1.1 /
+top_p 0.95 / top_k 20, one batch of all prompts). Prompt lengths vary (left
+padding is exercised). Per configuration: the first call (compile / graph
+recording included) and the median of the timed calls, in generated tokens per
+second (tokens up to and including EOS; a random model rarely samples it).
+
+Checks: greedy completions of the graph loop against transformers' static-cache
+generate (same numerics family) and the dynamic cache; the base weights (the fixed
+teacher) bit-identical after all rollouts; a rollout with the adapter disabled.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+import torch
+
+from rollout import SamplingSettings, StaticDecoder, TransformersBackend
+
+PAD_ID, EOS_IDS = 151643, [151645, 151643]
+
+
+def prompts(count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (count,), generator=gen).tolist()
+    return [torch.randint(0, PAD_ID, (n,), generator=gen).tolist() for n in lengths]
+
+
+def base_fingerprint(model) -> str:
+    """sha256 over every non-adapter parameter's bytes: the teacher's weights."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        if "lora_" not in name:
+            digest.update(name.encode())
+            digest.update(param.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
+                          if param.dtype != torch.bfloat16
+                          else param.detach().contiguous().view(torch.int16).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def run_config(model, name: str, impl, rows, settings, repeats: int, log) -> dict:
+    backend = TransformersBackend(model, pad_token_id=PAD_ID, eos_token_ids=EOS_IDS, batch_size=len(rows),
+                                  cache_implementation=impl)
+    common.free_memory()
+    result = {"config": name, "cache_implementation": impl, "prompts": len(rows),
+              "max_new_tokens": settings.max_new_tokens}
+    try:
+        first, samples = common.timed(lambda: backend.generate(rows, settings))
+        times, tokens = [], []
+        for i in range(repeats):
+            t, samples = common.timed(lambda: backend.generate(rows, settings))
+            times.append(t)
+            tokens.append(sum(len(s[0].ids) for s in samples))
+        med = common.median(times)
+        result.update(status="ok", first_call_s=first, times=times, s=med,
+                      tokens=tokens[times.index(min(times, key=lambda x: abs(x - med)))],
+                      peak_gib=common.peak_gib())
+        result["tokens_per_s"] = result["tokens"] / med
+        state = decoder_state(model) if impl in ("graph", "graph_compiled") else None
+        if state is not None:
+            result.update(graph_recorded=state.graph is not None, graph_error=state.graph_error)
+        completions = [s[0].ids for s in samples]
+        result["sampled_in_reference_top20"] = reference_consistency(model, rows, completions, k=20)
+        log(f"[rollout] {name:22s} first={first:.1f}s timed={[f'{t:.2f}' for t in times]} "
+            f"tokens={result['tokens']} tok/s={result['tokens_per_s']:,.0f} peak={result['peak_gib']:.1f}GiB "
+            f"graph={result.get('graph_recorded')} top20={result['sampled_in_reference_top20']['in_top_k']:.4f}")
+    except Exception as exc:  # noqa: BLE001 - report and go on with the next configuration
+        result.update(status=f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        log(f"[rollout] {name:22s} FAILED {result['status']}")
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        StaticDecoder.for_model(model).release()
+        common.free_memory()
+    return result
+
+
+def decoder_state(model):
+    from rollout import _causal_lm
+
+    decoder = StaticDecoder._instances.get(_causal_lm(model))
+    return None if decoder is None else decoder.state
+
+
+@torch.no_grad()
+def reference_consistency(model, rows, completions, k: int, chunk: int = 8) -> dict:
+    """Re-score prompt + completion with one plain full forward (no cache, sdpa, adapter
+    as currently set) and count the sampled tokens that lie in that forward's top-k
+    at their position (k=1: greedy argmax agreement; also the largest logit gap).
+    Wrong cache slots, masks or rotary positions would put ~0% there."""
+    was_training = model.training
+    model.eval()
+    inside, total, worst_gap = 0, 0, 0.0
+    dev = next(model.parameters()).device
+    try:
+        for start in range(0, len(rows), chunk):
+            pairs = [(p, c) for p, c in zip(rows[start:start + chunk], completions[start:start + chunk]) if c]
+            if not pairs:
+                continue
+            width = max(len(p) + len(c) for p, c in pairs)
+            ids = torch.full((len(pairs), width), PAD_ID, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, (p, c) in enumerate(pairs):  # left padding, contiguous prompt -> completion
+                seq = p + c
+                ids[i, width - len(seq):] = torch.tensor(seq)
+                mask[i, width - len(seq):] = 1
+            ids, mask = ids.to(dev), mask.to(dev)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+            for i, (p, c) in enumerate(pairs):
+                n = len(c)
+                pred = logits[i, width - n - 1:width - 1].float()  # positions predicting each completion token
+                target = torch.tensor(c, device=dev)
+                chosen = pred.gather(-1, target[:, None]).squeeze(-1)
+                kth = pred.topk(k, dim=-1).values[:, -1]
+                inside += int((chosen >= kth).sum())
+                total += n
+                worst_gap = max(worst_gap, float((pred.max(-1).values - chosen).max()) if k == 1 else 0.0)
+    finally:
+        model.train(was_training)
+    result = {"k": k, "tokens": total, "in_top_k": inside / max(total, 1)}
+    if k == 1:
+        result["max_logit_gap"] = worst_gap
+    return result
+
+
+def agreement(a, b) -> dict:
+    """Share of rows identical, and mean length of the common prefix."""
+    same = sum(x == y for x, y in zip(a, b))
+    prefix = []
+    for x, y in zip(a, b):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        prefix.append(n)
+    return {"identical_rows": same, "rows": len(a), "mean_common_prefix": sum(prefix) / len(prefix)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=["qwen3-1.7b", "tiny"], default=None)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 1024 (tiny: 32)")
+    parser.add_argument("--dynamic-new-tokens", type=int, default=None,
+                        help="the slow dynamic-cache baseline is timed on fewer new tokens (default 256; tiny: 32)")
+    parser.add_argument("--configs", default="graph,dynamic,static,graph_compiled")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--budget-s", type=float, default=400)
+    parser.add_argument("--json", default=None)
+    opts = parser.parse_args(argv)
+    shape = "tiny" if opts.tiny else (opts.shape or ("qwen3-1.7b" if torch.cuda.is_available() else "tiny"))
+    tiny = shape == "tiny"
+    new_tokens = opts.new_tokens or (32 if tiny else 1024)
+    dynamic_tokens = opts.dynamic_new_tokens or (32 if tiny else 256)
+    start = time.time()
+
+    def log(msg):
+        print(msg, flush=True)
+
+    log(f"[bench_rollout] shape={shape} machine: {common.machine()}")
+    model = common.build_lora_model(shape)
+    model.train()  # as in the trainer between rollouts; the backend switches to eval and back
+    if not tiny:
+        common.set_checkpointing(model, 1)  # the trainer's model has checkpointing on
+    rows = prompts(opts.prompts, 8 if tiny else 150, 24 if tiny else 300)
+    sampling = SamplingSettings(temperature=1.1, top_p=0.95, top_k=20, max_new_tokens=new_tokens, seed=7)
+    results = {"shape": shape, "machine": common.machine(), "prompts": opts.prompts,
+               "prompt_lengths": [len(r) for r in rows], "new_tokens": new_tokens}
+    teacher_before = base_fingerprint(model)
+
+    # Correctness on the device first (short greedy runs, no compilation).
+    greedy = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=64 if not tiny else 16, seed=None)
+    checks, outs = {}, {}
+    for impl in ("graph", None):
+        backend = TransformersBackend(model, pad_token_id=PAD_ID, eos_token_ids=EOS_IDS, batch_size=len(rows),
+                                      cache_implementation=impl)
+        try:
+            outs[impl] = [s[0].ids for s in backend.generate(rows, greedy)]
+            checks[f"greedy_{impl or 'dynamic'}_argmax_of_plain_forward"] = reference_consistency(
+                model, rows, outs[impl], k=1)
+        except Exception as exc:  # noqa: BLE001
+            checks[f"greedy_{impl or 'dynamic'}"] = f"FAILED {type(exc).__name__}: {exc}"
+        state = decoder_state(model)
+        if impl == "graph" and state is not None:
+            checks["graph_recorded"] = state.graph is not None
+            checks["graph_error"] = state.graph_error
+        StaticDecoder.for_model(model).release()
+    if "graph" in outs and None in outs:
+        checks["greedy_graph_vs_dynamic_generate"] = agreement(outs["graph"], outs[None])
+    with model.disable_adapter():  # reason_first samples with the teacher's weights: a second recorded graph
+        backend = TransformersBackend(model, pad_token_id=PAD_ID, eos_token_ids=EOS_IDS, batch_size=len(rows),
+                                      cache_implementation="graph")
+        base_graph = [s[0].ids for s in backend.generate(rows, greedy)]
+        checks["greedy_graph_adapter_disabled_argmax_of_plain_forward"] = reference_consistency(
+            model, rows, base_graph, k=1)
+    StaticDecoder.for_model(model).release()
+    checks["adapter_changes_samples"] = base_graph != outs.get("graph")
+    for key, value in checks.items():
+        log(f"[check] {key}: {value}")
+    results["checks"] = checks
+    common.write_json(opts.json, results)
+
+    configs = []
+    for name in opts.configs.split(","):
+        impl = None if name == "dynamic" else name
+        tokens = dynamic_tokens if name == "dynamic" else new_tokens
+        configs.append((name if tokens == new_tokens else f"{name} ({tokens} new)", impl, tokens))
+    timings = []
+    for name, impl, tokens in configs:
+        if time.time() - start > opts.budget_s:
+            log(f"[bench_rollout] budget reached, skipping {name}")
+            timings.append({"config": name, "status": "skipped (time budget)"})
+            continue
+        settings = SamplingSettings(**{**sampling.__dict__, "max_new_tokens": tokens})
+        repeats = 1 if impl in (None, "static") else opts.repeats
+        timings.append(run_config(model, name, impl, rows, settings, repeats, log))
+        results["timings"] = timings
+        common.write_json(opts.json, results)
+    results["timings"] = timings
+    results["teacher_weights_unchanged"] = base_fingerprint(model) == teacher_before
+    log(f"[check] base (teacher) weights bit-identical after all rollouts: {results['teacher_weights_unchanged']}")
+    results["elapsed_s"] = time.time() - start
+    report = summarize(results)
+    results["report"] = report
+    common.write_json(opts.json, results)
+    print("\n" + report, flush=True)
+    return 0
+
+
+def summarize(results) -> str:
+    rows = []
+    for t in results["timings"]:
+        if t.get("status") == "ok":
+            rows.append([t["config"], f"{t['prompts']} x {t['max_new_tokens']}", f"{t['first_call_s']:.1f}",
+                         f"{t['s']:.2f}", f"{t['tokens']:,}", f"{t['tokens_per_s']:,.0f}", f"{t['peak_gib']:.1f}",
+                         f"{t['sampled_in_reference_top20']['in_top_k']:.4f}"])
+        else:
+            rows.append([t["config"], "", "", "", "", t.get("status", "?"), "", ""])
+    table = common.markdown_table(["configuration", "prompts x new tokens", "first call (s)", "timed call (s)",
+                                   "tokens", "tokens/s", "peak GiB", "sampled in top-20 of a plain forward"], rows)
+    lines = [f"## Rollouts, {results['shape']}, LoRA r=64 peft model ({results['machine']})", "", table, ""]
+    for key, value in results["checks"].items():
+        lines.append(f"check {key}: {value}")
+    lines.append(f"check teacher (base) weights bit-identical after all rollouts: {results['teacher_weights_unchanged']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Shared pieces of the benchmarks: the model shapes, the LoRA model as the trainer
+builds it, the FLOP count, timing and memory helpers, and a report writer.
+
+Shapes:
+- `qwen3-1.7b`: a random-init Qwen3-1.7B-shaped model (vocab 151936, hidden 2048,
+  intermediate 6144, 28 layers, 16 heads, 8 KV heads, head_dim 128, rope_theta 1e6,
+  tied embeddings), bf16, sdpa; for the GPU machine.
+- `tiny`: the embedded tiny default (`tiny_default.build_tiny_model()`, fp32), so
+  the whole benchmark runs end to end on a CPU in about a minute.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OPSD_CACHE", str(ROOT / ".cache" / "opsd"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import torch
+
+BF16_PEAK_TFLOPS = 786.0  # dense bf16 matmul ceiling measured on the H200 (DEVICE.md)
+LORA_R, LORA_ALPHA = 64, 128
+
+
+@dataclass(frozen=True)
+class Geometry:
+    prompt: int  # student prompt tokens
+    teacher_prompt: int  # teacher prompt tokens
+    completion: int  # completion tokens
+
+
+FULL = Geometry(prompt=200, teacher_prompt=700, completion=1024)
+TINY = Geometry(prompt=12, teacher_prompt=30, completion=32)
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def qwen3_17b_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        bos_token_id=151643, eos_token_id=151645, pad_token_id=151643,
+    )
+
+
+def build_base_model(shape: str, seed: int = 0):
+    """The base CausalLM for `shape`, on the benchmark device, in its benchmark dtype."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    if shape == "tiny":
+        import tiny_default
+
+        model = tiny_default.build_tiny_model(seed).to(device())
+        model.config._attn_implementation = "sdpa"
+        return model
+    with torch.device(device()):
+        model = AutoModelForCausalLM.from_config(qwen3_17b_config(), dtype=torch.bfloat16, attn_implementation="sdpa")
+    return model
+
+
+def build_lora_model(shape: str, seed: int = 0, b_std: float = 0.01):
+    """The base model wrapped with the trainer's LoRA config (r=64, alpha=128, all projections,
+    no dropout), adapters in peft's default dtype (float32), as `opsd_train` + TRL build it.
+
+    lora_B is drawn N(0, b_std) instead of peft's zeros, so the student differs from the
+    teacher and every adapter matrix gets a gradient (a zero B gives A no gradient)."""
+    from peft import get_peft_model
+
+    import opsd_train
+
+    args = opsd_train.ScriptArguments(lora_r=LORA_R, lora_alpha=LORA_ALPHA)
+    model = get_peft_model(build_base_model(shape, seed), opsd_train.lora_config(args))
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * b_std)
+    return model
+
+
+def set_checkpointing(model, every_n_layers: int) -> None:
+    """Activation checkpointing as the Trainer applies it (0 = off)."""
+    inner = model.get_base_model()
+    if every_n_layers <= 0:
+        if hasattr(inner, "activation_checkpointing_disable"):
+            inner.activation_checkpointing_disable()
+        else:
+            inner.gradient_checkpointing_disable()
+        return
+    if hasattr(inner, "activation_checkpointing_enable"):
+        inner.activation_checkpointing_enable(every_n_layers=every_n_layers)
+    else:  # older transformers: all layers only
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+
+
+def count_params(model) -> dict[str, int]:
+    """Matmul parameter counts of the decoder (base projections), the LM head and LoRA."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = inner.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    return {
+        "linear": per_layer * cfg.num_hidden_layers,
+        "head": cfg.vocab_size * h,
+        "lora": lora,
+        "layers": cfg.num_hidden_layers,
+        "attn_width": q,
+    }
+
+
+def step_flops(params: dict[str, int], batch: int, geo: Geometry) -> float:
+    """Model FLOPs of one OPSD micro-batch step: the work both implementations must do.
+
+    F = teacher forward + student forward & backward + LM head on completion positions:
+      teacher fwd   2 * P_lin * T_t                + 2 * L * A * S_t^2 * B
+      student fwd   2 * (P_lin + P_lora) * T_s     + 2 * L * A * S_s^2 * B
+      student bwd   2 * (P_lin + P_lora) * T_s  (input grads; base frozen)
+                    + 2 * P_lora * T_s          (LoRA weight grads)
+                    + 4 * L * A * S_s^2 * B     (attention backward)
+      head          2 * 2 * P_head * N_c (both roles' logits) + 2 * P_head * N_c (d hidden)
+    with S = prompt + completion per sequence, T = B * S tokens, N_c = B * completion,
+    A = heads * head_dim, L = layers; causal attention counted as half of S^2.
+    Re-computation (activation checkpointing, the chunked loss's second logits pass)
+    and the naive step's prompt-position logits are not counted: equal FLOPs for both
+    steps, so the TFLOP/s ratio is the speed ratio.
+    """
+    p_lin, p_head, p_lora, layers, width = (params[k] for k in ("linear", "head", "lora", "layers", "attn_width"))
+    s_t, s_s, n_c = geo.teacher_prompt + geo.completion, geo.prompt + geo.completion, batch * geo.completion
+    t_t, t_s = batch * s_t, batch * s_s
+    teacher = 2 * p_lin * t_t + 2 * layers * width * s_t**2 * batch
+    student_fwd = 2 * (p_lin + p_lora) * t_s + 2 * layers * width * s_s**2 * batch
+    student_bwd = 2 * (p_lin + p_lora) * t_s + 2 * p_lora * t_s + 4 * layers * width * s_s**2 * batch
+    head = 6 * p_head * n_c
+    return float(teacher + student_fwd + student_bwd + head)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def timed(fn) -> tuple[float, object]:
+    sync()
+    start = time.perf_counter()
+    result = fn()
+    sync()
+    return time.perf_counter() - start, result
+
+
+def median(values) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def machine() -> str:
+    import transformers
+
+    parts = [f"python {platform.python_version()}", f"torch {torch.__version__}",
+             f"transformers {transformers.__version__}"]
+    try:
+        import peft
+
+        parts.append(f"peft {peft.__version__}")
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        parts.insert(0, f"{props.name} ({props.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}")
+    else:
+        parts.insert(0, f"CPU ({os.cpu_count()} cores)")
+    return ", ".join(parts)
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=1, default=str))
