@@ -403,3 +403,14 @@ def test_use_vllm_without_vllm_is_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error:") and "vllm" in err.lower()
     assert not (tmp_path / "out").exists()
+
+
+def test_bad_dataset_fails_before_loading(tmp_path, capsys):
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"problem": "What is 1+1?", "answer": "2"}\n')
+    out = tmp_path / "out"
+    assert opsd_train.main(tiny_argv(out, 1, "--dataset_name", str(data))) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err
+    assert "rows.jsonl" in err and "solution" in err
+    assert not out.exists()
