@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
 
-from rollout import SamplingSettings, StaticDecoder, TransformersBackend
+from rollout import SamplingSettings, TransformersBackend
+from static_decode import StaticDecoder
 
 PAD_ID, EOS_IDS = 151643, [151645, 151643]
 
@@ -89,7 +90,7 @@ def run_config(model, name: str, impl, rows, settings, repeats: int, log) -> dic
 
 
 def decoder_state(model):
-    from rollout import _causal_lm
+    from static_decode import _causal_lm
 
     decoder = StaticDecoder._instances.get(_causal_lm(model))
     return None if decoder is None else decoder.state

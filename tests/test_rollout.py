@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import rollout
-from rollout import (BackendUnavailable, Completion, SamplingSettings, StaticDecoder, TransformersBackend,
-                     bucket_width, derive_seed, make_backend, resolve_backend_name, resolve_cache_implementation,
-                     to_completion, vllm_lora_rank)
+from rollout import (BackendUnavailable, Completion, SamplingSettings, TransformersBackend, derive_seed, make_backend,
+                     resolve_backend_name, to_completion, vllm_lora_rank)
+from static_decode import StaticDecoder, bucket_width, resolve_cache_implementation
 
 SAMPLE = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=123)
 GREEDY = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=None)
@@ -311,7 +311,7 @@ def test_sampler_keeps_what_transformers_warpers_keep():
     """Temperature -> top-k -> top-p: the same candidates with the same probabilities."""
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    from rollout import _Sampler
+    from static_decode import _Sampler
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 500, generator=gen) * 3
@@ -330,7 +330,7 @@ def test_sampler_keeps_what_transformers_warpers_keep():
 
 
 def test_sampler_draws_from_the_filtered_distribution():
-    from rollout import _Sampler
+    from static_decode import _Sampler
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(20000, 1)
     sampler = _Sampler(SamplingSettings(temperature=1.0, top_p=0.9, top_k=3, max_new_tokens=1), 4)
