@@ -63,6 +63,10 @@ _SWITCHES = {
 }
 
 
+# Switches field -> environment variable (derived; for code that maps switches onto config fields).
+SWITCH_VARIABLES = {name: var for name, (var, _) in _SWITCHES.items()}
+
+
 @dataclass(frozen=True)
 class Switches:
     """The method switches of SPEC sections 2-4, read from the environment."""

@@ -19,7 +19,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from opsd_config import ConfigError, Recipe, RecipeError, Switches, parse_recipe
+from opsd_config import SWITCH_VARIABLES, ConfigError, Recipe, RecipeError, Switches, parse_recipe
 from opsd_data import DataError, load_train_dataset
 
 TINY_PRESET = {  # the embedded default on 2 CPU cores: short completions, a short prompt budget
@@ -70,12 +70,8 @@ RECIPE_TO_ARGS = (
     "top_k_loss",
     "use_tinker_loss",
 )
-SWITCH_TO_ARG = {
-    "OPSD_CLIP_MODE": ("clip_mode", "clip_mode"),
-    "OPSD_PAD_SIDE": ("pad_side", "pad_side"),
-    "OPSD_TEACHER_CONTEXT": ("teacher_context", "teacher_context"),
-    "OPSD_STUDENT_PROMPT": ("student_prompt", "student_prompt"),
-}
+# Switches that are trainer config fields (data_select is applied to the dataset instead).
+CONFIG_SWITCHES = {name: var for name, var in SWITCH_VARIABLES.items() if name != "data_select"}
 
 
 def _flag(name: str, value) -> list[str]:
@@ -95,9 +91,9 @@ def overrides(preset: str | None, recipe: Recipe | None, max_steps: int, switche
         # transformers 5 folds the ratio into `warmup_steps` (a float < 1 is a ratio).
         ratio = recipe.warmup_ratio
         extra += _flag("warmup_steps", ratio if ratio < 1 else max_steps)
-    for var, (attr, arg) in SWITCH_TO_ARG.items():
+    for name, var in CONFIG_SWITCHES.items():
         if var in env:
-            extra += _flag(arg, getattr(switches, attr))
+            extra += _flag(name, getattr(switches, name))
     if preset == "tiny":
         length = TINY_PRESET["max_completion_length"]
         if recipe is not None:

@@ -39,7 +39,7 @@ from opsd_chunked_loss import chunked_divergence_loss, chunked_tinker_loss
 from opsd_config import CLIP_MODES, PAD_SIDES, STUDENT_PROMPTS, TEACHER_CONTEXTS, Recipe
 from opsd_logging import append_metrics, kl_line
 from opsd_loss import divergence_loss, tinker_loss
-from rollout import SamplingSettings, TransformersBackend
+from rollout import SamplingSettings, TransformersBackend, to_completion
 from vllm_weights import merged_named_parameters
 
 EMA_FILE = "ema_adapter.pt"
@@ -240,10 +240,10 @@ class OPSDTrainer(DistillationTrainer):
         if max_new_tokens is not None:
             settings = dataclasses.replace(settings, max_new_tokens=max_new_tokens)
         if self.use_vllm and max_new_tokens is None:
-            completions = self._generate_single_turn(prompt_ids, None, {})  # syncs LoRA weights first
-            eos = set(self.eos_token_ids)
-            truncated = [not c or c[-1] not in eos for c in completions]
-            return completions, truncated
+            samples = [  # syncs the LoRA weights first
+                to_completion(ids, self.eos_token_ids) for ids in self._generate_single_turn(prompt_ids, None, {})
+            ]
+            return [s.ids for s in samples], [s.truncated for s in samples]
         with (
             unwrap_model_for_generation(
                 self.model_wrapped,

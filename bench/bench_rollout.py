@@ -235,11 +235,7 @@ def main(argv=None) -> int:
     results["teacher_weights_unchanged"] = base_fingerprint(model) == teacher_before
     log(f"[check] base (teacher) weights bit-identical after all rollouts: {results['teacher_weights_unchanged']}")
     results["elapsed_s"] = time.time() - start
-    report = summarize(results)
-    results["report"] = report
-    common.write_json(opts.json, results)
-    print("\n" + report, flush=True)
-    return 0
+    return common.finish(results, opts.json, summarize(results))
 
 
 def summarize(results) -> str:

@@ -410,11 +410,7 @@ def main(argv=None) -> int:
         results["chunk_sweep"] = loss_chunk_sweep(model, geo, 8 if shape != "tiny" else 2,
                                                   [512, 1024, 2048, 4096] if shape != "tiny" else [16, 64], log)
     results["elapsed_s"] = time.time() - start
-    report = summarize(results)
-    results["report"] = report
-    common.write_json(opts.json, results)
-    print("\n" + report, flush=True)
-    return 0
+    return common.finish(results, opts.json, summarize(results))
 
 
 def summarize(results) -> str:

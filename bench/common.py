@@ -214,3 +214,11 @@ def write_json(path: str | None, payload: dict) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(payload, indent=1, default=str))
+
+
+def finish(results: dict, json_path: str | None, report: str) -> int:
+    """Store the report with the numbers, write the JSON, print the report last."""
+    results["report"] = report
+    write_json(json_path, results)
+    print("\n" + report, flush=True)
+    return 0

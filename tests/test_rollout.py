@@ -117,18 +117,23 @@ def test_impossible_eos_truncates_every_completion(tiny, prompts):
         assert tokenizer.eos_token_id not in completion.ids
 
 
-def test_mixed_batches_are_cut_after_eos_with_no_padding(tiny, prompts):
-    model, tokenizer = tiny
-    eos = tokenizer.eos_token_id
-    with eos_probability(model, eos, 0.2):
-        result = backend_for(tiny, batch_size=4).generate(prompts, SAMPLE, n=4)
-    completions = [c for s in result for c in s]
+def assert_cut_after_first_eos(completions, eos):
+    """Nothing after the first EOS; truncated exactly when the budget ran out without EOS."""
     for c in completions:
         assert eos not in c.ids[:-1]
         if c.truncated:
             assert len(c.ids) == SAMPLE.max_new_tokens and c.ids[-1] != eos
         else:
             assert c.ids[-1] == eos and len(c.ids) <= SAMPLE.max_new_tokens
+
+
+def test_mixed_batches_are_cut_after_eos_with_no_padding(tiny, prompts):
+    model, tokenizer = tiny
+    eos = tokenizer.eos_token_id
+    with eos_probability(model, eos, 0.2):
+        result = backend_for(tiny, batch_size=4).generate(prompts, SAMPLE, n=4)
+    completions = [c for s in result for c in s]
+    assert_cut_after_first_eos(completions, eos)
     # the seed is fixed, so this mix is deterministic: both kinds, several lengths
     assert {c.truncated for c in completions} == {True, False}
     assert len({len(c.ids) for c in completions if not c.truncated}) > 1
@@ -245,12 +250,7 @@ def test_graph_loop_eos_cases(tiny, prompts, p):
     with eos_probability(model, eos, p):
         completions = [c for s in backend_for(tiny, batch_size=4, cache_implementation="graph")
                        .generate(prompts, SAMPLE, n=4) for c in s]
-    for c in completions:
-        assert eos not in c.ids[:-1]
-        if c.truncated:
-            assert len(c.ids) == SAMPLE.max_new_tokens and c.ids[-1] != eos
-        else:
-            assert c.ids[-1] == eos and len(c.ids) <= SAMPLE.max_new_tokens
+    assert_cut_after_first_eos(completions, eos)
     if p == 1.0:
         assert all(c == Completion([eos], truncated=False) for c in completions)
     if p == 0.0:
