@@ -12,6 +12,12 @@ Inputs are the masked completion positions only, already flattened to [N, H];
 the reduction is the token mean over N, exactly as `opsd_loss.divergence_loss`.
 Peak extra memory is a few [chunk_size, V] float32 buffers plus [N, H] for the
 hidden-state gradient.
+
+With `compile=True` (the trainer's default on CUDA) the per-chunk elementwise math
+over [chunk_size, V] (log-softmax, divergence, stats, the analytic gradient) runs
+through `torch.compile`. Every chunk then has exactly `chunk_size` rows (the last
+one is zero-padded and its padding rows dropped from every result), so one compiled
+graph serves every micro-batch whatever its token count.
 """
 from __future__ import annotations
 
@@ -59,6 +65,24 @@ def _chunks(num_tokens: int, chunk_size: int):
         yield slice(start, min(start + chunk_size, num_tokens))
 
 
+def _chunk_rows(hidden: torch.Tensor, rows: slice, pad_to: int | None) -> torch.Tensor:
+    """hidden[rows], zero-padded to `pad_to` rows when given (a fixed shape for compiled math)."""
+    part = hidden[rows]
+    if pad_to is None or part.shape[0] == pad_to:
+        return part
+    return torch.nn.functional.pad(part, (0, 0, 0, pad_to - part.shape[0]))
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(fn):
+    """`torch.compile(fn)` built once per function, for the one chunk shape it sees."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)
+    return _COMPILED[fn]
+
+
 # --------------------------------------------------------------------------- objectives
 
 
@@ -102,21 +126,26 @@ class DivergenceObjective:
 
     stat_keys = DIVERGENCE_STAT_KEYS
 
-    def __init__(self, cfg: DivergenceConfig, use_analytic_grad: bool = True):
+    def __init__(self, cfg: DivergenceConfig, use_analytic_grad: bool = True, compile: bool = False):
         self.cfg = cfg
         # Closed form for the released default (forward KL, entry clip or none, full vocab).
         self.analytic = use_analytic_grad and cfg.beta == 0.0 and cfg.top_k == 0 and (
             cfg.clip_mode == "entry" or not cfg.clip_enabled
         )
+        # Compiled: the forward math, and the gradient where it is the closed form (the
+        # autograd route differentiates eagerly). Compiled math needs fixed-size chunks.
+        self.fixed_chunks = compile
+        self._rows_divergence = _compiled(rows_divergence) if compile else rows_divergence
+        self._analytic_grad = _compiled(forward_kl_logit_grad) if compile else forward_kl_logit_grad
 
     def per_token(self, student_logits, teacher_logits, rows: slice, with_stats: bool = True):
-        return rows_divergence(student_logits, teacher_logits, self.cfg, with_stats=with_stats)
+        return self._rows_divergence(student_logits, teacher_logits, self.cfg, with_stats=with_stats)
 
     def logit_grad(self, student_logits, teacher_logits, rows: slice) -> torch.Tensor:
         if self.analytic:
-            return forward_kl_logit_grad(student_logits, teacher_logits, self.cfg)
+            return self._analytic_grad(student_logits, teacher_logits, self.cfg)
         return autograd_logit_grad(
-            lambda s, t: self.per_token(s, t, rows, with_stats=False), student_logits, teacher_logits
+            lambda s, t: rows_divergence(s, t, self.cfg, with_stats=False), student_logits, teacher_logits
         )
 
 
@@ -124,6 +153,7 @@ class TinkerObjective:
     """Sampled-token estimator per token (`rows_tinker`), for `_ChunkedLoss`."""
 
     stat_keys = TINKER_STAT_KEYS
+    fixed_chunks = False
 
     def __init__(self, target_ids: torch.Tensor, temperature: float):
         self.target_ids = target_ids
@@ -156,12 +186,14 @@ class _ChunkedLoss(torch.autograd.Function):
         dtype = compute_dtype(student_hidden, teacher_hidden, weight)
         loss_sum = torch.zeros((), dtype=dtype, device=student_hidden.device)
         stat_sums = torch.zeros(len(objective.stat_keys), dtype=dtype, device=student_hidden.device)
+        pad_to = chunk_size if objective.fixed_chunks else None
         for rows in _chunks(num_tokens, chunk_size):
-            student_logits = _logits(student_hidden[rows], weight, bias, dtype)
-            teacher_logits = _logits(teacher_hidden[rows], weight, bias, dtype)
+            real = rows.stop - rows.start  # rows past `real` are padding
+            student_logits = _logits(_chunk_rows(student_hidden, rows, pad_to), weight, bias, dtype)
+            teacher_logits = _logits(_chunk_rows(teacher_hidden, rows, pad_to), weight, bias, dtype)
             per_token, stats = objective.per_token(student_logits, teacher_logits, rows)
-            loss_sum += per_token.sum()
-            stat_sums += torch.stack([stats[key].sum() for key in objective.stat_keys])
+            loss_sum += per_token[:real].sum()
+            stat_sums += torch.stack([stats[key][:real].sum() for key in objective.stat_keys])
 
         ctx.save_for_backward(student_hidden, teacher_hidden, weight, bias)
         ctx.objective, ctx.chunk_size, ctx.dtype = objective, chunk_size, dtype
@@ -183,11 +215,13 @@ class _ChunkedLoss(torch.autograd.Function):
         grad_hidden = buffer(student_hidden) if need_hidden else None
         grad_weight = buffer(weight) if need_weight else None
         grad_bias = buffer(bias) if need_bias else None
+        pad_to = ctx.chunk_size if ctx.objective.fixed_chunks else None
         for rows in _chunks(num_tokens, ctx.chunk_size):
+            real = rows.stop - rows.start
             hidden = student_hidden[rows]
-            student_logits = _logits(hidden, weight, bias, dtype)
-            teacher_logits = _logits(teacher_hidden[rows], weight, bias, dtype)
-            grad_logits = ctx.objective.logit_grad(student_logits, teacher_logits, rows) * scale
+            student_logits = _logits(_chunk_rows(student_hidden, rows, pad_to), weight, bias, dtype)
+            teacher_logits = _logits(_chunk_rows(teacher_hidden, rows, pad_to), weight, bias, dtype)
+            grad_logits = ctx.objective.logit_grad(student_logits, teacher_logits, rows)[:real] * scale
             if need_hidden:
                 grad_hidden[rows] = _matmul(grad_logits, weight, dtype)
             if need_weight:
@@ -236,6 +270,7 @@ def chunked_divergence_loss(
     top_k: int = 0,
     chunk_size: int = 1024,
     lm_head_bias: torch.Tensor | None = None,
+    compile: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`opsd_loss.divergence_loss` on logits = hidden @ W.T (+ bias), chunked over tokens.
 
@@ -246,12 +281,15 @@ def chunked_divergence_loss(
         lm_head_weight: [V, H]; gets a gradient too if it requires grad (same for
             lm_head_bias [V]).
         chunk_size: tokens per chunk; memory scales with chunk_size * V.
+        compile: run the per-chunk math through torch.compile (fixed-size chunks; the
+            first call compiles). Same values to float rounding.
     Returns:
         (loss, stats) with the same values and keys as `divergence_loss`; N = 0 gives
         a zero loss that still back-propagates.
     """
     cfg = DivergenceConfig(beta=beta, temperature=temperature, clip=clip, clip_mode=clip_mode, top_k=top_k)
-    return _apply(DivergenceObjective(cfg), student_hidden, teacher_hidden, lm_head_weight, lm_head_bias, chunk_size)
+    objective = DivergenceObjective(cfg, compile=compile)
+    return _apply(objective, student_hidden, teacher_hidden, lm_head_weight, lm_head_bias, chunk_size)
 
 
 def chunked_tinker_loss(
