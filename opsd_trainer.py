@@ -23,7 +23,7 @@ import dataclasses
 import os
 import random
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +33,7 @@ from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints
 from trl import DistillationConfig, DistillationTrainer
 from trl.models.utils import unwrap_model_for_generation
 
+from compiled_layers import CompiledLayers
 from data_collator import OPSDCollator, build_scoring_batch, check_alignment, gather_completion_positions
 from ema_teacher import AdapterEMA
 from opsd_chunked_loss import chunked_divergence_loss, chunked_tinker_loss
@@ -109,6 +110,17 @@ class OPSDConfig(DistillationConfig):
         default="chunked", metadata={"help": "chunked (hidden states, low memory) or logits (full logits)."}
     )
     loss_chunk_size: int = field(default=1024, metadata={"help": "Tokens per chunk of the chunked loss."})
+    compile_loss: bool | None = field(
+        default=None,
+        metadata={"help": "torch.compile the chunked loss's per-chunk math (None: on when CUDA is available)."},
+    )
+    compile_layers: bool | None = field(
+        default=None,
+        metadata={
+            "help": "torch.compile the decoder layers for the two scoring forwards of each step "
+            "(None: on when CUDA is available). The first step compiles (about a minute)."
+        },
+    )
     rollout_cache_implementation: str | None = field(
         default="auto",
         metadata={
@@ -123,6 +135,11 @@ class OPSDConfig(DistillationConfig):
     def __post_init__(self):
         if self.bf16 is None and not torch.cuda.is_available():
             self.bf16 = False  # the base default (bf16) fails on CPU-only machines
+        # Compilation pays off on the GPU (BENCHMARKS.md); on CPU it only costs compile time.
+        if self.compile_loss is None:
+            self.compile_loss = torch.cuda.is_available()
+        if self.compile_layers is None:
+            self.compile_layers = torch.cuda.is_available()
         super().__post_init__()
         choices = {
             "clip_mode": CLIP_MODES,
@@ -207,6 +224,7 @@ class OPSDTrainer(DistillationTrainer):
         self._lmbda_rng = random.Random(args.seed)
         self._alignment_checked = False
         self._staging_root: str | None = None
+        self._compiled_layers: CompiledLayers | None = None
 
     # ------------------------------------------------------------------ rollout
 
@@ -339,7 +357,7 @@ class OPSDTrainer(DistillationTrainer):
         if not self._alignment_checked:
             self._report_alignment(student, teacher, completions)
 
-        with bf16_autocast(unwrapped, enabled=bool(self.args.bf16)):
+        with bf16_autocast(unwrapped, enabled=bool(self.args.bf16)), self._scoring_layers(unwrapped):
             student_hidden = completion_hidden_states(unwrapped, student)
             with torch.no_grad(), self._teacher_weights(unwrapped):
                 teacher_hidden = completion_hidden_states(unwrapped, teacher)
@@ -357,12 +375,20 @@ class OPSDTrainer(DistillationTrainer):
             if a.use_tinker_loss:
                 targets = student.completion_ids[mask]
                 return chunked_tinker_loss(s, t, head.weight, targets, temperature=a.temperature, **chunking)
-            return chunked_divergence_loss(s, t, head.weight, **divergence, **chunking)
+            return chunked_divergence_loss(s, t, head.weight, **divergence, **chunking, compile=a.compile_loss)
         # "logits": full [B, C, V] logits for both roles (the released-style path).
         student_logits, teacher_logits = head(student_hidden), head(teacher_hidden)
         if a.use_tinker_loss:
             return tinker_loss(student_logits, teacher_logits, student.completion_ids, mask, temperature=a.temperature)
         return divergence_loss(student_logits, teacher_logits, mask, **divergence)
+
+    def _scoring_layers(self, unwrapped):
+        """Compiled decoder layers for the scoring forwards (`compile_layers`), else nothing."""
+        if not self.args.compile_layers:
+            return nullcontext()
+        if self._compiled_layers is None:
+            self._compiled_layers = CompiledLayers(unwrapped)
+        return self._compiled_layers.active()
 
     def _report_alignment(self, student, teacher, completions) -> None:
         """The `[OPSD align]` self-check: both roles supervise exactly the sampled tokens."""

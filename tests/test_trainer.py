@@ -414,3 +414,38 @@ def test_bad_dataset_fails_before_loading(tmp_path, capsys):
     assert err.startswith("error:") and "\n" not in err
     assert "rows.jsonl" in err and "solution" in err
     assert not out.exists()
+
+
+def test_compile_switches_default_to_cuda_availability(tmp_path):
+    config = make_trainer(tmp_path, 1).args
+    assert config.compile_loss is torch.cuda.is_available()
+    assert config.compile_layers is torch.cuda.is_available()
+
+
+def test_compiled_step_matches_the_eager_step(tmp_path):
+    """The GPU defaults compile_layers + compile_loss (inductor on CPU here), with the
+    trainer's activation checkpointing on: same loss, diagnostics and LoRA gradients as the
+    eager step, and the layers are eager again after the step."""
+    trainer = make_trainer(tmp_path, 1)
+    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    model = trainer.model.train()
+    # As Trainer.train() switches it on (after __init__).
+    model.get_base_model().activation_checkpointing_enable()
+    model.enable_input_require_grads()
+    results = {}
+    for compiled in (False, True):
+        trainer.args.compile_layers = trainer.args.compile_loss = compiled
+        model.zero_grad()
+        graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        loss, stats = trainer._opsd_loss(model, inputs)
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+        results[compiled] = (loss.detach(), {k: v.detach() for k, v in stats.items()}, grads)
+        assert (torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs_before) is compiled
+    (loss_e, stats_e, grad_e), (loss_c, stats_c, grad_c) = results[False], results[True]
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+    for key in stats_e:
+        torch.testing.assert_close(stats_c[key], stats_e[key], rtol=1e-4, atol=1e-6)
+    assert grad_e.norm() > 0
+    assert (grad_c - grad_e).norm() / grad_e.norm() < 1e-4
+    assert all("forward" not in layer.__dict__ for layer in trainer._compiled_layers.layers)

@@ -1,0 +1,65 @@
+"""torch.compile of the decoder layers, switched on only for the training step's forwards.
+
+Why: with LoRA on every projection, a decoder layer spends much of its time in small
+memory-bound kernels around its GEMMs (peft's `lora_B(lora_A(x)) * scaling` and the
+add, RMSNorm, SiLU gating, rotary, residual adds, dtype casts): a fifth of a step's
+GPU time in the H200 profile of BENCHMARKS.md. Compiling each layer fuses them.
+
+Every layer runs the same code with its parameters as graph inputs, so one compiled
+graph serves all of them (per grad mode, adapter state and shape family; the first
+step compiles, later ones reuse). Activation checkpointing stays as transformers
+applies it: the checkpoint wrapper is part of the compiled `forward`.
+
+The compiled forwards are installed only inside `CompiledLayers.active()`, i.e. for
+the two scoring forwards of `OPSDTrainer._opsd_loss`. Rollouts (vLLM, or the
+project's own CUDA-graph decode loop), evaluation and checkpoint saving see the
+eager model.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+# Graphs one layer forward may need in one process: grad on / off, adapter on / off,
+# checkpointing on / off (per layer with every_n_layers), whether the input requires
+# grad (layer 0 differs), a static then a dynamic shape, batch size 1. Dynamo's
+# default of 8 per function was exceeded on the H200 (BENCHMARKS.md) and then runs
+# the layer eagerly without a word beyond a log warning.
+RECOMPILE_LIMIT = 64
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The repeated blocks of a transformers CausalLM (under a peft wrapper or not)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(inner.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(inner).__name__}: no decoder `.layers` to compile")
+    return list(layers)
+
+
+class CompiledLayers:
+    """Compiled `forward`s for a model's decoder layers, built once, used inside `active()`."""
+
+    def __init__(self, model):
+        self.layers = decoder_layers(model)
+        self._compiled: list | None = None
+
+    @contextmanager
+    def active(self):
+        if self._compiled is None:
+            # Built lazily from whatever `forward` each layer has (hooks included); compiled at first call.
+            self._compiled = [torch.compile(layer.forward) for layer in self.layers]
+        # A layer may carry an instance-level forward already (e.g. accelerate's device hooks).
+        own = [layer.__dict__.get("forward") for layer in self.layers]
+        for layer, compiled in zip(self.layers, self._compiled):
+            layer.forward = compiled
+        try:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                yield
+        finally:
+            for layer, previous in zip(self.layers, own):
+                if previous is None:
+                    del layer.forward
+                else:
+                    layer.forward = previous
