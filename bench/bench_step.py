@@ -12,9 +12,12 @@
     itself (build_scoring_batch -> completion_hidden_states for the student with
     grad and for the teacher under no_grad with the adapter disabled ->
     chunked_divergence_loss on the masked hidden states), called on a stand-in for
-    the trainer that carries the OPSDConfig defaults; then the same backward,
-    clipping and AdamW. With activation checkpointing every layer (the trainer's
-    default), every 2nd layer, and off.
+    the trainer that carries the OPSDConfig defaults (on CUDA: bf16 autocast, decoder
+    layers compiled for the two forwards, compiled chunk math); then the same
+    backward, clipping and AdamW. With activation checkpointing every layer (the
+    trainer's default), every 2nd layer, and off; `_eager` variants switch both
+    compilations off (`--compile_loss false --compile_layers false`), `_loss_only`
+    keeps only the compiled chunk math.
 
 Checks (a) against (b) on one batch (loss relative error, cosine of the LoRA
 gradients), then times every variant for each micro-batch (median of >= 3 steps
@@ -24,7 +27,6 @@ after a warm-up), records peak memory, and prints a table last. FLOPs: see
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import math
 import sys
@@ -36,8 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
 
-import opsd_chunked_loss
-import opsd_trainer
+from compiled_layers import CompiledLayers
 from data_collator import build_scoring_batch, gather_completion_positions
 from opsd_chunked_loss import chunked_divergence_loss
 from opsd_loss import divergence_loss
@@ -52,22 +53,29 @@ def trainer_defaults(**overrides) -> types.SimpleNamespace:
     values = {f.name: f.default for f in dataclasses.fields(OPSDConfig) if f.default is not dataclasses.MISSING}
     # bf16 is resolved in __post_init__ (None -> bf16 on CUDA, fp32 on CPU); do the same here,
     # since the step's mixed precision (opsd_trainer.bf16_autocast) follows it.
-    values["bf16"] = torch.cuda.is_available() if values.get("bf16") is None else values["bf16"]
+    # The same for the compile switches (None -> on with CUDA).
+    for name in ("bf16", "compile_loss", "compile_layers"):
+        if values.get(name) is None:
+            values[name] = torch.cuda.is_available()
     values.update(overrides)
     return types.SimpleNamespace(**values)
 
 
-def trainer_stand_in(args, dev) -> types.SimpleNamespace:
-    """What `OPSDTrainer._opsd_loss` reads from `self`; its own methods are bound to it."""
+def trainer_stand_in(args, dev, compiled_layers=None) -> types.SimpleNamespace:
+    """What `OPSDTrainer._opsd_loss` reads from `self`; its own methods are bound to it.
+
+    `compiled_layers` lets stand-ins for several variants share one set of compiled
+    layer forwards (one compilation per process, as in a training run)."""
     shim = types.SimpleNamespace(
         args=args,
         accelerator=types.SimpleNamespace(device=dev, is_main_process=True),
         _tokenizer=types.SimpleNamespace(pad_token_id=PAD_ID),
         ema=None,
         _alignment_checked=False,
+        _compiled_layers=compiled_layers,
     )
-    shim._teacher_weights = types.MethodType(OPSDTrainer._teacher_weights, shim)
-    shim._report_alignment = types.MethodType(OPSDTrainer._report_alignment, shim)
+    for method in ("_teacher_weights", "_report_alignment", "_scoring_layers"):
+        setattr(shim, method, types.MethodType(getattr(OPSDTrainer, method), shim))
     return shim
 
 
@@ -108,30 +116,36 @@ def naive_loss(model, args, inputs, dev):
 
 
 class Stepper:
-    """loss -> backward -> clip -> AdamW, for either loss function."""
+    """loss -> backward -> clip -> AdamW, for either loss function, per variant's config."""
 
     def __init__(self, model, args, dev):
         self.model, self.args, self.dev = model, args, dev
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=args.learning_rate)
-        self.shim = trainer_stand_in(args, dev)
+        self.compiled_layers = CompiledLayers(model)
+        self.shims = {}
 
-    def loss(self, kind: str, inputs):
-        if kind == "naive":
+    def shim(self, variant: Variant):
+        if variant.name not in self.shims:
+            self.shims[variant.name] = trainer_stand_in(variant.args(), self.dev, self.compiled_layers)
+        return self.shims[variant.name]
+
+    def loss(self, variant: Variant, inputs):
+        if variant.kind == "naive":
             return naive_loss(self.model, self.args, inputs, self.dev)
-        return OPSDTrainer._opsd_loss(self.shim, self.model, inputs)
+        return OPSDTrainer._opsd_loss(self.shim(variant), self.model, inputs)
 
-    def step(self, kind: str, inputs) -> float:
-        loss, _ = self.loss(kind, inputs)
+    def step(self, variant: Variant, inputs) -> float:
+        loss, _ = self.loss(variant, inputs)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, self.args.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    def loss_and_grad(self, kind: str, inputs):
+    def loss_and_grad(self, variant: Variant, inputs):
         self.optimizer.zero_grad(set_to_none=True)
-        loss, stats = self.loss(kind, inputs)
+        loss, stats = self.loss(variant, inputs)
         loss.backward()
         grad = torch.cat([p.grad.float().flatten() for p in self.params])
         self.optimizer.zero_grad(set_to_none=True)
@@ -145,83 +159,42 @@ class Variant:
     name: str
     kind: str  # naive | project
     checkpoint_every: int  # 0 = activation checkpointing off
-    tf32: bool = False
     note: str = ""
-    autocast: bool = False  # proposal: bf16 autocast around completion_hidden_states (LoRA matmuls in bf16)
-    compiled_loss: bool = False  # proposal: torch.compile the chunked loss's per-chunk math
+    overrides: tuple = ()  # OPSDConfig fields that differ from the trainer's defaults
+
+    def args(self) -> types.SimpleNamespace:
+        return trainer_defaults(**dict(self.overrides))
 
 
-_COMPILED = {}
-
-
-@contextlib.contextmanager
-def proposal_patches(variant: Variant):
-    """Measure proposed one-line changes to the trainer's step without editing it:
-    (1) autocast: `completion_hidden_states` runs under torch.autocast(bf16) with
-        peft's fp32 input casting off, so the fp32 LoRA adapters are applied with
-        bf16 matmuls (fp32 master weights and gradients stay);
-    (2) compiled_loss: the per-chunk functions of opsd_chunked_loss
-        (rows_divergence, forward_kl_logit_grad) go through torch.compile.
-    Both patch module globals that `_opsd_loss` / `_ChunkedLoss` look up at call time."""
-    saved = {}
-    try:
-        if variant.autocast:
-            from peft.helpers import disable_input_dtype_casting
-
-            original = opsd_trainer.completion_hidden_states
-            saved[(opsd_trainer, "completion_hidden_states")] = original
-
-            def autocast_hidden_states(model, batch):
-                with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16), \
-                        disable_input_dtype_casting(model):
-                    return original(model, batch)
-
-            opsd_trainer.completion_hidden_states = autocast_hidden_states
-        if variant.compiled_loss:
-            for name in ("rows_divergence", "forward_kl_logit_grad"):
-                saved[(opsd_chunked_loss, name)] = getattr(opsd_chunked_loss, name)
-                if name not in _COMPILED:
-                    _COMPILED[name] = torch.compile(getattr(opsd_chunked_loss, name), dynamic=False)
-                setattr(opsd_chunked_loss, name, _COMPILED[name])
-        yield
-    finally:
-        for (module, name), value in saved.items():
-            setattr(module, name, value)
-
-
+EAGER = (("compile_loss", False), ("compile_layers", False))
 VARIANTS = {
     "naive": Variant("naive", "naive", 1, note="released-style, full logits, ckpt every layer"),
-    "project": Variant("project", "project", 1, note="trainer default: chunked loss, ckpt every layer"),
-    "project_ckpt2": Variant("project_ckpt2", "project", 2, note="chunked loss, ckpt every 2nd layer"),
-    "project_nockpt": Variant("project_nockpt", "project", 0, note="chunked loss, no activation checkpointing"),
-    "project_tf32": Variant("project_tf32", "project", 1, True, note="trainer default + TF32 for the fp32 LoRA matmuls"),
-    "project_autocast": Variant("project_autocast", "project", 1, autocast=True,
-                                note="proposal: bf16 autocast for the hidden-state forwards"),
-    "project_autocast_nockpt": Variant("project_autocast_nockpt", "project", 0, autocast=True,
-                                       note="proposal: autocast, no activation checkpointing"),
-    "project_fast": Variant("project_fast", "project", 1, autocast=True, compiled_loss=True,
-                            note="proposal: autocast + compiled chunk math, ckpt every layer"),
-    "project_fast_nockpt": Variant("project_fast_nockpt", "project", 0, autocast=True, compiled_loss=True,
-                                   note="proposal: autocast + compiled chunk math, no activation checkpointing"),
+    "project": Variant("project", "project", 1, note="trainer default (CUDA: compiled layers + loss), ckpt all"),
+    "project_ckpt2": Variant("project_ckpt2", "project", 2, note="trainer default, ckpt every 2nd layer"),
+    "project_nockpt": Variant("project_nockpt", "project", 0, note="trainer default, no activation checkpointing"),
+    "project_eager": Variant("project_eager", "project", 1, note="--compile_loss false --compile_layers false",
+                             overrides=EAGER),
+    "project_eager_nockpt": Variant("project_eager_nockpt", "project", 0, note="eager, no checkpointing",
+                                    overrides=EAGER),
+    "project_loss_only": Variant("project_loss_only", "project", 1, note="--compile_layers false",
+                                 overrides=(("compile_layers", False),)),
+    "project_loss_only_nockpt": Variant("project_loss_only_nockpt", "project", 0,
+                                        note="--compile_layers false, no checkpointing",
+                                        overrides=(("compile_layers", False),)),
 }
-
-
-def set_tf32(enabled: bool) -> None:
-    torch.backends.cuda.matmul.allow_tf32 = enabled
 
 
 def check_equivalence(model, stepper, batch, geo, log, variants=("project", "project_nockpt")) -> dict:
     """(a) vs (b) on one batch and one parameter state: loss and LoRA gradients."""
     inputs = make_inputs(batch, geo, seed=1234)
     common.set_checkpointing(model, 1)
-    naive, naive_grad, naive_stats = stepper.loss_and_grad("naive", inputs)
+    naive, naive_grad, naive_stats = stepper.loss_and_grad(VARIANTS["naive"], inputs)
     result = {"micro_batch": batch, "naive_loss": naive, "naive_true_kl": naive_stats["true_kl"]}
     for name in variants:
         variant = VARIANTS[name]
         common.set_checkpointing(model, variant.checkpoint_every)
-        with proposal_patches(variant):
-            loss, grad, stats = stepper.loss_and_grad("project", inputs)
-        tag = {"project": "ckpt", "project_nockpt": "nockpt"}.get(name, name)
+        loss, grad, stats = stepper.loss_and_grad(variant, inputs)
+        tag = name
         rel = abs(loss - naive) / max(abs(naive), 1e-12)
         cos = float(torch.nn.functional.cosine_similarity(grad, naive_grad, dim=0))
         norm_ratio = float(grad.norm() / naive_grad.norm())
@@ -235,18 +208,15 @@ def check_equivalence(model, stepper, batch, geo, log, variants=("project", "pro
 
 def measure(stepper, model, variant: Variant, batch, geo, params, steps, log) -> dict:
     common.set_checkpointing(model, variant.checkpoint_every)
-    set_tf32(variant.tf32)
     common.free_memory()
     inputs = make_inputs(batch, geo, seed=batch)
     row = {"variant": variant.name, "micro_batch": batch}
-    patches = proposal_patches(variant)
-    patches.__enter__()
     try:
-        warm, loss = common.timed(lambda: stepper.step(variant.kind, inputs))
+        warm, loss = common.timed(lambda: stepper.step(variant, inputs))
         torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
         times = []
         for _ in range(steps):
-            t, loss = common.timed(lambda: stepper.step(variant.kind, inputs))
+            t, loss = common.timed(lambda: stepper.step(variant, inputs))
             times.append(t)
         step_time = common.median(times)
         flops = common.step_flops(params, batch, geo)
@@ -262,8 +232,6 @@ def measure(stepper, model, variant: Variant, batch, geo, params, steps, log) ->
         row.update(status="OOM")
         log(f"[step] {variant.name:15s} mb={batch:3d} OOM")
     finally:
-        patches.__exit__(None, None, None)
-        set_tf32(False)
         stepper.optimizer.zero_grad(set_to_none=True)
         common.free_memory()
     return row
@@ -275,12 +243,11 @@ def profile_step(stepper, model, variant: Variant, batch, geo, out_dir, log) -> 
 
     common.set_checkpointing(model, variant.checkpoint_every)
     inputs = make_inputs(batch, geo, seed=batch)
-    with proposal_patches(variant):
-        stepper.step(variant.kind, inputs)  # warm
+    stepper.step(variant, inputs)  # warm
+    common.sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        stepper.step(variant, inputs)
         common.sync()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            stepper.step(variant.kind, inputs)
-            common.sync()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
     if out_dir:
         Path(out_dir, f"profile_{variant.name}_mb{batch}.txt").write_text(table)
@@ -308,7 +275,8 @@ def loss_chunk_sweep(model, geo, batch, chunk_sizes, log, repeats=3) -> list[dic
         def run(chunk=chunk):
             loss, _ = chunked_divergence_loss(student, teacher, head.weight, beta=args.beta,
                                               temperature=args.temperature, clip=args.jsd_token_clip,
-                                              clip_mode=args.clip_mode, chunk_size=chunk)
+                                              clip_mode=args.clip_mode, chunk_size=chunk,
+                                              compile=args.compile_loss)
             loss.backward()
             student.grad = None
 
@@ -326,7 +294,7 @@ def main(argv=None) -> int:
                         help="default: qwen3-1.7b on CUDA, tiny otherwise")
     parser.add_argument("--tiny", action="store_true", help="same as --shape tiny")
     parser.add_argument("--micro-batches", default="2,4,8,16,32,64")
-    parser.add_argument("--variants", default="naive,project,project_nockpt,project_ckpt2,project_tf32")
+    parser.add_argument("--variants", default="naive,project,project_nockpt,project_ckpt2,project_eager")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement (after 1 warm-up)")
     parser.add_argument("--check-mb", type=int, default=4)
     parser.add_argument("--budget-s", type=float, default=300, help="start no new measurement after this")
@@ -370,15 +338,9 @@ def main(argv=None) -> int:
     total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 1e9
     for name in opts.variants.split(","):
         variant = VARIANTS[name]
-        if variant.tf32 and not torch.cuda.is_available():
-            continue
         batches = micro_batches
-        if name == "project_tf32":  # only where it matters most: the throughput end
-            batches = [b for b in micro_batches if b in (8, 32)] or micro_batches[-1:]
         if name == "project_ckpt2":
             batches = [b for b in micro_batches if b in (8, 16, 32)] or micro_batches[-1:]
-        if variant.autocast or variant.compiled_loss:
-            batches = [b for b in micro_batches if b in (4, 8, 16, 32)] or micro_batches[-1:]
         if shape == "tiny":
             opts.steps = min(opts.steps, 3)
         last_peak = None

@@ -1,0 +1,142 @@
+"""A few optimizer steps of the real training CLI, timed, to extrapolate a capped run.
+
+    python bench/bench_capped.py --json $OUT/capped.json            # GPU
+    python bench/bench_capped.py --tiny                              # CPU smoke run
+
+Writes a random-init Qwen3-1.7B-shaped model (bf16) with the project's Qwen3
+tokenizer to a folder, then runs `opsd_train.py` on it exactly as
+`train_capped.sh` does on one GPU (the OPSDConfig defaults, which are the released
+recipe; global batch 32 = micro-batch x accumulation; completions up to 1024
+tokens; the generated dataset; no --recipe, whose values would override
+--max_completion_length) for
+`--steps` optimizer steps, once per micro-batch size. Each `[OPSD kl] step=N`
+line is time-stamped when it appears. The early steps also compile (the rollout
+loop once per prompt-width bucket, the decoder layers once per shape family), so
+the fastest step is taken as the steady-state step, and the capped run is
+extrapolated as (time to the last measured step) + (100 - steps) x fastest step:
+compilation seen so far is counted, compilation a longer run may still meet is not.
+A random model almost never samples EOS, so every completion runs to the cap:
+the worst case of a real run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+import torch
+
+STEP_LINE = re.compile(r"\[OPSD kl\] step=(\d+)")
+
+
+def write_random_model(folder: Path, shape: str) -> None:
+    import tiny_default
+
+    model = common.build_base_model(shape)
+    model.save_pretrained(folder)
+    tiny_default.build_qwen3_tokenizer().save_pretrained(folder)
+    del model
+    common.free_memory()
+
+
+def run_cli(model_dir: Path, out_dir: Path, micro_batch: int, steps: int, completion: int, log_path: Path,
+            timeout_s: float, processes: int = 1) -> dict:
+    """opsd_train.py for `steps` steps; returns the wall time at which each step's log line appeared.
+
+    One process runs the script directly; several go through `accelerate launch`
+    (one per GPU), as train_capped.sh does."""
+    launcher = [sys.executable]
+    if processes > 1:
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
+                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+        if not torch.cuda.is_available():
+            launcher.append("--cpu")
+    cmd = [
+        *launcher, "opsd_train.py", "--model_name_or_path", str(model_dir), "--dataset_name", "tiny",
+        "--output_dir", str(out_dir), "--max_steps", str(steps),
+        "--per_device_train_batch_size", str(micro_batch),
+        "--gradient_accumulation_steps", str(32 // (micro_batch * processes)),
+        "--max_completion_length", str(completion), "--save_strategy", "no", "--logging_steps", "1",
+        "--report_to", "none",
+    ]
+    start = time.time()
+    stamps: dict[int, float] = {}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=common.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            now = time.time() - start
+            log.write(f"{now:9.2f} {line}")
+            match = STEP_LINE.search(line)
+            if match:
+                stamps[int(match.group(1))] = now
+                print(f"[capped] mb={micro_batch} step {match.group(1)} at {now:.1f} s", flush=True)
+            if now > timeout_s:
+                proc.kill()
+                break
+        rc = proc.wait()
+    return {"micro_batch": micro_batch, "processes": processes, "rc": rc, "step_stamps": stamps,
+            "wall_s": time.time() - start}
+
+
+def summarize(run: dict, steps_total: int = 100) -> dict:
+    stamps = [run["step_stamps"][k] for k in sorted(run["step_stamps"])]
+    if len(stamps) < 2:
+        return {**run, "status": f"too few steps logged ({len(stamps)})"}
+    step_times = [b - a for a, b in zip(stamps, stamps[1:])]
+    fastest = min(step_times)
+    return {**run, "status": "ok", "first_step_s": stamps[0], "step_times_s": step_times, "fastest_step_s": fastest,
+            "measured_s": stamps[-1],
+            "extrapolated_100_steps_min": (stamps[-1] + (steps_total - len(stamps)) * fastest) / 60}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="embedded tiny model shape, CPU smoke run")
+    parser.add_argument("--micro-batches", default="4,16")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--num-processes", type=int, default=1, help="> 1: accelerate launch, one process per GPU")
+    parser.add_argument("--completion", type=int, default=None, help="default 1024 (tiny: 16)")
+    parser.add_argument("--timeout-s", type=float, default=280, help="per run")
+    parser.add_argument("--json", default=None)
+    opts = parser.parse_args(argv)
+    shape = "tiny" if opts.tiny or not torch.cuda.is_available() else "qwen3-1.7b"
+    completion = opts.completion or (16 if shape == "tiny" else 1024)
+    work = Path(tempfile.mkdtemp(prefix="opsd_capped_"))
+    out_dir = Path(opts.json).parent if opts.json else work
+    write_random_model(work / "model", shape)
+    results = {"shape": shape, "machine": common.machine(), "completion": completion, "runs": []}
+    for mb in (int(x) for x in opts.micro_batches.split(",")):
+        if 32 % (mb * opts.num_processes):
+            raise SystemExit(f"global batch 32 is not divisible by micro-batch {mb} x {opts.num_processes} processes")
+        run = run_cli(work / "model", work / f"run-mb{mb}", mb, opts.steps, completion,
+                      out_dir / f"capped_mb{mb}_np{opts.num_processes}.log", opts.timeout_s, opts.num_processes)
+        results["runs"].append(summarize(run))
+        common.write_json(opts.json, results)
+    rows = []
+    for r in results["runs"]:
+        if r["status"] == "ok":
+            rows.append([r["processes"], r["micro_batch"], 32 // (r["micro_batch"] * r["processes"]),
+                         f"{r['first_step_s']:.1f}",
+                         ", ".join(f"{t:.1f}" for t in r["step_times_s"]), f"{r['fastest_step_s']:.2f}",
+                         f"{r['extrapolated_100_steps_min']:.1f}"])
+        else:
+            rows.append([r["processes"], r["micro_batch"], 32 // (r["micro_batch"] * r["processes"]), r["status"],
+                         f"rc={r['rc']}", "", ""])
+    table = common.markdown_table(
+        ["processes", "micro-batch", "accumulation", "start to step 1 (s)", "later steps (s)", "fastest step (s)",
+         "100 steps, extrapolated (min)"], rows)
+    report = (f"## Capped run, {shape}, 32 x {completion} per step, `opsd_train.py` defaults "
+              f"({results['machine']})\n\n{table}")
+    return common.finish(results, opts.json, report)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
