@@ -24,7 +24,8 @@ Scoring geometry (P = longest prompt, C = longest completion, T = P + C):
   cumsum(attention_mask) - 1 (clamped at 0), so every real token sits at the
   position it had when it was sampled by a left-padded generate.
 In both, completion token j of every row sits at column P + j, and the logits
-at column P + j - 1 predict it.
+at column P + j - 1 predict it. With `pad_to_multiple_of`, masked pads follow
+the last completion column up to a multiple of it (nothing before them sees them).
 """
 from __future__ import annotations
 
@@ -183,9 +184,9 @@ class ScoringBatch:
     """One role's forward-pass inputs plus the completion geometry (see the
     module docstring). B rows, P = longest prompt, C = longest completion."""
 
-    input_ids: torch.Tensor  # [B, P + C]
-    attention_mask: torch.Tensor  # [B, P + C], 0 on pads
-    position_ids: torch.Tensor | None  # [B, P + C] for left; None for right
+    input_ids: torch.Tensor  # [B, P + C (+ tail)]; see build_scoring_batch's pad_to_multiple_of
+    attention_mask: torch.Tensor  # same shape, 0 on pads
+    position_ids: torch.Tensor | None  # same shape for left; None for right
     completion_ids: torch.Tensor  # [B, C], right-padded with the pad id
     completion_mask: torch.Tensor  # [B, C], 1 on real completion tokens
     completion_start: torch.Tensor  # [B], column of each row's first completion token
@@ -200,7 +201,16 @@ def build_scoring_batch(
     *,
     pad_id: int,
     pad_side: str,
+    pad_to_multiple_of: int | None = None,
 ) -> ScoringBatch:
+    """One role's batch: prompts padded to the longest (right: pad gap before the
+    completion; left: pads first), completions after them, pads after those.
+
+    pad_to_multiple_of: append masked pad columns after the last completion column
+    so that the sequence width is a multiple of it. No position before them can
+    attend to them (causal), so every value the loss reads is unchanged; compiled
+    layers then see few distinct, well-aligned shapes (BENCHMARKS.md).
+    """
     _check_choice("pad_side", pad_side, PAD_SIDES)
     if len(prompt_ids) != len(completion_ids) or not prompt_ids:
         raise ValueError(f"need one completion per prompt; got {len(prompt_ids)} prompts, {len(completion_ids)} completions")
@@ -210,8 +220,11 @@ def build_scoring_batch(
     prompt_lengths = torch.tensor([len(p) for p in prompt_ids])
     width_p = int(prompt_lengths.max())
     width_c = max(len(c) for c in completion_ids)
+    width = width_p + width_c
+    if pad_to_multiple_of:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
 
-    input_ids = torch.full((rows, width_p + width_c), pad_id, dtype=torch.long)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     completions = torch.full((rows, width_c), pad_id, dtype=torch.long)
     completion_mask = torch.zeros_like(completions)

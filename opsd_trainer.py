@@ -46,6 +46,9 @@ from vllm_weights import merged_named_parameters
 EMA_FILE = "ema_adapter.pt"
 STAGING_DIR = ".staging"  # checkpoints are written here, then renamed into place
 RELEASED = Recipe()  # SPEC §6 defaults: the one source of the released recipe's values
+# Without it, sequence lengths that are not a multiple of 8 made the compiled layers
+# recompile (about 10 s each) in the first steps of a run on the H200 (BENCHMARKS.md).
+SCORING_PAD_MULTIPLE = 16
 
 
 @dataclass
@@ -110,6 +113,14 @@ class OPSDConfig(DistillationConfig):
         default="chunked", metadata={"help": "chunked (hidden states, low memory) or logits (full logits)."}
     )
     loss_chunk_size: int = field(default=1024, metadata={"help": "Tokens per chunk of the chunked loss."})
+    pad_to_multiple_of: int | str | None = field(
+        default=None,
+        metadata={
+            "help": "Scoring sequences get masked pads after the completion up to a multiple of this (the loss "
+            f"is unchanged; compiled layers see few, aligned shapes). None: {SCORING_PAD_MULTIPLE} when CUDA is "
+            "available, else off; 0 = off."
+        },
+    )
     compile_loss: bool | None = field(
         default=None,
         metadata={"help": "torch.compile the chunked loss's per-chunk math (None: on when CUDA is available)."},
@@ -135,6 +146,8 @@ class OPSDConfig(DistillationConfig):
     def __post_init__(self):
         if self.bf16 is None and not torch.cuda.is_available():
             self.bf16 = False  # the base default (bf16) fails on CPU-only machines
+        if self.pad_to_multiple_of is None:
+            self.pad_to_multiple_of = SCORING_PAD_MULTIPLE if torch.cuda.is_available() else 0
         # Compilation pays off on the GPU (BENCHMARKS.md); on CPU it only costs compile time.
         if self.compile_loss is None:
             self.compile_loss = torch.cuda.is_available()
@@ -346,14 +359,9 @@ class OPSDTrainer(DistillationTrainer):
         device = self.accelerator.device
         pad_id = self._tokenizer.pad_token_id
         completions = inputs["completion_ids"]
-        student = _to_device(
-            build_scoring_batch(inputs["student_prompt_ids"], completions, pad_id=pad_id, pad_side=self.args.pad_side),
-            device,
-        )
-        teacher = _to_device(
-            build_scoring_batch(inputs["teacher_prompt_ids"], completions, pad_id=pad_id, pad_side=self.args.pad_side),
-            device,
-        )
+        geometry = {"pad_id": pad_id, "pad_side": self.args.pad_side, "pad_to_multiple_of": self.args.pad_to_multiple_of}
+        student = _to_device(build_scoring_batch(inputs["student_prompt_ids"], completions, **geometry), device)
+        teacher = _to_device(build_scoring_batch(inputs["teacher_prompt_ids"], completions, **geometry), device)
         if not self._alignment_checked:
             self._report_alignment(student, teacher, completions)
 

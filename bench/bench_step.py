@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
 
+import opsd_trainer
 from compiled_layers import CompiledLayers
 from data_collator import build_scoring_batch, gather_completion_positions
 from opsd_chunked_loss import chunked_divergence_loss
@@ -53,10 +54,12 @@ def trainer_defaults(**overrides) -> types.SimpleNamespace:
     values = {f.name: f.default for f in dataclasses.fields(OPSDConfig) if f.default is not dataclasses.MISSING}
     # bf16 is resolved in __post_init__ (None -> bf16 on CUDA, fp32 on CPU); do the same here,
     # since the step's mixed precision (opsd_trainer.bf16_autocast) follows it.
-    # The same for the compile switches (None -> on with CUDA).
+    # The same for the compile switches (None -> on with CUDA) and the scoring pad multiple.
     for name in ("bf16", "compile_loss", "compile_layers"):
         if values.get(name) is None:
             values[name] = torch.cuda.is_available()
+    if values.get("pad_to_multiple_of") is None:
+        values["pad_to_multiple_of"] = opsd_trainer.SCORING_PAD_MULTIPLE if torch.cuda.is_available() else 0
     values.update(overrides)
     return types.SimpleNamespace(**values)
 

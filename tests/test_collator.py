@@ -285,6 +285,44 @@ def test_left_padding_scores_tokens_where_they_were_sampled():
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
+def test_pad_to_multiple_of_appends_a_masked_tail(side):
+    plain = build_scoring_batch(PROMPTS, COMPLETIONS, pad_id=PAD, pad_side=side)
+    padded = build_scoring_batch(PROMPTS, COMPLETIONS, pad_id=PAD, pad_side=side, pad_to_multiple_of=8)
+    assert plain.input_ids.shape[1] == 6 and padded.input_ids.shape[1] == 8
+    assert torch.equal(padded.input_ids[:, :6], plain.input_ids)
+    assert torch.equal(padded.attention_mask[:, :6], plain.attention_mask)
+    assert padded.input_ids[:, 6:].eq(PAD).all() and padded.attention_mask[:, 6:].eq(0).all()
+    if side == "left":
+        assert torch.equal(padded.position_ids[:, :6], plain.position_ids)
+    for name in ("completion_ids", "completion_mask", "completion_start", "prompt_lengths", "pad_gap"):
+        assert torch.equal(getattr(padded, name), getattr(plain, name)), name
+    assert check_alignment(padded, COMPLETIONS) == check_alignment(plain, COMPLETIONS)
+    already = build_scoring_batch(PROMPTS, COMPLETIONS, pad_id=PAD, pad_side=side, pad_to_multiple_of=3)
+    assert torch.equal(already.input_ids, plain.input_ids)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_tail_padding_leaves_completion_logits_unchanged(side):
+    """A real Qwen3 forward: the masked tail is after every scored position (causal)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = Qwen3ForCausalLM(config).eval()
+
+    def completion_logits(multiple):
+        batch = build_scoring_batch(PROMPTS, COMPLETIONS, pad_id=PAD, pad_side=side, pad_to_multiple_of=multiple)
+        with torch.no_grad():
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                        position_ids=batch.position_ids)
+        return gather_completion_positions(out.logits, batch), batch.completion_mask.bool()
+
+    (plain, mask), (padded, _) = completion_logits(None), completion_logits(16)
+    torch.testing.assert_close(padded[mask], plain[mask], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
 def test_tiny_rows_align_for_both_roles(tok, side):
     from opsd_data import load_train_dataset
 

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 import opsd_train
 import opsd_trainer
 from data_collator import build_scoring_batch
-from opsd_trainer import OPSDTrainer, completion_hidden_states, make_collator
+from opsd_trainer import SCORING_PAD_MULTIPLE, OPSDTrainer, completion_hidden_states, make_collator
 from tiny_default import build_qwen3_tokenizer, resolve_model
 
 
@@ -416,10 +416,28 @@ def test_bad_dataset_fails_before_loading(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_compile_switches_default_to_cuda_availability(tmp_path):
+def test_gpu_speed_switches_default_to_cuda_availability(tmp_path):
     config = make_trainer(tmp_path, 1).args
     assert config.compile_loss is torch.cuda.is_available()
     assert config.compile_layers is torch.cuda.is_available()
+    assert config.pad_to_multiple_of == (SCORING_PAD_MULTIPLE if torch.cuda.is_available() else 0)
+
+
+def test_tail_padding_leaves_the_step_unchanged(tmp_path):
+    """pad_to_multiple_of (the GPU default) only appends masked columns: same loss and gradients."""
+    trainer = make_trainer(tmp_path, 1)
+    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    results = {}
+    for multiple in (0, 64):
+        trainer.args.pad_to_multiple_of = multiple
+        trainer.model.zero_grad()
+        loss, _ = trainer._opsd_loss(trainer.model, inputs)
+        loss.backward()
+        results[multiple] = loss.detach(), torch.cat(
+            [p.grad.flatten() for p in trainer.model.parameters() if p.requires_grad]
+        )
+    torch.testing.assert_close(results[64][0], results[0][0], rtol=1e-5, atol=1e-6)
+    assert (results[64][1] - results[0][1]).norm() / results[0][1].norm() < 1e-4
 
 
 def test_compiled_step_matches_the_eager_step(tmp_path):
