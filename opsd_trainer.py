@@ -357,9 +357,12 @@ class OPSDTrainer(DistillationTrainer):
 
     def _opsd_loss(self, unwrapped, inputs):
         device = self.accelerator.device
-        pad_id = self._tokenizer.pad_token_id
         completions = inputs["completion_ids"]
-        geometry = {"pad_id": pad_id, "pad_side": self.args.pad_side, "pad_to_multiple_of": self.args.pad_to_multiple_of}
+        geometry = {
+            "pad_id": self._tokenizer.pad_token_id,
+            "pad_side": self.args.pad_side,
+            "pad_to_multiple_of": self.args.pad_to_multiple_of,
+        }
         student = _to_device(build_scoring_batch(inputs["student_prompt_ids"], completions, **geometry), device)
         teacher = _to_device(build_scoring_batch(inputs["teacher_prompt_ids"], completions, **geometry), device)
         if not self._alignment_checked:
