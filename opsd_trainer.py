@@ -128,8 +128,8 @@ class OPSDConfig(DistillationConfig):
     compile_layers: bool | None = field(
         default=None,
         metadata={
-            "help": "torch.compile the decoder layers for the two scoring forwards of each step "
-            "(None: on when CUDA is available). The first step compiles (about a minute)."
+            "help": "torch.compile the decoder layers for the two scoring forwards of each step (None: on when "
+            "CUDA is available, unless fsdp, deepspeed or torch_compile is set). The first steps compile."
         },
     )
     rollout_cache_implementation: str | None = field(
@@ -152,7 +152,9 @@ class OPSDConfig(DistillationConfig):
         if self.compile_loss is None:
             self.compile_loss = torch.cuda.is_available()
         if self.compile_layers is None:
-            self.compile_layers = torch.cuda.is_available()
+            # Never tried with sharded parameters or with the Trainer compiling the whole model: off there.
+            plain = not (self.fsdp or self.deepspeed or self.torch_compile)
+            self.compile_layers = torch.cuda.is_available() and plain
         super().__post_init__()
         choices = {
             "clip_mode": CLIP_MODES,

@@ -423,6 +423,24 @@ def test_gpu_speed_switches_default_to_cuda_availability(tmp_path):
     assert config.pad_to_multiple_of == (SCORING_PAD_MULTIPLE if torch.cuda.is_available() else 0)
 
 
+@pytest.mark.parametrize(
+    "extra, layers",
+    [({}, True), ({"torch_compile": True}, False), ({"fsdp": True}, False)],
+    ids=["plain", "torch_compile", "fsdp"],
+)
+def test_gpu_defaults_with_cuda(tmp_path, monkeypatch, extra, layers):
+    """What None resolves to on a CUDA machine (simulated): all on, except layer compilation
+    next to parameter sharding or a whole-model torch_compile, never tried together."""
+    monkeypatch.setattr(opsd_trainer.torch.cuda, "is_available", lambda: True)
+    config = opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, **extra)
+    assert config.compile_loss is True
+    assert config.compile_layers is layers
+    assert config.pad_to_multiple_of == SCORING_PAD_MULTIPLE
+    explicit = opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, compile_layers=False,
+                                       compile_loss=False, pad_to_multiple_of=0)
+    assert (explicit.compile_layers, explicit.compile_loss, explicit.pad_to_multiple_of) == (False, False, 0)
+
+
 def test_tail_padding_leaves_the_step_unchanged(tmp_path):
     """pad_to_multiple_of (the GPU default) only appends masked columns: same loss and gradients."""
     trainer = make_trainer(tmp_path, 1)
