@@ -11,9 +11,9 @@ step compiles, later ones reuse). Activation checkpointing stays as transformers
 applies it: the checkpoint wrapper is part of the compiled `forward`.
 
 The compiled forwards are installed only inside `CompiledLayers.active()`, i.e. for
-the two scoring forwards of `OPSDTrainer._opsd_loss`. Rollouts (vLLM, or the
-project's own CUDA-graph decode loop), evaluation and checkpoint saving see the
-eager model.
+the two scoring forwards of `OPSDTrainer._opsd_loss` (training steps, and loss
+evaluation if an eval set is given). Rollouts (vLLM, or the project's own
+CUDA-graph decode loop), `opsd_eval` and checkpoint saving see the eager model.
 """
 from __future__ import annotations
 

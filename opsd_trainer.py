@@ -117,8 +117,8 @@ class OPSDConfig(DistillationConfig):
         default=None,
         metadata={
             "help": "Scoring sequences get masked pads after the completion up to a multiple of this (the loss "
-            f"is unchanged; compiled layers see few, aligned shapes). None: {SCORING_PAD_MULTIPLE} when CUDA is "
-            "available, else off; 0 = off."
+            f"is unchanged; compiled layers see few, aligned shapes). None / auto: {SCORING_PAD_MULTIPLE} when "
+            "CUDA is available, else off; 0 / none = off."
         },
     )
     compile_loss: bool | None = field(
@@ -146,16 +146,18 @@ class OPSDConfig(DistillationConfig):
     def __post_init__(self):
         if self.bf16 is None and not torch.cuda.is_available():
             self.bf16 = False  # the base default (bf16) fails on CPU-only machines
-        if self.pad_to_multiple_of is None:
-            self.pad_to_multiple_of = SCORING_PAD_MULTIPLE if torch.cuda.is_available() else 0
+        self.pad_to_multiple_of = _scoring_pad_multiple(self.pad_to_multiple_of)
         # Compilation pays off on the GPU (BENCHMARKS.md); on CPU it only costs compile time.
         if self.compile_loss is None:
             self.compile_loss = torch.cuda.is_available()
+        # Resolved by OPSDTrainer, which knows whether parameters are sharded; noted here
+        # so that the trainer can tell a default from an explicit choice.
+        self.compile_layers_is_default = self.compile_layers is None
+        super().__post_init__()
         if self.compile_layers is None:
             # Never tried with sharded parameters or with the Trainer compiling the whole model: off there.
             plain = not (self.fsdp or self.deepspeed or self.torch_compile)
             self.compile_layers = torch.cuda.is_available() and plain
-        super().__post_init__()
         choices = {
             "clip_mode": CLIP_MODES,
             "pad_side": PAD_SIDES,
@@ -172,6 +174,22 @@ class OPSDConfig(DistillationConfig):
             raise ValueError(f"jsd_token_clip must be >= 0, got {self.jsd_token_clip}")
         if not 0.0 <= self.lmbda <= 1.0:
             raise ValueError(f"lmbda must be in [0, 1], got {self.lmbda}")
+
+
+def _scoring_pad_multiple(value) -> int | None:
+    """`pad_to_multiple_of` -> a positive int or None (off).
+
+    None / "auto" (TRL's default spelling): SCORING_PAD_MULTIPLE with CUDA, off on CPU;
+    0 / "none" / "null": off.
+    """
+    if isinstance(value, str):
+        text = value.strip().lower()
+        value = None if text == "auto" else 0 if text in ("none", "null") else int(text)
+    if value is None:
+        return SCORING_PAD_MULTIPLE if torch.cuda.is_available() else None
+    if value < 0:
+        raise ValueError(f"pad_to_multiple_of must be >= 0, got {value}")
+    return value or None
 
 
 class NonFiniteLossError(RuntimeError):
@@ -228,7 +246,10 @@ class OPSDTrainer(DistillationTrainer):
             top_k=args.top_k,
             max_new_tokens=args.max_completion_length,
         )
-        if self.use_vllm and is_peft_model(self.model) and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+        sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
+        if sharded and args.compile_layers and getattr(args, "compile_layers_is_default", False):
+            args.compile_layers = False  # sharding chosen in accelerate's config, not in the arguments
+        if self.use_vllm and is_peft_model(self.model) and not sharded:
             # Merge LoRA out of place for vLLM: TRL's in-place merge/unmerge would perturb the bf16
             # base weights, i.e. the fixed teacher, a little at every sync.
             self.vllm_generation._iter_named_params = lambda: merged_named_parameters(self.vllm_generation.model)
@@ -371,9 +392,12 @@ class OPSDTrainer(DistillationTrainer):
             self._report_alignment(student, teacher, completions)
 
         with bf16_autocast(unwrapped, enabled=bool(self.args.bf16)), self._scoring_layers(unwrapped):
-            student_hidden = completion_hidden_states(unwrapped, student)
+            # Teacher first: the EMA teacher swaps adapter values in place (and back), which
+            # must not happen between the student's forward and its backward (autograd checks
+            # the versions of saved tensors).
             with torch.no_grad(), self._teacher_weights(unwrapped):
                 teacher_hidden = completion_hidden_states(unwrapped, teacher)
+            student_hidden = completion_hidden_states(unwrapped, student)
 
         mask = student.completion_mask.bool()
         head = _base_model(unwrapped).get_output_embeddings()

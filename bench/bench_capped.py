@@ -26,6 +26,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -70,17 +71,19 @@ def run_cli(model_dir: Path, out_dir: Path, micro_batch: int, steps: int, comple
     stamps: dict[int, float] = {}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=common.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            now = time.time() - start
-            log.write(f"{now:9.2f} {line}")
-            match = STEP_LINE.search(line)
-            if match:
-                stamps[int(match.group(1))] = now
-                print(f"[capped] mb={micro_batch} step {match.group(1)} at {now:.1f} s", flush=True)
-            if now > timeout_s:
-                proc.kill()
-                break
-        rc = proc.wait()
+        watchdog = threading.Timer(timeout_s, proc.kill)  # also ends a run that hangs without output
+        watchdog.start()
+        try:
+            for line in proc.stdout:
+                now = time.time() - start
+                log.write(f"{now:9.2f} {line}")
+                match = STEP_LINE.search(line)
+                if match:
+                    stamps[int(match.group(1))] = now
+                    print(f"[capped] mb={micro_batch} step {match.group(1)} at {now:.1f} s", flush=True)
+            rc = proc.wait()
+        finally:
+            watchdog.cancel()
     return {"micro_batch": micro_batch, "processes": processes, "rc": rc, "step_stamps": stamps,
             "wall_s": time.time() - start}
 

@@ -230,17 +230,24 @@ def check_against_reference(opts, chunk_size, **kwargs):
 def test_fixed_chunks_pad_and_drop_rows(monkeypatch, opts, chunk_size):
     """compile=True projects exactly chunk_size rows every time (N = 37: the last chunk of 8
     carries 3 padding rows, the single chunk of 64 carries 27) and the padding rows leave
-    no trace in the loss, stats or gradients. torch.compile itself is replaced by the
-    identity here; the next test compiles for real."""
+    no trace in the loss, stats or gradients. The padding here is random and different for
+    the two roles (zeros would give zero divergence and hide a leak); torch.compile itself
+    is replaced by the identity (the next test compiles for real)."""
     rows_seen = []
-    project = opsd_chunked_loss._logits
+    pad_rows = opsd_chunked_loss._chunk_rows
+    gen = torch.Generator().manual_seed(7)
 
-    def recording(hidden, *args):
-        rows_seen.append(hidden.shape[0])
-        return project(hidden, *args)
+    def random_padding(hidden, rows, pad_to):
+        part = pad_rows(hidden, rows, pad_to)
+        real = rows.stop - rows.start
+        if pad_to is not None and real < pad_to:
+            part = part.clone()
+            part[real:] = 3.0 * torch.randn(part[real:].shape, generator=gen, dtype=part.dtype)
+        rows_seen.append(part.shape[0])
+        return part
 
     monkeypatch.setattr(opsd_chunked_loss, "_compiled", lambda fn: fn)
-    monkeypatch.setattr(opsd_chunked_loss, "_logits", recording)
+    monkeypatch.setattr(opsd_chunked_loss, "_chunk_rows", random_padding)
     check_against_reference(opts, chunk_size, compile=True)
     assert set(rows_seen) == {chunk_size}
 

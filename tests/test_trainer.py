@@ -420,13 +420,13 @@ def test_gpu_speed_switches_default_to_cuda_availability(tmp_path):
     config = make_trainer(tmp_path, 1).args
     assert config.compile_loss is torch.cuda.is_available()
     assert config.compile_layers is torch.cuda.is_available()
-    assert config.pad_to_multiple_of == (SCORING_PAD_MULTIPLE if torch.cuda.is_available() else 0)
+    assert config.pad_to_multiple_of == (SCORING_PAD_MULTIPLE if torch.cuda.is_available() else None)
 
 
 @pytest.mark.parametrize(
     "extra, layers",
-    [({}, True), ({"torch_compile": True}, False), ({"fsdp": True}, False)],
-    ids=["plain", "torch_compile", "fsdp"],
+    [({}, True), ({"torch_compile": True}, False), ({"torch_compile_mode": "default"}, False), ({"fsdp": True}, False)],
+    ids=["plain", "torch_compile", "torch_compile_mode", "fsdp"],
 )
 def test_gpu_defaults_with_cuda(tmp_path, monkeypatch, extra, layers):
     """What None resolves to on a CUDA machine (simulated): all on, except layer compilation
@@ -438,7 +438,20 @@ def test_gpu_defaults_with_cuda(tmp_path, monkeypatch, extra, layers):
     assert config.pad_to_multiple_of == SCORING_PAD_MULTIPLE
     explicit = opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, compile_layers=False,
                                        compile_loss=False, pad_to_multiple_of=0)
-    assert (explicit.compile_layers, explicit.compile_loss, explicit.pad_to_multiple_of) == (False, False, 0)
+    assert (explicit.compile_layers, explicit.compile_loss, explicit.pad_to_multiple_of) == (False, False, None)
+
+
+@pytest.mark.parametrize("value, expected", [("auto", 16), (None, 16), ("none", None), (0, None), ("32", 32), (8, 8)])
+def test_pad_to_multiple_of_spellings(tmp_path, monkeypatch, value, expected):
+    """TRL's spellings of the field keep working; "auto" is the OPSD default (16 with CUDA)."""
+    monkeypatch.setattr(opsd_trainer.torch.cuda, "is_available", lambda: True)
+    config = opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, pad_to_multiple_of=value)
+    assert config.pad_to_multiple_of == expected
+
+
+def test_negative_pad_to_multiple_of_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="pad_to_multiple_of must be >= 0"):
+        opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False, pad_to_multiple_of=-8)
 
 
 def test_tail_padding_leaves_the_step_unchanged(tmp_path):
@@ -446,7 +459,7 @@ def test_tail_padding_leaves_the_step_unchanged(tmp_path):
     trainer = make_trainer(tmp_path, 1)
     inputs = trainer._generate_and_score_completions(_rows(trainer))
     results = {}
-    for multiple in (0, 64):
+    for multiple in (None, 64):
         trainer.args.pad_to_multiple_of = multiple
         trainer.model.zero_grad()
         loss, _ = trainer._opsd_loss(trainer.model, inputs)
@@ -454,34 +467,65 @@ def test_tail_padding_leaves_the_step_unchanged(tmp_path):
         results[multiple] = loss.detach(), torch.cat(
             [p.grad.flatten() for p in trainer.model.parameters() if p.requires_grad]
         )
-    torch.testing.assert_close(results[64][0], results[0][0], rtol=1e-5, atol=1e-6)
-    assert (results[64][1] - results[0][1]).norm() / results[0][1].norm() < 1e-4
+    torch.testing.assert_close(results[64][0], results[None][0], rtol=1e-5, atol=1e-6)
+    assert (results[64][1] - results[None][1]).norm() / results[None][1].norm() < 1e-4
 
 
-def test_compiled_step_matches_the_eager_step(tmp_path):
-    """The GPU defaults compile_layers + compile_loss (inductor on CPU here), with the
-    trainer's activation checkpointing on: same loss, diagnostics and LoRA gradients as the
-    eager step, and the layers are eager again after the step."""
-    trainer = make_trainer(tmp_path, 1)
-    inputs = trainer._generate_and_score_completions(_rows(trainer))
+def _step_results(trainer, inputs, settings):
+    """Loss, stats and LoRA gradients of one `_opsd_loss` + backward per setting
+    (compile_layers, compile_loss, activation checkpointing); also whether it compiled."""
     model = trainer.model.train()
-    # As Trainer.train() switches it on (after __init__).
-    model.get_base_model().activation_checkpointing_enable()
-    model.enable_input_require_grads()
-    results = {}
-    for compiled in (False, True):
-        trainer.args.compile_layers = trainer.args.compile_loss = compiled
+    model.enable_input_require_grads()  # as Trainer.train() does with checkpointing
+    results = []
+    for layers, loss_math, checkpointing in settings:
+        trainer.args.compile_layers, trainer.args.compile_loss = layers, loss_math
+        if checkpointing:
+            model.get_base_model().activation_checkpointing_enable()
+        else:
+            model.get_base_model().activation_checkpointing_disable()
         model.zero_grad()
         graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         loss, stats = trainer._opsd_loss(model, inputs)
         loss.backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
-        results[compiled] = (loss.detach(), {k: v.detach() for k, v in stats.items()}, grads)
-        assert (torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs_before) is compiled
-    (loss_e, stats_e, grad_e), (loss_c, stats_c, grad_c) = results[False], results[True]
-    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
-    for key in stats_e:
-        torch.testing.assert_close(stats_c[key], stats_e[key], rtol=1e-4, atol=1e-6)
-    assert grad_e.norm() > 0
-    assert (grad_c - grad_e).norm() / grad_e.norm() < 1e-4
+        compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs_before
+        results.append((loss.detach(), {k: v.detach() for k, v in stats.items()}, grads, compiled))
+    return results
+
+
+def _assert_same_step(a, b):
+    (loss_a, stats_a, grad_a, _), (loss_b, stats_b, grad_b, _) = a, b
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+    for key in stats_a:
+        torch.testing.assert_close(stats_b[key], stats_a[key], rtol=1e-4, atol=1e-6)
+    assert grad_a.norm() > 0
+    assert (grad_b - grad_a).norm() / grad_a.norm() < 1e-4
+
+
+def test_compiled_step_matches_the_eager_step(tmp_path):
+    """The GPU defaults compile_layers + compile_loss (inductor on CPU here), with the
+    trainer's activation checkpointing on: same loss, diagnostics and LoRA gradients as the
+    eager step; each switch really compiles; the layers are eager again after the step."""
+    trainer = make_trainer(tmp_path, 1)
+    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    eager, layers_only, both = _step_results(
+        trainer, inputs, [(False, False, True), (True, False, True), (True, True, True)]
+    )
+    assert (eager[3], layers_only[3], both[3]) == (False, True, True)  # new graphs: layers, then the loss
+    _assert_same_step(eager, layers_only)
+    _assert_same_step(eager, both)
     assert all("forward" not in layer.__dict__ for layer in trainer._compiled_layers.layers)
+
+
+def test_ema_teacher_step_with_compiled_layers_and_without_checkpointing(tmp_path):
+    """The EMA teacher swaps adapter values in place; that must not break the student's
+    backward, whether its graph is compiled (checkpointing on) or eager without
+    checkpointing (autograd checks saved tensors' versions in both)."""
+    trainer = make_trainer(tmp_path, 1, "--fixed_teacher", "false", "--use_ema_teacher", "true")
+    gen = torch.Generator().manual_seed(0)
+    for shadow in trainer.ema.shadow.values():  # a teacher that differs from the student
+        shadow.add_(0.05 * torch.randn(shadow.shape, generator=gen))
+    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    eager_no_ckpt, compiled = _step_results(trainer, inputs, [(False, False, False), (True, False, True)])
+    assert compiled[3]
+    _assert_same_step(eager_no_ckpt, compiled)
