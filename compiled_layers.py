@@ -21,6 +21,8 @@ from contextlib import contextmanager
 
 import torch
 
+from static_decode import causal_lm
+
 # Graphs one layer forward may need in one process: grad on / off, adapter on / off,
 # checkpointing on / off (per layer with every_n_layers), whether the input requires
 # grad (layer 0 differs), a static then a dynamic shape, batch size 1. Dynamo's
@@ -31,7 +33,7 @@ RECOMPILE_LIMIT = 64
 
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The repeated blocks of a transformers CausalLM (under a peft wrapper or not)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = causal_lm(model)
     layers = getattr(inner.get_decoder(), "layers", None)
     if layers is None:
         raise ValueError(f"{type(inner).__name__}: no decoder `.layers` to compile")

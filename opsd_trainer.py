@@ -146,14 +146,18 @@ class OPSDConfig(DistillationConfig):
     def __post_init__(self):
         if self.bf16 is None and not torch.cuda.is_available():
             self.bf16 = False  # the base default (bf16) fails on CPU-only machines
-        self.pad_to_multiple_of = _scoring_pad_multiple(self.pad_to_multiple_of)
+        if self.pad_to_multiple_of is None or str(self.pad_to_multiple_of).strip().lower() == "auto":
+            self.pad_to_multiple_of = default_scoring_pad_multiple()
         # Compilation pays off on the GPU (BENCHMARKS.md); on CPU it only costs compile time.
         if self.compile_loss is None:
             self.compile_loss = torch.cuda.is_available()
-        # Resolved by OPSDTrainer, which knows whether parameters are sharded; noted here
-        # so that the trainer can tell a default from an explicit choice.
+        # compile_layers is resolved below; OPSDTrainer, which also sees sharding chosen in
+        # accelerate's config, may switch a default (never an explicit) True off.
         self.compile_layers_is_default = self.compile_layers is None
-        super().__post_init__()
+        super().__post_init__()  # TRL turns the CLI's "none" / "32" into None / 32
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 0:
+            raise ValueError(f"pad_to_multiple_of must be >= 0, got {self.pad_to_multiple_of}")
+        self.pad_to_multiple_of = self.pad_to_multiple_of or None  # 0 = off
         if self.compile_layers is None:
             # Never tried with sharded parameters or with the Trainer compiling the whole model: off there.
             plain = not (self.fsdp or self.deepspeed or self.torch_compile)
@@ -176,20 +180,9 @@ class OPSDConfig(DistillationConfig):
             raise ValueError(f"lmbda must be in [0, 1], got {self.lmbda}")
 
 
-def _scoring_pad_multiple(value) -> int | None:
-    """`pad_to_multiple_of` -> a positive int or None (off).
-
-    None / "auto" (TRL's default spelling): SCORING_PAD_MULTIPLE with CUDA, off on CPU;
-    0 / "none" / "null": off.
-    """
-    if isinstance(value, str):
-        text = value.strip().lower()
-        value = None if text == "auto" else 0 if text in ("none", "null") else int(text)
-    if value is None:
-        return SCORING_PAD_MULTIPLE if torch.cuda.is_available() else None
-    if value < 0:
-        raise ValueError(f"pad_to_multiple_of must be >= 0, got {value}")
-    return value or None
+def default_scoring_pad_multiple() -> int | None:
+    """What `pad_to_multiple_of` None / "auto" means: SCORING_PAD_MULTIPLE with CUDA, off on CPU."""
+    return SCORING_PAD_MULTIPLE if torch.cuda.is_available() else None
 
 
 class NonFiniteLossError(RuntimeError):

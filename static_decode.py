@@ -57,7 +57,7 @@ def resolve_cache_implementation(name: str | None, model) -> str | None:
             return None  # CPU: generate() with the dynamic cache is the simple and fast enough path
         return AUTO_CUDA if StaticDecoder.supports(model) else "static"
     if name in GRAPH_LOOPS and not StaticDecoder.supports(model):
-        config = _causal_lm(model).config
+        config = causal_lm(model).config
         raise ValueError(f"cache_implementation={name!r} supports full-attention {', '.join(SUPPORTED_MODEL_TYPES)} "
                          f"models; this one is {getattr(config, 'model_type', '?')!r}: use 'static' or None")
     return name
@@ -102,7 +102,7 @@ class StaticDecoder:
 
     @staticmethod
     def supports(model) -> bool:
-        inner = _causal_lm(model)
+        inner = causal_lm(model)
         config = inner.config
         layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
         return (getattr(config, "model_type", None) in SUPPORTED_MODEL_TYPES and layer_types == {"full_attention"}
@@ -110,7 +110,7 @@ class StaticDecoder:
 
     @classmethod
     def for_model(cls, model, compiled: bool = False) -> StaticDecoder:
-        inner = _causal_lm(model)
+        inner = causal_lm(model)
         decoder = cls._instances.get(inner)
         if decoder is None or decoder.compiled != compiled:
             if decoder is not None:
@@ -385,7 +385,7 @@ def _static_attention(model):
         config._attn_implementation = previous
 
 
-def _causal_lm(model):
+def causal_lm(model):
     """The transformers CausalLM under a peft wrapper (LoRA layers are injected into it)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 

@@ -90,9 +90,9 @@ def run_config(model, name: str, impl, rows, settings, repeats: int, log) -> dic
 
 
 def decoder_state(model):
-    from static_decode import _causal_lm
+    from static_decode import causal_lm
 
-    decoder = StaticDecoder._instances.get(_causal_lm(model))
+    decoder = StaticDecoder._instances.get(causal_lm(model))
     return None if decoder is None else decoder.state
 
 

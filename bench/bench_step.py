@@ -59,7 +59,7 @@ def trainer_defaults(**overrides) -> types.SimpleNamespace:
         if values.get(name) is None:
             values[name] = torch.cuda.is_available()
     if values.get("pad_to_multiple_of") is None:
-        values["pad_to_multiple_of"] = opsd_trainer.SCORING_PAD_MULTIPLE if torch.cuda.is_available() else 0
+        values["pad_to_multiple_of"] = opsd_trainer.default_scoring_pad_multiple()
     values.update(overrides)
     return types.SimpleNamespace(**values)
 
