@@ -36,16 +36,17 @@ from trl.models.utils import unwrap_model_for_generation
 from compiled_layers import CompiledLayers
 from data_collator import OPSDCollator, build_scoring_batch, check_alignment, gather_completion_positions
 from ema_teacher import AdapterEMA
-from opsd_chunked_loss import chunked_divergence_loss, chunked_tinker_loss
+from opsd_chunked_loss import chunked_divergence_loss, chunked_nll_loss, chunked_tinker_loss
 from opsd_config import CLIP_MODES, PAD_SIDES, STUDENT_PROMPTS, TEACHER_CONTEXTS, Recipe
 from opsd_logging import append_metrics, kl_line
-from opsd_loss import divergence_loss, tinker_loss
+from opsd_loss import divergence_loss, nll_loss, tinker_loss
 from rollout import SamplingSettings, TransformersBackend, to_completion
 from vllm_weights import merged_named_parameters
 
 EMA_FILE = "ema_adapter.pt"
 STAGING_DIR = ".staging"  # checkpoints are written here, then renamed into place
 RELEASED = Recipe()  # SPEC §6 defaults: the one source of the released recipe's values
+LOSS_TYPES = ("opsd", "sft")
 # Without it, sequence lengths that are not a multiple of 8 made the compiled layers
 # recompile (about 10 s each) in the first steps of a run on the H200 (BENCHMARKS.md).
 SCORING_PAD_MULTIPLE = 16
@@ -104,6 +105,13 @@ class OPSDConfig(DistillationConfig):
     )
     lmbda: float = field(
         default=RELEASED.lmbda, metadata={"help": "Share of on-policy batches; the rest use the solution."}
+    )
+    loss_type: str = field(
+        default=LOSS_TYPES[0],
+        metadata={
+            "help": "opsd (the distillation loss) or sft: the baseline OPSD is compared with, cross-entropy on "
+            "the reference solutions with the same prompts, budget and LoRA (no rollouts; lmbda is ignored)."
+        },
     )
     max_prompt_length: int | None = field(default=None, metadata={"help": "Student prompt limit (warns only)."})
     max_teacher_prompt_length: int | None = field(
@@ -168,6 +176,7 @@ class OPSDConfig(DistillationConfig):
             "student_prompt": STUDENT_PROMPTS,
             "teacher_context": TEACHER_CONTEXTS,
             "loss_implementation": ("chunked", "logits"),
+            "loss_type": LOSS_TYPES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -265,7 +274,9 @@ class OPSDTrainer(DistillationTrainer):
         """
         rows = inputs
         student_ids = [self.collator.student_prompt_ids(row) for row in rows]
-        if self.args.lmbda >= 1.0 or self._lmbda_rng.random() < self.args.lmbda:
+        if self.args.loss_type == "sft":  # supervised baseline: always the reference solution
+            completions, truncated = self._reference_completions(rows)
+        elif self.args.lmbda >= 1.0 or self._lmbda_rng.random() < self.args.lmbda:
             completions, truncated = self._sample(student_ids)
         else:  # off-policy batch (GKD's lmbda): the reference solution is the completion
             completions, truncated = self._reference_completions(rows)
@@ -402,12 +413,16 @@ class OPSDTrainer(DistillationTrainer):
         if a.loss_implementation == "chunked":  # logits formed chunk by chunk, never [B, C, V] at once
             s, t = student_hidden[mask], teacher_hidden[mask]
             chunking = {"chunk_size": a.loss_chunk_size, "lm_head_bias": head.bias}
+            if a.loss_type == "sft":
+                return chunked_nll_loss(s, t, head.weight, student.completion_ids[mask], **chunking)
             if a.use_tinker_loss:
                 targets = student.completion_ids[mask]
                 return chunked_tinker_loss(s, t, head.weight, targets, temperature=a.temperature, **chunking)
             return chunked_divergence_loss(s, t, head.weight, **divergence, **chunking, compile=a.compile_loss)
         # "logits": full [B, C, V] logits for both roles (the released-style path).
         student_logits, teacher_logits = head(student_hidden), head(teacher_hidden)
+        if a.loss_type == "sft":
+            return nll_loss(student_logits, teacher_logits, student.completion_ids, mask)
         if a.use_tinker_loss:
             return tinker_loss(student_logits, teacher_logits, student.completion_ids, mask, temperature=a.temperature)
         return divergence_loss(student_logits, teacher_logits, mask, **divergence)

@@ -269,7 +269,7 @@ def make_lora_checkpoint(folder: Path) -> Path:
 
     import tiny_default
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_default.tiny_model_dir())
+    model = AutoModelForCausalLM.from_pretrained(tiny_default.random_model_dir())
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -25,7 +25,7 @@ def tiny():
 
     import tiny_default
 
-    folder = tiny_default.tiny_model_dir()
+    folder = tiny_default.random_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     return model, tokenizer
@@ -414,7 +414,7 @@ def test_vllm_backend_requests_and_completions(monkeypatch, tmp_path, tiny):
         monkeypatch.setitem(sys.modules, name, module)
     (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 16}))
 
-    backend = rollout.VLLMBackend(str(tiny_default.tiny_model_dir()), lora_path=str(tmp_path),
+    backend = rollout.VLLMBackend(str(tiny_default.random_model_dir()), lora_path=str(tmp_path),
                                   max_model_len=512, seed=5)
     assert calls["engine"]["enable_lora"] and calls["engine"]["max_lora_rank"] == 16
     result = backend.generate([[1, 2], [3]], SAMPLE, n=3)
