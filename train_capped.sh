@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # OPSD capped run: 100 optimizer steps at global batch 32, LoRA, then checkpoint-100.
 #
-#   bash train_capped.sh [RECIPE_FILE]            # default recipe.env
+#   bash train_capped.sh [RECIPE_FILE]            # default recipe.env: released recipe + cosine LR
+#   bash train_capped.sh recipe.released.env      # the released recipe (constant LR)
 #
 # Environment:
 #   OPSD_MODEL          model (hub id or local folder), default Qwen/Qwen3-1.7B
@@ -20,7 +21,7 @@ cd "$(dirname "$0")"
 
 recipe="${1:-recipe.env}"
 if [[ "$recipe" == "-h" || "$recipe" == "--help" ]]; then
-  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,/^[^#]/p' "$0" | sed -n 's/^# \{0,1\}//p'  # the header comment
   exit 0
 fi
 # Validate the recipe before anything heavy loads (prints warnings; exit 2 on error).

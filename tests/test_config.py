@@ -1,5 +1,6 @@
 """opsd_config: environment switches, recipe parsing and the `check` CLI."""
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,6 +104,37 @@ def test_as_lines_round_trips(tmp_path):
     recipe, _ = parse_recipe(write(tmp_path, text))
     again, _ = parse_recipe(write(tmp_path, "\n".join(recipe.as_lines()), name="again.env"))
     assert again == recipe
+
+
+# -- the shipped recipe files -------------------------------------------------
+
+# What each shipped file changes from the released recipe (the Recipe defaults).
+SHIPPED = {"recipe.env": {"lr_scheduler_type": "cosine"}, "recipe.released.env": {}}
+
+
+@pytest.mark.parametrize("name, overrides", SHIPPED.items())
+def test_shipped_recipe_files(name, overrides):
+    recipe, warnings = parse_recipe(ROOT / name)
+    assert warnings == []
+    assert recipe == dataclasses.replace(Recipe(), **overrides)
+
+
+@pytest.mark.parametrize("name, overrides", SHIPPED.items())
+def test_shipped_recipe_files_list_every_key_at_its_released_default(tmp_path, name, overrides):
+    """Uncommenting every `# key=value` line must change nothing but the active
+    overrides: each key is listed exactly once (a second one is a duplicate-key
+    error) and every commented value is the released default."""
+    fields = {f.name for f in dataclasses.fields(Recipe)}
+    listed, lines = [], []
+    for line in (ROOT / name).read_text().splitlines():
+        match = re.match(r"#?\s*(\w+)=", line)
+        if match and match.group(1) in fields:
+            listed.append(match.group(1))
+            line = line.lstrip("#").strip()
+        lines.append(line)
+    assert sorted(listed) == sorted(fields)
+    recipe, _ = parse_recipe(write(tmp_path, "\n".join(lines) + "\n"))
+    assert recipe == dataclasses.replace(Recipe(), **overrides)
 
 
 # -- recipe: budget knobs ---------------------------------------------------

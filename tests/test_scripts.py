@@ -37,6 +37,24 @@ def test_train_capped_tiny_preset_end_to_end(tiny_run):
     assert result.stdout.count("[OPSD kl]") == 8
 
 
+def test_default_recipe_decays_the_learning_rate(tiny_run):
+    """`bash train_capped.sh` uses recipe.env, whose one override is the cosine
+    schedule: the rate falls every step (the released constant would not)."""
+    out, _ = tiny_run
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["learning_rate"] for r in records if "learning_rate" in r]
+    assert len(rates) == 8 and rates[0] <= 5e-6
+    assert all(later < earlier for earlier, later in zip(rates, rates[1:])), rates
+
+
+def test_help_is_the_header_and_names_both_recipes():
+    result = run(["bash", "train_capped.sh", "--help"], {})
+    assert result.returncode == 0
+    assert "default recipe.env: released recipe + cosine LR" in result.stdout
+    assert "recipe.released.env      # the released recipe (constant LR)" in result.stdout
+    assert "set -euo" not in result.stdout and not result.stdout.startswith("!")
+
+
 def test_train_capped_resumes_a_finished_run_without_new_steps(tiny_run):
     out, _ = tiny_run
     before = (out / "metrics.jsonl").read_text().count("opsd/true_kl")
