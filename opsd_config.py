@@ -51,7 +51,10 @@ CLIP_MODES = ("entry", "token")
 PAD_SIDES = ("right", "left")
 TEACHER_CONTEXTS = ("solution", "cot", "both")
 STUDENT_PROMPTS = ("paper", "eval")
-DATA_SELECTS = ("none", "hard", "nomath")
+# Data filters in the order they apply when combined (`nomath,hard`: drop math rows,
+# then keep the longer half of what remains), whatever order they are written in.
+DATA_FILTERS = ("nomath", "hard")
+DATA_SELECTS = ("none", *DATA_FILTERS)
 
 # Switches field -> (environment variable, allowed values)
 _SWITCHES = {
@@ -90,12 +93,38 @@ class Switches:
 
 def _read_switch(env: Mapping[str, str], var: str, allowed: tuple[str, ...]) -> str:
     raw = env.get(var, "")
+    if allowed is DATA_SELECTS:  # the one switch that takes a combination
+        return parse_data_select(raw, var)
     value = raw.strip().lower()
     if not value:
         return allowed[0]
     if value not in allowed:
         raise ConfigError(f"{var}={raw!r} is not allowed; expected one of: {', '.join(allowed)}")
     return value
+
+
+def parse_data_select(raw: str, var: str = "OPSD_DATA_SELECT") -> str:
+    """The canonical form of a data selection: `none`, or the named filters joined by
+    commas in the order they apply (DATA_FILTERS), so `hard,nomath` -> `nomath,hard`.
+    Empty means none; an unknown, repeated or empty name, or `none` combined with a
+    filter, is a ConfigError."""
+    names = [name.strip().lower() for name in raw.split(",")]
+    if names == [""]:
+        return DATA_SELECTS[0]
+    problem = None
+    unknown = [name for name in names if name not in DATA_SELECTS]
+    if unknown:
+        problem = f"{unknown[0] or 'an empty name'} is not a selection"
+    elif len(set(names)) < len(names):
+        problem = f"{next(n for n in names if names.count(n) > 1)} is named twice"
+    elif len(names) > 1 and "none" in names:
+        problem = "none cannot be combined with a filter"
+    if problem:
+        raise ConfigError(
+            f"{var}={raw!r} is not allowed ({problem}); expected one of: {', '.join(DATA_SELECTS)}, "
+            f"or a comma-separated combination of {', '.join(DATA_FILTERS)}"
+        )
+    return ",".join(name for name in DATA_FILTERS if name in names) or DATA_SELECTS[0]
 
 
 # --------------------------------------------------------------------------

@@ -245,7 +245,7 @@ def test_switch_defaults():
     ("OPSD_PAD_SIDE", "pad_side", ["right", "left"]),
     ("OPSD_TEACHER_CONTEXT", "teacher_context", ["solution", "cot", "both"]),
     ("OPSD_STUDENT_PROMPT", "student_prompt", ["paper", "eval"]),
-    ("OPSD_DATA_SELECT", "data_select", ["none", "hard", "nomath"]),
+    ("OPSD_DATA_SELECT", "data_select", ["none", "nomath", "hard"]),
 ])
 def test_each_switch_value(var, field, values):
     for value in values:
@@ -258,6 +258,22 @@ def test_each_switch_value(var, field, values):
         Switches.from_env({var: "bogus"})
     message = str(caught.value)
     assert var in message and "'bogus'" in message and ", ".join(values) in message and "\n" not in message
+
+
+@pytest.mark.parametrize("raw, canonical", [
+    ("nomath,hard", "nomath,hard"), ("hard,nomath", "nomath,hard"), (" Hard , NOMATH ", "nomath,hard"),
+])
+def test_data_select_combination_is_canonical(raw, canonical):
+    switches = Switches.from_env({"OPSD_DATA_SELECT": raw})
+    assert switches.data_select == canonical and switches.as_env()["OPSD_DATA_SELECT"] == canonical
+
+
+@pytest.mark.parametrize("raw", ["hard,hard", "nomath,bogus", "none,nomath", ",hard"])
+def test_bad_data_select_combination_is_one_line(raw):
+    with pytest.raises(ConfigError) as caught:
+        Switches.from_env({"OPSD_DATA_SELECT": raw})
+    message = str(caught.value)
+    assert message.startswith(f"OPSD_DATA_SELECT={raw!r} is not allowed (") and "\n" not in message
 
 
 def test_switches_read_os_environ_by_default(monkeypatch):
