@@ -133,6 +133,11 @@ def parse_data_select(raw: str, var: str = "OPSD_DATA_SELECT") -> str:
 
 MAX_COMPLETION_LENGTH_CAP = 4096
 
+# The sampling temperatures vLLM uses as given (vllm/sampling_params.py, 0.30.0): it
+# refuses one above 2 at the first rollout, and raises one below 0.01 to 0.01, which
+# would make sampling and the loss use different temperatures.
+VLLM_TEMPERATURE_RANGE = (0.01, 2.0)
+
 # Fixed by train_capped.sh (100 steps at global batch 32 on OPSD_MODEL).
 BUDGET_KNOBS = (
     "max_steps", "num_train_epochs", "per_device_train_batch_size",
@@ -190,7 +195,8 @@ _RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "lora_alpha": (lambda v: v >= 1, ">= 1"),
     "beta": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "jsd_token_clip": (lambda v: v >= 0, ">= 0 (0 or none disables the clip)"),
-    "temperature": (lambda v: v > 0, "> 0"),
+    "temperature": (lambda v: VLLM_TEMPERATURE_RANGE[0] <= v <= VLLM_TEMPERATURE_RANGE[1],
+                    "in [{}, {}], the range vLLM samples with".format(*VLLM_TEMPERATURE_RANGE)),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "top_k": (lambda v: v >= 0, ">= 0 (0 disables top-k)"),
     "lmbda": (lambda v: 0 <= v <= 1, "in [0, 1]"),

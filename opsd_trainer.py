@@ -37,7 +37,7 @@ from compiled_layers import CompiledLayers
 from data_collator import OPSDCollator, build_scoring_batch, check_alignment, gather_completion_positions
 from ema_teacher import AdapterEMA
 from opsd_chunked_loss import chunked_divergence_loss, chunked_tinker_loss
-from opsd_config import CLIP_MODES, PAD_SIDES, STUDENT_PROMPTS, TEACHER_CONTEXTS, Recipe
+from opsd_config import CLIP_MODES, PAD_SIDES, STUDENT_PROMPTS, TEACHER_CONTEXTS, VLLM_TEMPERATURE_RANGE, Recipe
 from opsd_logging import append_metrics, kl_line
 from opsd_loss import divergence_loss, tinker_loss
 from rollout import SamplingSettings, TransformersBackend, to_completion
@@ -154,6 +154,9 @@ class OPSDConfig(DistillationConfig):
         # compile_layers is resolved below; OPSDTrainer, which also sees sharding chosen in
         # accelerate's config, may switch a default (never an explicit) True off.
         self.compile_layers_is_default = self.compile_layers is None
+        low, high = VLLM_TEMPERATURE_RANGE
+        if self.use_vllm and not low <= self.temperature <= high:  # else vLLM fails at the first rollout
+            raise ValueError(f"temperature={self.temperature}: vLLM rollouts need a temperature in [{low}, {high}]")
         super().__post_init__()  # TRL turns the CLI's "none" / "32" into None / 32
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 0:
             raise ValueError(f"pad_to_multiple_of must be >= 0, got {self.pad_to_multiple_of}")

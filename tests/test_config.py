@@ -89,6 +89,12 @@ def test_boolean_spellings(tmp_path, raw, expected):
     assert recipe.reason_first is expected
 
 
+@pytest.mark.parametrize("value", ["0.01", "2", "1.1"])
+def test_temperatures_vllm_samples_with_are_accepted(tmp_path, value):
+    recipe, _ = parse_recipe(write(tmp_path, f"temperature={value}\n"))
+    assert recipe.temperature == float(value)
+
+
 def test_jsd_token_clip_none_disables(tmp_path):
     recipe, _ = parse_recipe(write(tmp_path, "jsd_token_clip=none\n"))
     assert recipe.jsd_token_clip == 0.0
@@ -173,6 +179,8 @@ ERRORS = [
     ("beta=1.5\n", 1, "out of range"),
     ("beta=-0.1\n", 1, "out of range"),
     ("temperature=0\n", 1, "out of range"),
+    ("temperature=2.5\n", 1, "temperature=2.5 is out of range; must be in [0.01, 2.0], the range vLLM samples with"),
+    ("temperature=0.005\n", 1, "out of range"),
     ("top_p=0\n", 1, "out of range"),
     ("top_p=1.01\n", 1, "out of range"),
     ("lmbda=2\n", 1, "out of range"),
@@ -217,7 +225,7 @@ def test_cli_check_prints_recipe_and_warnings(tmp_path):
     assert result.stderr.splitlines() == [f"warning: {path}:2: max_steps is a budget knob fixed by train_capped.sh; ignored"]
 
 
-@pytest.mark.parametrize("text, line, fragment", [ERRORS[0], ERRORS[3], ERRORS[11], ERRORS[28]])
+@pytest.mark.parametrize("text, line, fragment", [ERRORS[0], ERRORS[3], ERRORS[11], ERRORS[30]])
 def test_cli_check_errors_exit_2_with_one_line(tmp_path, text, line, fragment):
     path = write(tmp_path, text)
     result = run_cli("check", str(path))
