@@ -60,8 +60,8 @@ class EvalSettings:
     automatic value in thinking mode), top_k disabled (-1 there, 0 here),
     max_new_tokens 38912 (its default; Qwen3's recommended budget for
     competition math). Its min_p 0 and presence_penalty 0 are the neutral
-    values both backends use anyway. Samples per problem, seed and thinking
-    mode are fixed by SPEC section 5 (the released script runs 16 samples).
+    values both backends use anyway. Samples per problem (12, as the released
+    script), seed and thinking mode are fixed by docs/SPEC.md §5.
     """
     n_samples: int = 12
     seed: int = 20260610

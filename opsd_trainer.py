@@ -247,7 +247,8 @@ class OPSDTrainer(DistillationTrainer):
             args.compile_layers = False  # sharding chosen in accelerate's config, not in the arguments
         if self.use_vllm and is_peft_model(self.model) and not sharded:
             # Merge LoRA out of place for vLLM: TRL's in-place merge/unmerge would perturb the bf16
-            # base weights, i.e. the fixed teacher, a little at every sync.
+            # base weights, i.e. the fixed teacher, a little at every sync. Sharded runs keep TRL's
+            # path (it gathers the parameters first), and with it that drift (README).
             self.vllm_generation._iter_named_params = lambda: merged_named_parameters(self.vllm_generation.model)
         self.ema = AdapterEMA(self.model, args.ema_decay) if args.use_ema_teacher else None
         if self.ema is not None:
