@@ -4,7 +4,7 @@ This is the one place where switches and `recipe.env` files are parsed. It uses
 the standard library only, so `python opsd_config.py check recipe.env` answers
 (and fails) in a fraction of a second, before torch or any model is loaded.
 
-Recipe files (SPEC section 6) are .env files: `KEY=VALUE` lines, `#` starts a
+Recipe files (docs/SPEC.md §6) are .env files: `KEY=VALUE` lines, `#` starts a
 comment (also after a value), blank lines are ignored, and an `export ` prefix
 or quotes around a value are tolerated. Only the whitelisted keys of `Recipe`
 are accepted; budget knobs (`BUDGET_KNOBS`) are fixed by train_capped.sh and are
@@ -72,7 +72,7 @@ SWITCH_VARIABLES = {name: var for name, (var, _) in _SWITCHES.items()}
 
 @dataclass(frozen=True)
 class Switches:
-    """The method switches of SPEC sections 2-4, read from the environment."""
+    """The method switches of docs/SPEC.md §2-§4, read from the environment."""
 
     clip_mode: str = CLIP_MODES[0]
     pad_side: str = PAD_SIDES[0]
@@ -155,7 +155,7 @@ SCHEDULER_TYPES = (
 
 @dataclass(frozen=True)
 class Recipe:
-    """The whitelisted recipe keys with the released defaults (SPEC section 6).
+    """The whitelisted recipe keys with the released defaults (docs/SPEC.md §6).
     Each field's type is the type of its default, which is how values are parsed."""
 
     learning_rate: float = 5e-6

@@ -1,4 +1,4 @@
-"""Training and evaluation data: loading, validation and OPSD_DATA_SELECT (SPEC section 4).
+"""Training and evaluation data: loading, validation and OPSD_DATA_SELECT (docs/SPEC.md §4).
 
 Everything here runs before any model is loaded. Every problem is a `DataError`
 with a one-line message naming the file (or hub dataset) and the column, line

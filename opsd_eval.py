@@ -1,4 +1,4 @@
-"""Evaluate a LoRA checkpoint (or the base model) on a math benchmark (SPEC section 5).
+"""Evaluate a LoRA checkpoint (or the base model) on a math benchmark (docs/SPEC.md §5).
 
     python opsd_eval.py CHECKPOINT|base [--model M] [--dataset D] [--output-dir O]
                         [--backend transformers|vllm|auto] [--preset tiny]

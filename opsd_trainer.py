@@ -45,7 +45,7 @@ from vllm_weights import merged_named_parameters
 
 EMA_FILE = "ema_adapter.pt"
 STAGING_DIR = ".staging"  # checkpoints are written here, then renamed into place
-RELEASED = Recipe()  # SPEC §6 defaults: the one source of the released recipe's values
+RELEASED = Recipe()  # docs/SPEC.md §6 defaults: the one source of the released recipe's values
 # Without it, sequence lengths that are not a multiple of 8 made the compiled layers
 # recompile (about 10 s each) in the first steps of a run on the H200 (BENCHMARKS.md).
 SCORING_PAD_MULTIPLE = 16
@@ -53,11 +53,11 @@ SCORING_PAD_MULTIPLE = 16
 
 @dataclass
 class OPSDConfig(DistillationConfig):
-    """DistillationConfig plus the OPSD knobs (SPEC §2, §3, §6).
+    """DistillationConfig plus the OPSD knobs (docs/SPEC.md §2, §3, §6).
 
     `temperature`, `top_p`, `top_k`, `beta` and `max_completion_length` are the
     base class's fields: one temperature serves sampling and the loss, as in the
-    released recipe. Defaults are the released recipe's (SPEC §6), so a run without
+    released recipe. Defaults are the released recipe's (docs/SPEC.md §6), so a run without
     a recipe file is the released configuration.
     """
 
@@ -216,7 +216,7 @@ class _RunLog(TrainerCallback):
 
 
 class OPSDTrainer(DistillationTrainer):
-    # The loss is a token mean over each micro-batch (SPEC §2), so the Trainer must
+    # The loss is a token mean over each micro-batch (docs/SPEC.md §2), so the Trainer must
     # still divide by the number of accumulation steps.
     loss_is_scaled_for_ga = False
 
