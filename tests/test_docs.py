@@ -38,3 +38,23 @@ def test_nothing_points_outside_the_repository():
         text = path.read_text(encoding="utf-8")
         assert "shared folder" not in text, path
         assert "/work/" not in text, path
+
+
+def test_reference_commands_are_valid_commands_of_this_repository():
+    """Each arm of the reference table in OPSD_EXPERIMENTS.md is a train_capped.sh
+    command whose switches and recipe file this repository accepts."""
+    from opsd_config import Switches, parse_recipe
+
+    text = (ROOT / "OPSD_EXPERIMENTS.md").read_text()
+    table = text.split("## Reference results reported by the fork's study (not run here)", 1)[1].split("\n\n")[2]
+    commands = re.findall(r"\| `((?:OPSD_\w+=\S+ )+bash train_capped\.sh(?: \S+)?)` \|$", table, flags=re.M)
+    assert len(commands) == 5
+    outputs = set()
+    for command in commands:
+        assignments, script = command.split("bash train_capped.sh")
+        recipe = script.split()
+        env = dict(a.split("=", 1) for a in assignments.split())
+        Switches.from_env(env)  # raises on a bad switch value
+        outputs.add(env["OPSD_OUTPUT"])
+        parse_recipe(ROOT / (recipe[0] if recipe else "recipe.env"))
+    assert len(outputs) == 5  # one run folder per arm: a shared one would resume another arm
