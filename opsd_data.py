@@ -1,4 +1,4 @@
-"""Training and evaluation data: loading, validation and OPSD_DATA_SELECT (SPEC section 4).
+"""Training and evaluation data: loading, validation and OPSD_DATA_SELECT (docs/SPEC.md §4).
 
 Everything here runs before any model is loaded. Every problem is a `DataError`
 with a one-line message naming the file (or hub dataset) and the column, line
@@ -16,7 +16,11 @@ Selection of training rows:
           longest first and exactly ceil(n/2) are kept, so with an odd n the
           median row is kept. Ties at the cut keep the earlier row. Kept rows
           stay in their original order. A null trace counts as length 0;
-- nomath: drop the rows whose `source` is exactly "math"; original order.
+- nomath: drop the rows whose `source` is exactly "math"; original order;
+- a comma-separated combination, e.g. "nomath,hard": the filters apply one after
+  the other in the fixed order of `opsd_config.DATA_FILTERS` (nomath, then hard),
+  whatever order they are written in, so "hard" halves what "nomath" left.
+A selection that leaves no row is an error.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from opsd_config import DATA_SELECTS, TEACHER_CONTEXTS
+from opsd_config import TEACHER_CONTEXTS, ConfigError, parse_data_select
 
 RELEASED_TRAIN_DATASET = "siyanzhao/Openthoughts_math_30k_opsd"
 DEFAULT_EVAL_DATASET = "HuggingFaceH4/aime_2024"  # split "train", columns problem, answer
@@ -45,7 +49,10 @@ class DataError(ValueError):
 
 def load_train_dataset(spec: str, select: str = "none", teacher_context: str = "solution") -> datasets.Dataset:
     """Load, validate and select the training rows (see the module docstring)."""
-    _check_choice("OPSD_DATA_SELECT", select, DATA_SELECTS)
+    try:
+        select = parse_data_select(select)
+    except ConfigError as e:
+        raise DataError(str(e)) from None
     _check_choice("OPSD_TEACHER_CONTEXT", teacher_context, TEACHER_CONTEXTS)
     data, where = _load(spec, "train")
     _require_columns(data, where, _train_columns(select, teacher_context))
@@ -186,10 +193,11 @@ def _train_columns(select: str, teacher_context: str) -> dict[str, str]:
     required = {"problem": "", "solution": ""}
     if teacher_context in ("cot", "both"):
         required["COT_Reason"] = f"OPSD_TEACHER_CONTEXT={teacher_context}"
-    if select == "hard":
-        required["COT_Reason"] = "OPSD_DATA_SELECT=hard"
-    if select == "nomath":
-        required["source"] = "OPSD_DATA_SELECT=nomath"
+    filters = select.split(",")
+    if "hard" in filters:
+        required["COT_Reason"] = f"OPSD_DATA_SELECT={select}"
+    if "nomath" in filters:
+        required["source"] = f"OPSD_DATA_SELECT={select}"
     return required
 
 
@@ -213,14 +221,18 @@ def _require_text(data: datasets.Dataset, where: str, column: str) -> None:
 # --------------------------------------------------------------------------
 
 def _select(data: datasets.Dataset, where: str, select: str) -> datasets.Dataset:
+    """Apply the filters of a canonical selection (parse_data_select) in order."""
     if select == "none":
         return data
-    if select == "hard":
-        return data.select(hard_indices(data["COT_Reason"]))
-    keep = nomath_indices(data["source"])
-    if not keep:
-        raise DataError(f"{where}: OPSD_DATA_SELECT=nomath left no rows (every 'source' is 'math')")
-    return data.select(keep)
+    for name in select.split(","):
+        if name == "nomath":
+            keep = nomath_indices(data["source"])
+            if not keep:
+                raise DataError(f"{where}: OPSD_DATA_SELECT={select} left no rows (every 'source' is 'math')")
+        else:  # hard: ceil(n/2) of n >= 1 rows, never empty
+            keep = hard_indices(data["COT_Reason"])
+        data = data.select(keep)
+    return data
 
 
 def hard_indices(traces) -> list[int]:

@@ -1,4 +1,4 @@
-"""Evaluate a LoRA checkpoint (or the base model) on a math benchmark (SPEC section 5).
+"""Evaluate a LoRA checkpoint (or the base model) on a math benchmark (docs/SPEC.md §5).
 
     python opsd_eval.py CHECKPOINT|base [--model M] [--dataset D] [--output-dir O]
                         [--backend transformers|vllm|auto] [--preset tiny]
@@ -60,8 +60,8 @@ class EvalSettings:
     automatic value in thinking mode), top_k disabled (-1 there, 0 here),
     max_new_tokens 38912 (its default; Qwen3's recommended budget for
     competition math). Its min_p 0 and presence_penalty 0 are the neutral
-    values both backends use anyway. Samples per problem, seed and thinking
-    mode are fixed by SPEC section 5 (the released script runs 16 samples).
+    values both backends use anyway. Samples per problem (12, as the released
+    script), seed and thinking mode are fixed by docs/SPEC.md §5.
     """
     n_samples: int = 12
     seed: int = 20260610
@@ -401,11 +401,42 @@ def sample_completions(request: EvalRequest, model_path: str, tokenizer, prompts
     s = request.settings
     sampling = SamplingSettings(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                 max_new_tokens=s.max_new_tokens, seed=s.seed)
+    context = model_context(model_path)
+    warning = context_warning([len(p) for p in prompts], s.max_new_tokens, context, request.backend)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     if request.backend == "vllm":
-        backend = _vllm_backend(request, model_path, prompts)
-    else:
-        backend = _transformers_backend(request, model_path, tokenizer)
+        # Shut down before returning, so that nothing the engine does on exit (it may
+        # print) comes after the results and the FINAL line.
+        with _vllm_backend(request, model_path, prompts, context) as backend:
+            return backend.generate(prompts, sampling, n=s.n_samples, progress=True)
+    backend = _transformers_backend(request, model_path, tokenizer)
     return backend.generate(prompts, sampling, n=s.n_samples, progress=True)
+
+
+def model_context(model_path: str) -> int | None:
+    """The model's context window (max_position_embeddings), None if it declares none."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+
+
+def context_warning(prompt_lengths: Sequence[int], max_new_tokens: int, context: int | None,
+                    backend: str) -> str | None:
+    """One `warning:` line when prompts are longer than the context leaves after
+    max_new_tokens: their samples cannot get the full budget (vLLM stops them at the
+    context, as truncated) or run past what the model was trained on (transformers)."""
+    if not context:
+        return None
+    room = context - max_new_tokens
+    over = [n for n in prompt_lengths if n > room]
+    if not over:
+        return None
+    effect = ("vLLM stops their samples at the context limit (graded as truncated)" if backend == "vllm"
+              else "transformers samples them past the model's context window")
+    return (f"warning: {len(over)} of {len(prompt_lengths)} prompts are longer than the {max(room, 0)} tokens "
+            f"that the model's context of {context} leaves after max_new_tokens={max_new_tokens} "
+            f"(longest {max(over)}); {effect}")
 
 
 def _transformers_backend(request: EvalRequest, model_path: str, tokenizer):
@@ -428,14 +459,11 @@ def _transformers_backend(request: EvalRequest, model_path: str, tokenizer):
                                batch_size=request.batch_size)
 
 
-def _vllm_backend(request: EvalRequest, model_path: str, prompts: list[list[int]]):
-    from transformers import AutoConfig
-
+def _vllm_backend(request: EvalRequest, model_path: str, prompts: list[list[int]], context: int | None):
     from rollout import VLLMBackend
 
     # Room for the longest prompt plus a full generation, within the model's context.
     needed = max(len(p) for p in prompts) + request.settings.max_new_tokens
-    context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
     return VLLMBackend(model_path, lora_path=request.checkpoint, seed=request.settings.seed,
                        max_model_len=min(needed, context) if context else needed)
 

@@ -1,4 +1,4 @@
-"""The OPSD objective (SPEC section 2): reference implementation on full logits.
+"""The OPSD objective (docs/SPEC.md §2): reference implementation on full logits.
 
 Pure torch, no model. Everything is built from per-token functions on flat rows
 (`[N, V]` logits of the masked completion positions), so that this reference and the

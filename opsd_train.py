@@ -5,7 +5,7 @@
         --gradient_accumulation_steps 8
 
 Precedence, lowest to highest: dataclass defaults < YAML / command line <
-`--recipe` file (SPEC §6 keys) < `OPSD_*` environment switches that are set.
+`--recipe` file (docs/SPEC.md §6 keys) < `OPSD_*` environment switches that are set.
 Everything is validated (recipe, switches, dataset) before a model is loaded;
 bad input exits with status 2 and a one-line `error:` message.
 """
@@ -43,7 +43,7 @@ class ScriptArguments:
         default="siyanzhao/Openthoughts_math_30k_opsd",
         metadata={"help": "HF dataset name, local .json/.jsonl/.parquet, or `tiny`."},
     )
-    recipe: str | None = field(default=None, metadata={"help": "recipe.env of SPEC §6 overrides."})
+    recipe: str | None = field(default=None, metadata={"help": "recipe.env of docs/SPEC.md §6 overrides."})
     preset: str | None = field(default=None, metadata={"help": "`tiny`: embedded model + data, CPU budget."})
     lora_r: int = field(default=64)
     lora_alpha: int = field(default=128)

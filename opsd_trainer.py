@@ -37,7 +37,7 @@ from compiled_layers import CompiledLayers
 from data_collator import OPSDCollator, build_scoring_batch, check_alignment, gather_completion_positions
 from ema_teacher import AdapterEMA
 from opsd_chunked_loss import chunked_divergence_loss, chunked_nll_loss, chunked_tinker_loss
-from opsd_config import CLIP_MODES, PAD_SIDES, STUDENT_PROMPTS, TEACHER_CONTEXTS, Recipe
+from opsd_config import CLIP_MODES, PAD_SIDES, STUDENT_PROMPTS, TEACHER_CONTEXTS, VLLM_TEMPERATURE_RANGE, Recipe
 from opsd_logging import append_metrics, kl_line
 from opsd_loss import divergence_loss, nll_loss, tinker_loss
 from rollout import SamplingSettings, TransformersBackend, to_completion
@@ -45,7 +45,7 @@ from vllm_weights import merged_named_parameters
 
 EMA_FILE = "ema_adapter.pt"
 STAGING_DIR = ".staging"  # checkpoints are written here, then renamed into place
-RELEASED = Recipe()  # SPEC §6 defaults: the one source of the released recipe's values
+RELEASED = Recipe()  # docs/SPEC.md §6 defaults: the one source of the released recipe's values
 LOSS_TYPES = ("opsd", "sft")
 # Without it, sequence lengths that are not a multiple of 8 made the compiled layers
 # recompile (about 10 s each) in the first steps of a run on the H200 (BENCHMARKS.md).
@@ -54,11 +54,11 @@ SCORING_PAD_MULTIPLE = 16
 
 @dataclass
 class OPSDConfig(DistillationConfig):
-    """DistillationConfig plus the OPSD knobs (SPEC §2, §3, §6).
+    """DistillationConfig plus the OPSD knobs (docs/SPEC.md §2, §3, §6).
 
     `temperature`, `top_p`, `top_k`, `beta` and `max_completion_length` are the
     base class's fields: one temperature serves sampling and the loss, as in the
-    released recipe. Defaults are the released recipe's (SPEC §6), so a run without
+    released recipe. Defaults are the released recipe's (docs/SPEC.md §6), so a run without
     a recipe file is the released configuration.
     """
 
@@ -162,6 +162,9 @@ class OPSDConfig(DistillationConfig):
         # compile_layers is resolved below; OPSDTrainer, which also sees sharding chosen in
         # accelerate's config, may switch a default (never an explicit) True off.
         self.compile_layers_is_default = self.compile_layers is None
+        low, high = VLLM_TEMPERATURE_RANGE
+        if self.use_vllm and not low <= self.temperature <= high:  # else vLLM fails at the first rollout
+            raise ValueError(f"temperature={self.temperature}: vLLM rollouts need a temperature in [{low}, {high}]")
         super().__post_init__()  # TRL turns the CLI's "none" / "32" into None / 32
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 0:
             raise ValueError(f"pad_to_multiple_of must be >= 0, got {self.pad_to_multiple_of}")
@@ -222,7 +225,7 @@ class _RunLog(TrainerCallback):
 
 
 class OPSDTrainer(DistillationTrainer):
-    # The loss is a token mean over each micro-batch (SPEC §2), so the Trainer must
+    # The loss is a token mean over each micro-batch (docs/SPEC.md §2), so the Trainer must
     # still divide by the number of accumulation steps.
     loss_is_scaled_for_ga = False
 
@@ -253,7 +256,8 @@ class OPSDTrainer(DistillationTrainer):
             args.compile_layers = False  # sharding chosen in accelerate's config, not in the arguments
         if self.use_vllm and is_peft_model(self.model) and not sharded:
             # Merge LoRA out of place for vLLM: TRL's in-place merge/unmerge would perturb the bf16
-            # base weights, i.e. the fixed teacher, a little at every sync.
+            # base weights, i.e. the fixed teacher, a little at every sync. Sharded runs keep TRL's
+            # path (it gathers the parameters first), and with it that drift (README).
             self.vllm_generation._iter_named_params = lambda: merged_named_parameters(self.vllm_generation.model)
         self.ema = AdapterEMA(self.model, args.ema_decay) if args.use_ema_teacher else None
         if self.ema is not None:

@@ -334,3 +334,90 @@ def test_dev_eval_bad_checkpoint_and_usage(tmp_path):
     usage = dev_eval()
     assert usage.returncode == 2 and usage.stderr.startswith("usage: dev_eval.sh")
     assert dev_eval("-h").returncode == 0
+
+
+# ---------------------------------------------------------------- the vLLM backend, with a fake vLLM
+
+def test_context_warning():
+    assert opsd_eval.context_warning([100, 2048], 38912, 40960, "vllm") is None  # 2048 fits exactly
+    line = opsd_eval.context_warning([100, 2049, 3000], 38912, 40960, "vllm")
+    assert line.startswith("warning: 2 of 3 prompts are longer than the 2048 tokens ") and "\n" not in line
+    assert "(longest 3000)" in line and "vLLM stops their samples at the context limit" in line
+    assert "past the model's context" in opsd_eval.context_warning([5000], 38912, 40960, "transformers")
+    assert opsd_eval.context_warning([10 ** 6], 38912, None, "vllm") is None  # no declared context
+
+
+def fake_vllm_modules(events: list):
+    """The parts of vLLM that the evaluation touches. Like the real one, its logger
+    writes to stdout and its engine prints while shutting down."""
+    import logging
+    import sys
+    import types
+
+    logger = logging.getLogger("vllm")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    logger.addHandler(logging.StreamHandler(sys.stdout))
+
+    class EngineCore:
+        def shutdown(self):
+            print("[fake vllm] engine core shut down")
+            events.append("shutdown")
+
+    class LLM:
+        def __init__(self, **kwargs):
+            events.append(("engine", kwargs, {name: os.environ.get(name) for name in
+                                              ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_STREAM")}))
+            logger.info("[fake vllm] engine ready")
+            self.llm_engine = types.SimpleNamespace(engine_core=EngineCore())
+
+        def generate(self, prompts, params, use_tqdm, lora_request):
+            events.append("generate")
+            sample = types.SimpleNamespace(token_ids=[7, 8], finish_reason="length", stop_reason=None)
+            return [types.SimpleNamespace(outputs=[sample] * p.n) for p in params]
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = LLM
+    vllm.SamplingParams = lambda **kwargs: types.SimpleNamespace(**kwargs)
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    parallel_state = types.ModuleType("vllm.distributed.parallel_state")
+    parallel_state.cleanup_dist_env_and_memory = lambda: events.append("cleanup")
+    return {"vllm": vllm, "vllm.inputs": inputs, "vllm.distributed": types.ModuleType("vllm.distributed"),
+            "vllm.distributed.parallel_state": parallel_state}, logger
+
+
+@pytest.mark.parametrize("user_multiprocessing", [None, "1"])
+def test_vllm_evaluation_env_logs_teardown_and_last_line(monkeypatch, tmp_path, capsys, user_multiprocessing):
+    import sys
+
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_STREAM"):
+        monkeypatch.setenv(name, "restored after the test")
+        monkeypatch.delenv(name)
+    if user_multiprocessing is not None:
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", user_multiprocessing)
+    events = []
+    modules, logger = fake_vllm_modules(events)
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    # A budget that leaves the tiny prompts too little of the context: the warning case.
+    monkeypatch.setattr(opsd_eval, "TINY_SETTINGS", opsd_eval.replace(TINY_SETTINGS, max_new_tokens=40900))
+    try:
+        status = opsd_eval.main(["base", "--preset", "tiny", "--backend", "vllm", "--output-dir", str(tmp_path)])
+    finally:
+        logger.handlers.clear()
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    _, engine_args, env = events[0]
+    assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": user_multiprocessing or "0",
+                   "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
+    assert engine_args["max_model_len"] == 40960  # capped at the tiny model's context
+    assert events[1:] == ["generate", "shutdown", "cleanup"]
+
+    out = captured.out.splitlines()
+    assert FINAL_RE.match(out[-1]), out[-3:]
+    shutdown = out.index("[fake vllm] engine core shut down")
+    assert shutdown < next(i for i, line in enumerate(out) if line.startswith("[1/"))  # before any result
+    assert "engine ready" not in captured.out and "[fake vllm] engine ready" in captured.err
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and "that the model's context of 40960 leaves after max_new_tokens=40900" in warnings[0]

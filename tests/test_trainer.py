@@ -283,6 +283,13 @@ def test_recipe_values_reach_the_trainer_config(tmp_path, capsys):
     assert (lora.r, lora.lora_alpha) == (8, 16)
 
 
+def test_vllm_rollouts_refuse_a_temperature_vllm_rejects(tmp_path, capsys):
+    assert opsd_train.main(tiny_argv(tmp_path / "out", 1, "--use_vllm", "true", "--temperature", "2.5")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: temperature=2.5: vLLM rollouts need a temperature in [0.01, 2.0]"
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_recipe_fails_before_loading(tmp_path, capsys):
     recipe = tmp_path / "recipe.env"
     recipe.write_text("beta=0\nlearning_rat=1e-5\n")
