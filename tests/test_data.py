@@ -92,7 +92,7 @@ def test_hub_failure_is_a_data_error_naming_the_dataset():
 
 
 def test_tiny_uses_the_embedded_default(monkeypatch, jsonl):
-    monkeypatch.setattr(tiny_default, "tiny_train_path", lambda: jsonl, raising=False)
+    monkeypatch.setattr(tiny_default, "tiny_train_path", lambda name="tiny": jsonl, raising=False)
     assert load_train_dataset("tiny").to_list() == ROWS
 
 
@@ -298,7 +298,7 @@ def test_eval_rows_with_answers_as_text(tmp_path, monkeypatch):
     rows = [{"id": 1, "problem": "a", "answer": 204}, {"id": 2, "problem": "b", "answer": 5.0},
             {"id": 3, "problem": "c", "answer": 1.5}]
     path = write_jsonl(tmp_path / "aime.jsonl", rows)
-    monkeypatch.setattr(tiny_default, "tiny_eval_path", lambda: path, raising=False)
+    monkeypatch.setattr(tiny_default, "tiny_eval_path", lambda name="tiny": path, raising=False)
     expected = [{"id": 1, "problem": "a", "answer": "204"}, {"id": 2, "problem": "b", "answer": "5"},
                 {"id": 3, "problem": "c", "answer": "1.5"}]
     assert load_eval_dataset(str(path)) == expected
@@ -322,3 +322,12 @@ def test_eval_errors(tmp_path):
     assert message_of(load_eval_dataset, str(no_answer)).startswith(f"eval file {no_answer}: missing column 'answer'")
     null_answer = write_jsonl(tmp_path / "null_answer.jsonl", [{"problem": "a", "answer": "1"}, {"problem": "b", "answer": None}])
     assert message_of(load_eval_dataset, str(null_answer)) == f"eval file {null_answer}: row 2 has an empty 'answer'"
+
+
+def test_tiny_seed_names_load_and_bad_ones_are_one_line_errors():
+    rows = load_eval_dataset("tiny:123:5")
+    assert len(rows) == 5 and set(rows[0]) == {"problem", "answer"}
+    assert len(load_train_dataset("tiny:3:7")) == 7
+    for bad in ("tiny:x", "tiny:1:0", "tiny:"):
+        with pytest.raises(DataError, match="expected tiny, tiny:SEED or tiny:SEED:N"):
+            load_eval_dataset(bad)
