@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install, then show the embedded default learning on CPU (about 10 minutes on 2 cores):
+# Install, then run the embedded default end to end on CPU (wall time on 2 cores not yet measured):
 #   1. evaluate the learned tiny model (base) on a held-out generated set,
 #   2. train it with OPSD (the tiny preset: 8 steps x batch 4),
 #   3. evaluate the checkpoint on the same set,
