@@ -232,11 +232,16 @@ class NucleusFilter:
         probs = scores.float().softmax(-1)
         k = min(self.candidates, scores.shape[-1])
         top, index = probs.topk(k, dim=-1)
-        if not bool((top.sum(-1) >= self.top_p).all()):
-            top, index = probs.sort(dim=-1, descending=True)
-        above = top.cumsum(-1) - top  # mass ranked strictly above each candidate
-        keep_sorted = above < self.top_p
-        keep_sorted[..., 0] = True
+        if bool((top.sum(-1) >= self.top_p).all()):
+            above = top.cumsum(-1) - top  # mass ranked strictly above each candidate
+            keep_sorted = above < self.top_p
+            keep_sorted[..., 0] = True
+        else:
+            # transformers' own arithmetic (ascending float32 cumsum), so that the
+            # fallback keeps exactly its set, rounding at the boundary included.
+            ascending, index = probs.sort(dim=-1)
+            keep_sorted = ascending.cumsum(-1) > 1 - self.top_p
+            keep_sorted[..., -1] = True
         keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, index, keep_sorted)
         return scores.masked_fill(~keep, -float("inf"))
 
