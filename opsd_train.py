@@ -13,13 +13,18 @@ bad input exits with status 2 and a one-line `error:` message.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
-import json
 import os
+import re
+import signal
 import sys
+import time
 from dataclasses import dataclass, field
 
-from opsd_config import SWITCH_VARIABLES, ConfigError, Recipe, RecipeError, Switches, parse_recipe
+import run_folder
+
+from opsd_config import DATA_SELECTS, SWITCH_VARIABLES, ConfigError, Recipe, RecipeError, Switches, parse_recipe
 from opsd_data import DataError, load_train_dataset
 
 TINY_PRESET = {  # the embedded default on 2 CPU cores: short completions, a short prompt budget
@@ -47,6 +52,9 @@ class ScriptArguments:
     dtype: str = field(default="auto", metadata={"help": "auto: bfloat16 on GPU, float32 on CPU."})
     attn_implementation: str | None = field(default=None, metadata={"help": "e.g. sdpa, flash_attention_2."})
     resume: bool = field(default=True, metadata={"help": "Resume from the newest checkpoint in output_dir."})
+    data_select: str = field(
+        default=DATA_SELECTS[0], metadata={"help": "Training rows: none, hard or nomath (OPSD_DATA_SELECT)."}
+    )
 
 
 RECIPE_TO_ARGS = (
@@ -70,8 +78,8 @@ RECIPE_TO_ARGS = (
     "top_k_loss",
     "use_tinker_loss",
 )
-# Switches that are trainer config fields (data_select is applied to the dataset instead).
-CONFIG_SWITCHES = {name: var for name, var in SWITCH_VARIABLES.items() if name != "data_select"}
+# Switches that become flags (data_select is a ScriptArguments field, the others OPSDConfig fields).
+CONFIG_SWITCHES = dict(SWITCH_VARIABLES)
 
 
 def _flag(name: str, value) -> list[str]:
@@ -112,11 +120,22 @@ def _early_flags(argv: list[str]) -> argparse.Namespace:
     return pre.parse_known_args(argv)[0]
 
 
-def parse(argv=None, env=os.environ):
+def _launcher_flags(argv: list[str]) -> tuple[list[str], bool, int | None]:
+    """Remove `--check_only` and `--world_size N` (flags of this script, not of the
+    config dataclasses): validate without training, for `train_capped.sh`, which
+    checks everything before it starts accelerate with N processes."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--check_only", action="store_true")
+    pre.add_argument("--world_size", type=int)
+    known, rest = pre.parse_known_args(argv)
+    return rest, known.check_only, known.world_size
+
+
+def parse(argv=None, env=os.environ, quiet: bool = False):
     """Parse and validate everything that can be checked without a model.
 
     Switches and the recipe are checked first (stdlib only, instant), then the
-    config dataclasses, then the dataset.
+    config dataclasses, then the dataset. `quiet` leaves recipe warnings unprinted.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     early = _early_flags(argv)
@@ -126,7 +145,7 @@ def parse(argv=None, env=os.environ):
     recipe = None
     if early.recipe:
         recipe, warnings = parse_recipe(early.recipe)
-        for w in warnings:
+        for w in warnings if not quiet else ():
             print(f"warning: {w}", file=sys.stderr)
 
     from trl import TrlParser
@@ -140,10 +159,112 @@ def parse(argv=None, env=os.environ):
     script_args, config = parser.parse_args_and_config(defaults + argv + extra)
     if config.use_vllm and importlib.util.find_spec("vllm") is None:
         raise ConfigError("--use_vllm true: vllm is not installed (pip install -r requirements-gpu.txt)")
+    check_model(script_args.model_name_or_path)
+    run_folder.check_writable(config.output_dir)
     dataset = load_train_dataset(
-        script_args.dataset_name, select=switches.data_select, teacher_context=config.teacher_context
+        script_args.dataset_name, select=script_args.data_select, teacher_context=config.teacher_context
     )
     return script_args, config, dataset
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def check_model(name: str) -> None:
+    """A local model folder must exist and hold config.json; a hub id must look like one.
+
+    Whether a hub id exists is only known when it loads (it may need the network)."""
+    if name == "tiny":
+        return
+    if os.path.exists(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise ConfigError(f"model {name}: not a model folder (no config.json in it)")
+        return
+    looks_local = name.startswith(("/", "./", "../", "~", ".")) or name.count("/") > 1 or "\\" in name
+    if looks_local:
+        raise ConfigError(f"model {name}: no such folder")
+    if not _HUB_ID.fullmatch(name):
+        raise ConfigError(f"model {name!r}: neither a local folder nor a hub id (org/name)")
+
+
+# --------------------------------------------------------------------------
+# Run identity: the resolved configuration, printed and stored with the run
+# --------------------------------------------------------------------------
+
+def recipe_values(script_args: ScriptArguments, config) -> dict:
+    """Every recipe key (SPEC §6) as this run resolved it, whatever set it."""
+    values = {}
+    for f in dataclasses.fields(Recipe):
+        if f.name in ("lora_r", "lora_alpha"):
+            value = getattr(script_args, f.name)
+        elif f.name == "warmup_ratio":  # transformers 5 keeps the ratio in warmup_steps when < 1
+            steps = config.warmup_steps
+            value = steps if steps < 1 else steps / max(config.max_steps, 1)
+        elif f.name == "lr_scheduler_type":
+            value = getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type)
+        elif f.name == "jsd_token_clip":
+            value = config.jsd_token_clip or 0.0
+        else:
+            value = getattr(config, f.name)
+        values[f.name] = value if isinstance(f.default, bool) else type(f.default)(value)
+    return values
+
+
+def run_identity(script_args: ScriptArguments, config, dataset, world_size: int | None = None) -> dict:
+    """The run's configuration as one flat dict: what `run_config.json` holds and
+    what a resume compares (run_folder.NOT_COMPARED aside). Recipe keys appear
+    only where they differ from the released recipe."""
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    per_device, accumulation = config.per_device_train_batch_size, config.gradient_accumulation_steps
+    released = dataclasses.asdict(Recipe())
+    identity = {
+        "model": script_args.model_name_or_path,
+        "data": script_args.dataset_name,
+        "data_select": script_args.data_select,
+        "train_rows": len(dataset),
+        "preset": script_args.preset or "none",
+    }
+    identity.update({var: getattr(script_args if name == "data_select" else config, name)
+                     for name, var in SWITCH_VARIABLES.items() if name != "data_select"})
+    identity.update({k: v for k, v in recipe_values(script_args, config).items() if v != released[k]})
+    identity.update({
+        "seed": config.seed,
+        "global_batch": per_device * accumulation * world,
+        "max_steps": config.max_steps,
+        "per_device_train_batch_size": per_device,
+        "gradient_accumulation_steps": accumulation,
+        "num_processes": world,
+        "output_dir": os.path.abspath(config.output_dir),
+    })
+    return identity
+
+
+def format_identity(identity: dict) -> str:
+    width = max(map(len, identity))
+    lines = [f"[OPSD] run configuration ({run_folder.CONFIG_FILE} in the run folder):"]
+    lines += [f"  {key:<{width}}  {value}" for key, value in identity.items()]
+    return "\n".join(lines)
+
+
+def resume_point(output_dir: str, identity: dict, resume: bool) -> tuple[int, str] | None:
+    """The checkpoint this run continues from (None: a fresh start).
+
+    Refuses (RunFolderError) when the folder records another configuration: a
+    resumed run must not mix two arms."""
+    last = run_folder.last_checkpoint(output_dir) if resume else None
+    if last is None:
+        return None
+    recorded = run_folder.read_config(output_dir)
+    if recorded is not None:
+        differing = run_folder.config_conflicts(recorded, identity)
+        if differing:
+            shown = ", ".join(f"{k} ({recorded.get(k)!r} -> {identity.get(k)!r})" for k in differing[:6])
+            more = f" and {len(differing) - 6} more" if len(differing) > 6 else ""
+            raise run_folder.RunFolderError(
+                f"{output_dir} holds a run of another configuration ({shown}{more}); to start fresh, "
+                "choose another OPSD_OUTPUT (--output_dir) or delete that folder"
+            )
+    return last
 
 
 def build_model_and_tokenizer(script_args: ScriptArguments):
@@ -177,9 +298,34 @@ def lora_config(script_args: ScriptArguments):
     )
 
 
-def train(script_args: ScriptArguments, config, dataset):
-    from transformers.trainer_utils import get_last_checkpoint
+class _StopRequest:
+    """SIGTERM / SIGINT (preemption, Ctrl-C) ask the run to stop at the next step
+    boundary with a checkpoint; a second signal acts as usual (stops at once)."""
 
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        for signum in self.SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        print(f"[OPSD] {signal.Signals(signum).name} received: stopping after this step with a checkpoint "
+              "(send it again to stop at once)", flush=True)
+
+    def __exit__(self, *exc):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def train(script_args: ScriptArguments, config, dataset, resume: tuple[int, str] | None = None, stop=None):
     from opsd_trainer import OPSDTrainer
 
     model, tokenizer = build_model_and_tokenizer(script_args)
@@ -189,40 +335,78 @@ def train(script_args: ScriptArguments, config, dataset):
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=lora_config(script_args),
+        stop_request=stop,
+        base_model_name=script_args.model_name_or_path,
     )
-    resume = None
-    if script_args.resume and os.path.isdir(config.output_dir):
-        resume = get_last_checkpoint(config.output_dir)
     if resume and trainer.accelerator.is_main_process:
-        print(f"[OPSD] resuming from {resume}", flush=True)
-    if resume and 0 < config.max_steps <= _checkpoint_step(resume):
-        # transformers would still run one step past max_steps when resuming at the end.
-        if trainer.accelerator.is_main_process:
-            print(f"[OPSD] {resume} already reached max_steps={config.max_steps}; nothing to train", flush=True)
-        return trainer
-    trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model(config.output_dir)  # final adapter + tokenizer at the top of the run folder
+        print(f"[OPSD] resuming from {resume[1]}", flush=True)
+    trainer.train(resume_from_checkpoint=resume[1] if resume else None)
+    if trainer.stopped_by_signal is None:
+        trainer.save_model(config.output_dir)  # final adapter + tokenizer at the top of the run folder
     return trainer
 
 
-def _checkpoint_step(checkpoint: str) -> int:
-    with open(os.path.join(checkpoint, "trainer_state.json"), encoding="utf-8") as f:
-        return int(json.load(f)["global_step"])
+def _summary_line(trainer, started: float) -> str:
+    last = run_folder.last_checkpoint(trainer.args.output_dir)
+    kl = next((r["opsd/true_kl"] for r in reversed(trainer.state.log_history) if "opsd/true_kl" in r), None)
+    return (
+        f"[OPSD] done: {trainer.state.global_step} steps in {time.time() - started:.1f} s | last checkpoint "
+        f"{last[1] if last else 'none'} | last true_kl {'n/a' if kl is None else f'{kl:.4g}'}"
+    )
 
 
 def main(argv=None) -> int:
+    argv, check_only, world_size = _launcher_flags(list(sys.argv[1:] if argv is None else argv))
     try:
-        script_args, config, dataset = parse(argv)
-    except (ConfigError, RecipeError, DataError, ValueError) as e:
+        script_args, config, dataset = parse(argv, quiet=check_only)
+        identity = run_identity(script_args, config, dataset, world_size)
+        resume = resume_point(config.output_dir, identity, script_args.resume)
+        lock = run_folder.RunLock(config.output_dir)
+        if check_only:
+            lock.check()
+    except (ConfigError, RecipeError, DataError, run_folder.RunFolderError, ValueError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    out = config.output_dir
+    if resume and 0 < config.max_steps <= resume[0]:
+        # transformers would still run one step past max_steps when resuming at the end.
+        if int(os.environ.get("RANK", "0")) == 0 and not check_only:
+            print(f"[OPSD] {out} is finished: its last checkpoint {resume[1]} reached max_steps={config.max_steps}; "
+                  "nothing to train (for a new run choose another OPSD_OUTPUT or delete the folder)", flush=True)
+        return 0
+    if check_only:
+        return 0
+    from opsd_trainer import CheckpointWriteError, NonFiniteLossError
+
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    started = time.time()
+    try:
+        if main_process:
+            lock.acquire()  # other ranks write nothing outside the trainer's own barriers
+            print(format_identity(identity), flush=True)
+            if run_folder.remove_staging(out):
+                print(f"[OPSD] removed the partial checkpoint a killed save left in {out}/{run_folder.STAGING_DIR}")
+            run_folder.write_config(out, identity)
+            run_folder.truncate_metrics(out, resume[0] if resume else 0)
+        with _StopRequest() as stop:
+            trainer = train(script_args, config, dataset, resume, stop)
+    except run_folder.RunFolderError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from opsd_trainer import NonFiniteLossError
-
-    try:
-        train(script_args, config, dataset)
-    except NonFiniteLossError as e:
+    except (NonFiniteLossError, CheckpointWriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        lock.release()
+    if trainer.stopped_by_signal is not None:
+        last = run_folder.last_checkpoint(out)
+        if main_process:
+            print(f"[OPSD] stopped by {signal.Signals(trainer.stopped_by_signal).name} at step "
+                  f"{trainer.state.global_step}; checkpoint {last[1] if last else 'none'}; re-run the same "
+                  "command to resume", flush=True)
+        return 128 + trainer.stopped_by_signal
+    if main_process:
+        print(_summary_line(trainer, started), flush=True)
     return 0
 
 

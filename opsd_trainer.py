@@ -20,16 +20,22 @@ loss (per-entry clip, which TRL's fused divergence cannot express).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import random
 import shutil
+import sys
+import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import is_peft_model
+from tqdm.auto import tqdm
 from transformers import TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints
+from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_utils import rotate_checkpoints
 from trl import DistillationConfig, DistillationTrainer
 from trl.models.utils import unwrap_model_for_generation
 
@@ -38,13 +44,17 @@ from data_collator import OPSDCollator, build_scoring_batch, check_alignment, ga
 from ema_teacher import AdapterEMA
 from opsd_chunked_loss import chunked_divergence_loss, chunked_tinker_loss
 from opsd_config import CLIP_MODES, PAD_SIDES, STUDENT_PROMPTS, TEACHER_CONTEXTS, Recipe
+import run_folder
 from opsd_logging import append_metrics, kl_line
 from opsd_loss import divergence_loss, tinker_loss
 from rollout import SamplingSettings, TransformersBackend, to_completion
 from vllm_weights import merged_named_parameters
 
 EMA_FILE = "ema_adapter.pt"
-STAGING_DIR = ".staging"  # checkpoints are written here, then renamed into place
+STAGING_DIR = run_folder.STAGING_DIR  # checkpoints are written here, then renamed into place
+# Fault injection for the tests: seconds to sleep inside each checkpoint save, after the
+# staged files are written and before the rename, so a test can kill -9 the run there.
+SAVE_PAUSE_VARIABLE = "OPSD_TEST_PAUSE_IN_SAVE"
 RELEASED = Recipe()  # SPEC §6 defaults: the one source of the released recipe's values
 # Without it, sequence lengths that are not a multiple of 8 made the compiled layers
 # recompile (about 10 s each) in the first steps of a run on the H200 (BENCHMARKS.md).
@@ -146,6 +156,8 @@ class OPSDConfig(DistillationConfig):
     def __post_init__(self):
         if self.bf16 is None and not torch.cuda.is_available():
             self.bf16 = False  # the base default (bf16) fails on CPU-only machines
+        if not torch.cuda.is_available():
+            self.dataloader_pin_memory = False  # nothing to pin to; torch warns at every epoch otherwise
         if self.pad_to_multiple_of is None or str(self.pad_to_multiple_of).strip().lower() == "auto":
             self.pad_to_multiple_of = default_scoring_pad_multiple()
         # Compilation pays off on the GPU (BENCHMARKS.md); on CPU it only costs compile time.
@@ -189,6 +201,10 @@ class NonFiniteLossError(RuntimeError):
     """Raised to stop the run when the loss is NaN or infinite."""
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, folder not writable); earlier ones are intact."""
+
+
 class _EMAUpdate(TrainerCallback):
     def __init__(self, ema: AdapterEMA):
         self.ema = ema
@@ -198,18 +214,48 @@ class _EMAUpdate(TrainerCallback):
 
 
 class _RunLog(TrainerCallback):
-    """`[OPSD kl]` line and metrics.jsonl from the very dict that goes to report_to."""
+    """`[OPSD kl]` line and metrics.jsonl from the very dict that goes to report_to.
+
+    The end-of-training summary (train_runtime, ...) is left out of metrics.jsonl,
+    which holds one record per step; the console gets its own summary line."""
 
     def __init__(self, path: str):
         self.path = path
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs:
+        if not state.is_world_process_zero or not logs or "train_runtime" in logs:
             return
         line = kl_line(state.global_step, logs)
         if line:
-            print(line, flush=True)
+            tqdm.write(line, file=sys.stdout)  # above the progress bar, not glued to it
+            sys.stdout.flush()
         append_metrics(self.path, state.global_step, logs)
+
+
+class _ProgressBarOnly(ProgressCallback):
+    """The progress bar without its printed copy of every log dict (the `[OPSD kl]` line is the one line)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
+
+
+class _StopOnSignal(TrainerCallback):
+    """Ends training at a step boundary with a checkpoint once a signal was received
+    (opsd_train._StopRequest records it). With several processes the request is
+    shared, so every rank stops at the same step."""
+
+    def __init__(self, trainer: OPSDTrainer, request):
+        self.trainer, self.request = trainer, request
+
+    def on_step_end(self, args, state, control, **kwargs):
+        signum = self.request.signum or 0
+        accelerator = self.trainer.accelerator
+        if accelerator.num_processes > 1:
+            signum = int(accelerator.reduce(torch.tensor([signum], device=accelerator.device), "max").item())
+        if signum:
+            self.trainer.stopped_by_signal = signum
+            control.should_save = True
+            control.should_training_stop = True
 
 
 class OPSDTrainer(DistillationTrainer):
@@ -217,16 +263,20 @@ class OPSDTrainer(DistillationTrainer):
     # still divide by the number of accumulation steps.
     loss_is_scaled_for_ga = False
 
-    def __init__(self, model, args: OPSDConfig, train_dataset, processing_class, peft_config=None, callbacks=None):
-        super().__init__(
-            model=model,
-            teacher_model=None,  # the teacher is this same network
-            args=args,
-            train_dataset=train_dataset,
-            processing_class=processing_class,
-            peft_config=peft_config,
-            callbacks=callbacks,
-        )
+    def __init__(self, model, args: OPSDConfig, train_dataset, processing_class, peft_config=None, callbacks=None,
+                 stop_request=None, base_model_name: str | None = None):
+        with warnings.catch_warnings():
+            # peft reads the deprecated `is_gradient_checkpointing` while TRL wraps the model (not our call).
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            super().__init__(
+                model=model,
+                teacher_model=None,  # the teacher is this same network
+                args=args,
+                train_dataset=train_dataset,
+                processing_class=processing_class,
+                peft_config=peft_config,
+                callbacks=callbacks,
+            )
         if (args.fixed_teacher or args.use_ema_teacher) and not is_peft_model(self.model):
             raise ValueError(
                 "fixed_teacher / use_ema_teacher need a LoRA (peft) student: the teacher is the base weights "
@@ -249,7 +299,13 @@ class OPSDTrainer(DistillationTrainer):
         self.ema = AdapterEMA(self.model, args.ema_decay) if args.use_ema_teacher else None
         if self.ema is not None:
             self.add_callback(_EMAUpdate(self.ema))
-        self.add_callback(_RunLog(os.path.join(args.output_dir, "metrics.jsonl")))
+        self.add_callback(_RunLog(os.path.join(args.output_dir, run_folder.METRICS_FILE)))
+        if self.pop_callback(ProgressCallback) is not None:
+            self.add_callback(_ProgressBarOnly())
+        self.stopped_by_signal: int | None = None
+        if stop_request is not None:
+            self.add_callback(_StopOnSignal(self, stop_request))
+        self.base_model_name = base_model_name
         self._lmbda_rng = random.Random(args.seed)
         self._alignment_checked = False
         self._staging_root: str | None = None
@@ -291,15 +347,7 @@ class OPSDTrainer(DistillationTrainer):
                 to_completion(ids, self.eos_token_ids) for ids in self._generate_single_turn(prompt_ids, None, {})
             ]
             return [s.ids for s in samples], [s.truncated for s in samples]
-        with (
-            unwrap_model_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-            ) as unwrapped,
-            torch.no_grad(),
-        ):
+        with self._unwrapped_for_generation() as unwrapped, torch.no_grad():
             backend = TransformersBackend(
                 unwrapped,
                 pad_token_id=self._tokenizer.pad_token_id,
@@ -309,6 +357,34 @@ class OPSDTrainer(DistillationTrainer):
             )
             samples = backend.generate(prompt_ids, settings, n=1)
         return [s[0].ids for s in samples], [s[0].truncated for s in samples]
+
+    @contextmanager
+    def _unwrapped_for_generation(self):
+        """The model without wrappers and with activation checkpointing off (it disables the KV cache).
+
+        TRL's `unwrap_model_for_generation` does the same through the deprecated
+        `gradient_checkpointing_*` names (a FutureWarning per call); it is kept for
+        ZeRO-3, which needs its parameter gathering."""
+        if self.is_deepspeed_enabled:
+            with unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped:
+                yield unwrapped
+            return
+        unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
+        checkpointing = getattr(unwrapped, "is_activation_checkpointing", False)
+        if checkpointing:
+            unwrapped.activation_checkpointing_disable()
+        try:
+            yield unwrapped
+        finally:
+            if checkpointing:
+                unwrapped.activation_checkpointing_enable(
+                    activation_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
+                )
 
     def _reference_completions(self, rows: list[dict]):
         limit = self.args.max_completion_length
@@ -359,10 +435,10 @@ class OPSDTrainer(DistillationTrainer):
         # Through the DDP/FSDP wrapper so that its forward hooks fire before backward.
         loss, stats = self._forward_redirection(model, unwrapped, self._opsd_loss, unwrapped, inputs)
         if not torch.isfinite(loss):
-            last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+            last = run_folder.last_checkpoint(self.args.output_dir)
             raise NonFiniteLossError(
                 f"non-finite loss ({loss.item()}) at step {self.state.global_step + 1}; "
-                f"last good checkpoint: {last or 'none'}"
+                f"last good checkpoint: {last[1] if last else 'none'}"
             )
         mode = "train" if self.model.training else "eval"
         names = list(stats)
@@ -445,8 +521,10 @@ class OPSDTrainer(DistillationTrainer):
     def _save_checkpoint(self, model, trial):
         """Write `checkpoint-N` under a staging folder, then rename it into place.
 
-        A run killed mid-save leaves only the staging folder, which resume ignores,
-        so the newest `checkpoint-N` is always complete.
+        A run killed mid-save leaves only the staging folder, which resume ignores
+        (and the next run removes), so the newest `checkpoint-N` is always complete.
+        A failed write (disk full, not writable) removes its partial copy and stops
+        the run with CheckpointWriteError; earlier checkpoints are untouched.
         """
         run_dir = super()._get_output_dir(trial)
         self._staging_root = os.path.join(run_dir, STAGING_DIR)
@@ -454,8 +532,22 @@ class OPSDTrainer(DistillationTrainer):
         staged, final = os.path.join(self._staging_root, name), os.path.join(run_dir, name)
         try:
             super()._save_checkpoint(model, trial)
-            if self.ema is not None and self.args.should_save:
-                torch.save(self.ema.state_dict(), os.path.join(staged, EMA_FILE))
+            if self.args.should_save:
+                if self.ema is not None:
+                    torch.save(self.ema.state_dict(), os.path.join(staged, EMA_FILE))
+                config = os.path.join(run_dir, run_folder.CONFIG_FILE)
+                if os.path.isfile(config):  # the run's identity travels with each checkpoint
+                    shutil.copy2(config, os.path.join(staged, run_folder.CONFIG_FILE))
+                _test_pause_in_save(name)
+        except OSError as e:
+            shutil.rmtree(staged, ignore_errors=True)
+            _remove_if_empty(self._staging_root)
+            last = run_folder.last_checkpoint(run_dir)
+            reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+            raise CheckpointWriteError(
+                f"cannot write {name} in {run_dir} ({reason}); earlier checkpoints are intact "
+                f"(last: {last[1] if last else 'none'})"
+            ) from None
         finally:
             self._staging_root = None
         self.accelerator.wait_for_everyone()
@@ -463,10 +555,44 @@ class OPSDTrainer(DistillationTrainer):
             if os.path.exists(final):
                 shutil.rmtree(final)
             os.replace(staged, final)
+            _remove_if_empty(os.path.join(run_dir, STAGING_DIR))
             if self.state.best_model_checkpoint == staged:
                 self.state.best_model_checkpoint = final
             rotate_checkpoints(run_dir, save_total_limit=self.args.save_total_limit, use_mtime=False)
         self.accelerator.wait_for_everyone()
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's card names the base model only when it is a hub id read back from the
+        config, which is None for local folders (and the tiny default): name it from
+        what the user asked for instead."""
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        path = os.path.join(self.args.output_dir, "README.md")
+        if self.base_model_name and self.is_world_process_zero() and os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                card = f.read()
+            name = self.base_model_name
+            card = card.replace("[None](https://huggingface.co/None)", f"`{name}`" if os.path.isdir(name) or
+                                name == "tiny" else f"[{name}](https://huggingface.co/{name})")
+            card = card.replace('model="None"', f'model="{name}"')
+            if "base_model:" not in card:
+                card = card.replace("library_name:", f"base_model: {name}\nlibrary_name:", 1)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(card)
+
+
+def _remove_if_empty(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass  # absent, or still holds another rank's or another save's files
+
+
+def _test_pause_in_save(name: str) -> None:
+    seconds = float(os.environ.get(SAVE_PAUSE_VARIABLE) or 0)
+    if seconds > 0:
+        print(f"[OPSD test] pausing {seconds:g} s inside the save of {name}", flush=True)
+        sys.stdout.flush()
+        time.sleep(seconds)
 
 
 def make_collator(tokenizer, args: OPSDConfig) -> OPSDCollator:

@@ -6,30 +6,42 @@
 # Environment:
 #   OPSD_MODEL          model (hub id or local folder), default Qwen/Qwen3-1.7B
 #   OPSD_DATA           training data (HF name, .json/.jsonl/.parquet), default the released set
-#   OPSD_OUTPUT         run folder, default outputs/opsd-capped (tiny: outputs/opsd-tiny)
+#   OPSD_OUTPUT         run folder, default <repo>/outputs/opsd-capped (tiny: <repo>/outputs/opsd-tiny)
 #   OPSD_NUM_PROCESSES  processes for accelerate launch, default = visible GPUs (1 without GPUs)
 #   OPSD_PER_DEVICE_BATCH  micro-batch per process, default 4; accumulation fills up to 32
 #   OPSD_USE_VLLM       1 = vLLM rollouts, default 1 when vllm is importable
 #   OPSD_VLLM_MODE      colocate (default: vLLM shares the training GPUs) or server (a separate
 #                       `trl vllm-serve --model $OPSD_MODEL` must already be running)
-#   OPSD_PRESET=tiny    embedded tiny model + generated data, CPU budget (8 steps x batch 4)
+#   OPSD_PRESET=tiny    embedded tiny model + generated data, CPU budget (8 steps x batch 4);
+#                       OPSD_MODEL / OPSD_DATA, when set, still win
 #   OPSD_CLIP_MODE, OPSD_PAD_SIDE, OPSD_TEACHER_CONTEXT, OPSD_STUDENT_PROMPT, OPSD_DATA_SELECT: ablation switches
-# A run folder that already holds checkpoint-N resumes from the newest one.
+# Paths (RECIPE_FILE, OPSD_OUTPUT, OPSD_DATA, OPSD_MODEL) are relative to the folder you call from.
+# Everything is validated before accelerate starts: a bad input is one `error:` line, exit 2.
+# A run folder that already holds checkpoint-N of the same configuration resumes from the newest
+# one; a folder of another configuration is refused. SIGTERM / Ctrl-C stop at a step boundary
+# with a checkpoint (exit 143 / 130); re-running resumes.
 set -euo pipefail
-cd "$(dirname "$0")"
+repo="$(cd "$(dirname "$(realpath -- "${BASH_SOURCE[0]}")")" && pwd)"
 
-recipe="${1:-recipe.env}"
+recipe="${1:-$repo/recipe.env}"
 if [[ "$recipe" == "-h" || "$recipe" == "--help" ]]; then
-  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
   exit 0
 fi
-# Validate the recipe before anything heavy loads (prints warnings; exit 2 on error).
-python opsd_config.py check "$recipe" > /dev/null
+# The processes run in the caller's folder (scripts by absolute path), so every relative path
+# means what it means to the caller.
+if [[ -n "${OPSD_PRESET:-}" && "$OPSD_PRESET" != "tiny" ]]; then
+  echo "error: OPSD_PRESET='$OPSD_PRESET' is not a preset; the only one is tiny (or leave it unset)" >&2
+  exit 2
+fi
 
 if [[ "${OPSD_PRESET:-}" == "tiny" ]]; then
   steps=8; global_batch=4; per_device=2; nproc=1; save_steps=4
-  output="${OPSD_OUTPUT:-outputs/opsd-tiny}"
+  output="${OPSD_OUTPUT:-$repo/outputs/opsd-tiny}"
   model_args=(--preset tiny)
+  # Under the preset, explicitly set variables still win over its tiny model and data (as in dev_eval.sh).
+  if [[ -n "${OPSD_MODEL:-}" ]]; then model_args+=(--model_name_or_path "$OPSD_MODEL"); fi
+  if [[ -n "${OPSD_DATA:-}" ]]; then model_args+=(--dataset_name "$OPSD_DATA"); fi
   extra=(--logging_steps 1)
 else
   steps=100; global_batch=32; save_steps=25
@@ -41,7 +53,7 @@ else
     nproc=1
   fi
   per_device="${OPSD_PER_DEVICE_BATCH:-4}"
-  output="${OPSD_OUTPUT:-outputs/opsd-capped}"
+  output="${OPSD_OUTPUT:-$repo/outputs/opsd-capped}"
   model_args=(--model_name_or_path "${OPSD_MODEL:-Qwen/Qwen3-1.7B}"
               --dataset_name "${OPSD_DATA:-siyanzhao/Openthoughts_math_30k_opsd}")
   extra=(--logging_steps 1)
@@ -51,15 +63,26 @@ else
   fi
 fi
 
+for value in "$nproc" "$per_device"; do
+  if ! [[ "$value" =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: OPSD_NUM_PROCESSES and OPSD_PER_DEVICE_BATCH must be positive integers, got '$value'" >&2
+    exit 2
+  fi
+done
 per_step=$((per_device * nproc))
 if (( global_batch % per_step != 0 )); then
   echo "error: global batch $global_batch is not divisible by per-device batch $per_device x $nproc processes" >&2
   exit 2
 fi
 accum=$((global_batch / per_step))
-echo "[OPSD] budget: $steps steps x global batch $global_batch = $per_device per device x $accum accumulation x $nproc processes -> $output"
 
+args=("${model_args[@]}" --recipe "$recipe" --output_dir "$output"
+      --max_steps "$steps" --per_device_train_batch_size "$per_device" --gradient_accumulation_steps "$accum"
+      --save_strategy steps --save_steps "$save_steps" --report_to none "${extra[@]}")
+# Switches, recipe, model path, data, run folder and lock, checked in one process before the
+# launch: accelerate would wrap a child's exit status 2 in its own traceback.
+python "$repo/opsd_train.py" --check_only --world_size "$nproc" "${args[@]}"
+
+echo "[OPSD] budget: $steps steps x global batch $global_batch = $per_device per device x $accum accumulation x $nproc processes -> $output"
 exec accelerate launch --num_processes "$nproc" --num_machines 1 --mixed_precision no --dynamo_backend no \
-  opsd_train.py "${model_args[@]}" --recipe "$recipe" --output_dir "$output" \
-  --max_steps "$steps" --per_device_train_batch_size "$per_device" --gradient_accumulation_steps "$accum" \
-  --save_strategy steps --save_steps "$save_steps" --report_to none "${extra[@]}"
+  "$repo/opsd_train.py" "${args[@]}"
