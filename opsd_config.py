@@ -65,6 +65,8 @@ _SWITCHES = {
 
 # Switches field -> environment variable (derived; for code that maps switches onto config fields).
 SWITCH_VARIABLES = {name: var for name, (var, _) in _SWITCHES.items()}
+# Switches field -> allowed values, the default first (derived; for help texts).
+SWITCH_VALUES = {name: allowed for name, (_, allowed) in _SWITCHES.items()}
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,11 @@
         --recipe recipe.env --max_steps 100 --per_device_train_batch_size 4 \
         --gradient_accumulation_steps 8
 
-Precedence, lowest to highest: dataclass defaults < YAML / command line <
-`--recipe` file (SPEC §6 keys) < `OPSD_*` environment switches that are set.
-Everything is validated (recipe, switches, dataset) before a model is loaded;
-bad input exits with status 2 and a one-line `error:` message.
+Precedence, lowest to highest: defaults (and a YAML `--config`) < `--recipe` file
+(SPEC §6 keys) < the tiny preset's caps < `OPSD_*` variables that are set < command-line
+flags. Budget knobs in a recipe are warned about and ignored.
+Everything is validated (switches, recipe, model path, run folder, dataset) before a
+model is loaded; bad input exits with status 2 and a one-line `error:` message.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 import run_folder
 
-from opsd_config import DATA_SELECTS, SWITCH_VARIABLES, ConfigError, Recipe, RecipeError, Switches, parse_recipe
+from opsd_config import DATA_SELECTS, SWITCH_VALUES, SWITCH_VARIABLES, ConfigError, Recipe, RecipeError, Switches, parse_recipe
 from opsd_data import DataError, load_train_dataset
 
 TINY_PRESET = {  # the embedded default on 2 CPU cores: short completions, a short prompt budget
@@ -57,58 +58,88 @@ class ScriptArguments:
     )
 
 
-RECIPE_TO_ARGS = (
-    "learning_rate",
-    "lr_scheduler_type",
-    "max_grad_norm",
-    "lora_r",
-    "lora_alpha",
-    "beta",
-    "jsd_token_clip",
-    "temperature",
-    "top_p",
-    "top_k",
-    "lmbda",
-    "max_completion_length",
-    "fixed_teacher",
-    "use_ema_teacher",
-    "ema_decay",
-    "reason_first",
-    "teacher_thinking",
-    "top_k_loss",
-    "use_tinker_loss",
-)
-# Switches that become flags (data_select is a ScriptArguments field, the others OPSDConfig fields).
-CONFIG_SWITCHES = dict(SWITCH_VARIABLES)
+# Every recipe key is the config field of the same name (ScriptArguments for lora_r /
+# lora_alpha), except warmup_ratio, which transformers 5 folds into warmup_steps.
+RECIPE_TO_ARGS = tuple(f.name for f in dataclasses.fields(Recipe) if f.name != "warmup_ratio")
 
 
 def _flag(name: str, value) -> list[str]:
     return [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
 
 
-def overrides(preset: str | None, recipe: Recipe | None, max_steps: int, switches: Switches, env) -> list[str]:
-    """Extra command-line flags from the preset, the recipe and the set switches.
+def _given_flags(argv: list[str]) -> dict[str, str]:
+    """{flag name: raw value} of the flags given on the command line."""
+    given = {}
+    for i, token in enumerate(argv):
+        if token.startswith("--") and len(token) > 2:
+            name, eq, value = token[2:].partition("=")
+            if not eq:
+                following = argv[i + 1] if i + 1 < len(argv) else ""
+                value = "" if following.startswith("--") else following
+            given[name] = value
+    return given
 
-    Appended after the user's flags, so they win; going through the parser keeps
-    every type conversion and check of the config dataclasses in one path.
+
+def _same(a: str, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return a.strip().lower() == b.strip().lower()
+
+
+def overrides(preset: str | None, recipe: Recipe | None, max_steps: int,
+              given: dict[str, str] | None = None) -> list[str]:
+    """Flags from the recipe and the preset's caps, in rising precedence.
+
+    They go before the user's flags, and the last occurrence of a flag wins, so the
+    order is: default < recipe < tiny preset's caps < command line (the OPSD_*
+    variables come between the last two: `apply_switches`). Going through the parser
+    keeps every type conversion and check in one path. A command-line flag that
+    overrides a different recipe value is reported.
     """
-    extra: list[str] = []
+    given = given or {}
+    layers: list[tuple[str, dict[str, object]]] = []
     if recipe is not None:
-        for key in RECIPE_TO_ARGS:
-            extra += _flag(key, getattr(recipe, key))
+        values = {key: getattr(recipe, key) for key in RECIPE_TO_ARGS}
         # transformers 5 folds the ratio into `warmup_steps` (a float < 1 is a ratio).
         ratio = recipe.warmup_ratio
-        extra += _flag("warmup_steps", ratio if ratio < 1 else max_steps)
-    for name, var in CONFIG_SWITCHES.items():
-        if var in env:
-            extra += _flag(name, getattr(switches, name))
+        values["warmup_steps"] = ratio if ratio < 1 else max_steps
+        released = Recipe()
+        layers.append(("the recipe", values))
+        changed = {k for k in RECIPE_TO_ARGS if getattr(recipe, k) != getattr(released, k)}
+        if recipe.warmup_ratio != released.warmup_ratio:
+            changed.add("warmup_steps")
     if preset == "tiny":
         length = TINY_PRESET["max_completion_length"]
         if recipe is not None:
             length = min(length, recipe.max_completion_length)
-        extra += _flag("max_completion_length", length)
-        extra += _flag("max_teacher_prompt_length", TINY_PRESET["max_teacher_prompt_length"])
+        layers.append(("the tiny preset", {"max_completion_length": length,
+                                           "max_teacher_prompt_length": TINY_PRESET["max_teacher_prompt_length"]}))
+    extra: list[str] = []
+    for source, values in layers:
+        for key, value in values.items():
+            extra += _flag(key, value)
+            if source == "the tiny preset" or (source == "the recipe" and key not in changed):
+                continue  # the preset's values and unset recipe keys are defaults, not choices that lost
+            flag_value = _flag(key, value)[1]
+            if key in given and not _same(given[key], flag_value):
+                print(f"note: --{key} {given[key]} (command line) wins over {key}={flag_value} from {source}",
+                      file=sys.stderr)
     return extra
+
+
+def apply_switches(switches: Switches, env, given: dict[str, str], script_args, config, quiet=False) -> None:
+    """Set the OPSD_* switches that are set in the environment on the parsed config
+    (data_select on the script arguments), unless the command line gave the flag."""
+    for name, var in SWITCH_VARIABLES.items():
+        if not env.get(var, "").strip():
+            continue
+        value = getattr(switches, name)
+        if name in given:
+            if not quiet and not _same(given[name], value):
+                print(f"note: --{name} {given[name]} (command line) wins over {var}={value}", file=sys.stderr)
+            continue
+        setattr(script_args if name == "data_select" else config, name, value)
 
 
 def _early_flags(argv: list[str]) -> argparse.Namespace:
@@ -155,8 +186,10 @@ def parse(argv=None, env=os.environ, quiet: bool = False):
     parser = TrlParser((ScriptArguments, OPSDConfig))
     # The tiny preset's model and data come first, so explicit flags still win.
     defaults = ["--model_name_or_path", "tiny", "--dataset_name", "tiny"] if early.preset == "tiny" else []
-    extra = overrides(early.preset, recipe, early.max_steps, switches, env)
-    script_args, config = parser.parse_args_and_config(defaults + argv + extra)
+    given = _given_flags(argv)
+    extra = overrides(early.preset, recipe, early.max_steps, given if not quiet else {})
+    script_args, config = parser.parse_args_and_config(defaults + extra + argv)
+    apply_switches(switches, env, given, script_args, config, quiet)
     if config.use_vllm and importlib.util.find_spec("vllm") is None:
         raise ConfigError("--use_vllm true: vllm is not installed (pip install -r requirements-gpu.txt)")
     check_model(script_args.model_name_or_path)
@@ -218,8 +251,9 @@ def run_identity(script_args: ScriptArguments, config, dataset, world_size: int 
     per_device, accumulation = config.per_device_train_batch_size, config.gradient_accumulation_steps
     released = dataclasses.asdict(Recipe())
     identity = {
-        "model": script_args.model_name_or_path,
-        "data": script_args.dataset_name,
+        # local paths absolute: the same relative path from another folder is another file
+        "model": _absolute_if_local(script_args.model_name_or_path),
+        "data": _absolute_if_local(script_args.dataset_name),
         "data_select": script_args.data_select,
         "train_rows": len(dataset),
         "preset": script_args.preset or "none",
@@ -237,6 +271,10 @@ def run_identity(script_args: ScriptArguments, config, dataset, world_size: int 
         "output_dir": os.path.abspath(config.output_dir),
     })
     return identity
+
+
+def _absolute_if_local(name: str) -> str:
+    return os.path.abspath(name) if name != "tiny" and os.path.exists(name) else name
 
 
 def format_identity(identity: dict) -> str:
@@ -355,8 +393,49 @@ def _summary_line(trainer, started: float) -> str:
     )
 
 
+def help_text() -> str:
+    """`--help`: this script's settings, the OPSD_* variables and the precedence first,
+    then the flags inherited from TRL / transformers."""
+    from trl import DistillationConfig, TrlParser
+
+    from opsd_trainer import OPSDConfig
+
+    def describe(f, default) -> str:
+        text = f.metadata.get("help", "")
+        return f"  --{f.name} (default {default!r}){': ' + text if text else ''}"
+
+    own = [f for f in dataclasses.fields(OPSDConfig) if f.name in vars(OPSDConfig).get("__annotations__", {})]
+    base = {f.name for f in dataclasses.fields(DistillationConfig)}
+    lines = [
+        "usage: python opsd_train.py [--preset tiny] [--recipe FILE] [FLAG VALUE ...]",
+        "",
+        "On-Policy Self-Distillation of a LoRA student against its own teacher role.",
+        "",
+        "Precedence, lowest to highest: defaults (and a YAML --config) < the --recipe file < the tiny",
+        "preset's caps < OPSD_* variables that are set < command-line flags; a flag that overrides a",
+        "different recipe or variable value is reported. Budget knobs in a recipe are ignored (warned).",
+        "Everything is checked before a model loads: bad input is one `error:` line, exit 2.",
+        "",
+        "OPSD settings:",
+    ]
+    lines += [describe(f, f.default) for f in dataclasses.fields(ScriptArguments)]
+    lines += [describe(f, f.default) for f in own if f.name not in base]
+    lines += ["", "Inherited settings whose defaults are the released recipe's (SPEC §6):"]
+    lines += [describe(f, f.default) for f in own if f.name in base]
+    lines += ["", "OPSD_* variables (the ablation switches; default first):"]
+    for name, var in SWITCH_VARIABLES.items():
+        allowed = ", ".join(SWITCH_VALUES[name])
+        lines.append(f"  {var:<22} {allowed}  (sets {name})")
+    lines += ["", "Inherited flags (TRL DistillationConfig, transformers TrainingArguments):", ""]
+    lines.append(TrlParser((DistillationConfig,), prog="opsd_train.py").format_help())
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     argv, check_only, world_size = _launcher_flags(list(sys.argv[1:] if argv is None else argv))
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        return 0
     try:
         script_args, config, dataset = parse(argv, quiet=check_only)
         identity = run_identity(script_args, config, dataset, world_size)
@@ -394,7 +473,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (NonFiniteLossError, CheckpointWriteError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"\nerror: {e}", file=sys.stderr)  # the progress bar's line has no newline yet
         return 1
     finally:
         lock.release()

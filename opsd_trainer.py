@@ -283,6 +283,7 @@ class OPSDTrainer(DistillationTrainer):
                 "with the adapter disabled or swapped, never a second model copy"
             )
         self.collator = make_collator(self._tokenizer, args)
+        self.objective = make_objective(args)
         self.sampling = SamplingSettings(
             temperature=args.temperature,
             top_p=args.top_p,
@@ -470,23 +471,7 @@ class OPSDTrainer(DistillationTrainer):
 
         mask = student.completion_mask.bool()
         head = _base_model(unwrapped).get_output_embeddings()
-        a = self.args
-        divergence = {
-            "beta": a.beta, "temperature": a.temperature, "clip": a.jsd_token_clip,
-            "clip_mode": a.clip_mode, "top_k": a.top_k_loss,
-        }  # fmt: skip
-        if a.loss_implementation == "chunked":  # logits formed chunk by chunk, never [B, C, V] at once
-            s, t = student_hidden[mask], teacher_hidden[mask]
-            chunking = {"chunk_size": a.loss_chunk_size, "lm_head_bias": head.bias}
-            if a.use_tinker_loss:
-                targets = student.completion_ids[mask]
-                return chunked_tinker_loss(s, t, head.weight, targets, temperature=a.temperature, **chunking)
-            return chunked_divergence_loss(s, t, head.weight, **divergence, **chunking, compile=a.compile_loss)
-        # "logits": full [B, C, V] logits for both roles (the released-style path).
-        student_logits, teacher_logits = head(student_hidden), head(teacher_hidden)
-        if a.use_tinker_loss:
-            return tinker_loss(student_logits, teacher_logits, student.completion_ids, mask, temperature=a.temperature)
-        return divergence_loss(student_logits, teacher_logits, mask, **divergence)
+        return self.objective(student_hidden, teacher_hidden, mask, student.completion_ids, head)
 
     def _scoring_layers(self, unwrapped):
         """Compiled decoder layers for the scoring forwards (`compile_layers`), else nothing."""
@@ -593,6 +578,41 @@ def _test_pause_in_save(name: str) -> None:
         print(f"[OPSD test] pausing {seconds:g} s inside the save of {name}", flush=True)
         sys.stdout.flush()
         time.sleep(seconds)
+
+
+def make_objective(args: OPSDConfig):
+    """The run's loss, chosen once from the config when the trainer starts (SPEC §2).
+
+    Returns objective(student_hidden, teacher_hidden, mask, completion_ids, head) ->
+    (loss, stats), where the hidden states are [B, C, H] at the completion positions,
+    `mask` marks real completion tokens and `head` is the LM head; the per-step code
+    calls it without looking at the config again.
+    """
+    divergence = {
+        "beta": args.beta, "temperature": args.temperature, "clip": args.jsd_token_clip,
+        "clip_mode": args.clip_mode, "top_k": args.top_k_loss,
+    }  # fmt: skip
+    temperature, chunk_size, compile_math = args.temperature, args.loss_chunk_size, args.compile_loss
+    if args.loss_implementation == "chunked":  # logits formed chunk by chunk, never [B, C, V] at once
+
+        def chunked_tinker(student, teacher, mask, ids, head):
+            return chunked_tinker_loss(student[mask], teacher[mask], head.weight, ids[mask], temperature=temperature,
+                                       chunk_size=chunk_size, lm_head_bias=head.bias)
+
+        def chunked_divergence(student, teacher, mask, ids, head):
+            return chunked_divergence_loss(student[mask], teacher[mask], head.weight, **divergence,
+                                           chunk_size=chunk_size, lm_head_bias=head.bias, compile=compile_math)
+
+        return chunked_tinker if args.use_tinker_loss else chunked_divergence
+
+    # "logits": full [B, C, V] logits for both roles (the released-style path).
+    def full_tinker(student, teacher, mask, ids, head):
+        return tinker_loss(head(student), head(teacher), ids, mask, temperature=temperature)
+
+    def full_divergence(student, teacher, mask, ids, head):
+        return divergence_loss(head(student), head(teacher), mask, **divergence)
+
+    return full_tinker if args.use_tinker_loss else full_divergence
 
 
 def make_collator(tokenizer, args: OPSDConfig) -> OPSDCollator:

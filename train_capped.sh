@@ -25,7 +25,7 @@ repo="$(cd "$(dirname "$(realpath -- "${BASH_SOURCE[0]}")")" && pwd)"
 
 recipe="${1:-$repo/recipe.env}"
 if [[ "$recipe" == "-h" || "$recipe" == "--help" ]]; then
-  sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
+  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"  # the header comment
   exit 0
 fi
 # The processes run in the caller's folder (scripts by absolute path), so every relative path

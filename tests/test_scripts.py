@@ -12,17 +12,30 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(cmd, env_extra, timeout=600):
+def run(cmd, env_extra, timeout=600, cwd=ROOT):
     env = {**os.environ, **env_extra}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode == 2, (result.stdout[-2000:], result.stderr[-2000:])
+    err = result.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:"), result.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in err[0]
+    assert "Traceback" not in result.stdout + result.stderr
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("capped") / "run"
-    result = run(["bash", "train_capped.sh"], {"OPSD_PRESET": "tiny", "OPSD_OUTPUT": str(out)})
+    """The tiny capped run, called as a user would from another folder: the recipe and
+    OPSD_OUTPUT are relative to that folder."""
+    caller = tmp_path_factory.mktemp("caller")
+    (caller / "my.env").write_text("lr_scheduler_type=cosine\n")
+    cmd = ["bash", str(ROOT / "train_capped.sh"), "my.env"]
+    result = run(cmd, {"OPSD_PRESET": "tiny", "OPSD_OUTPUT": "runs/x"}, cwd=caller)
     assert result.returncode == 0, result.stderr[-3000:]
-    return out, result
+    return caller / "runs" / "x", result
 
 
 def test_train_capped_tiny_preset_end_to_end(tiny_run):
@@ -31,21 +44,69 @@ def test_train_capped_tiny_preset_end_to_end(tiny_run):
     assert (out / "checkpoint-8" / "adapter_model.safetensors").is_file()
     assert (out / "checkpoint-4" / "adapter_model.safetensors").is_file()
     assert (out / "adapter_model.safetensors").is_file()  # final adapter at the top of the run folder
+    assert not (ROOT / "runs").exists()  # relative to the caller, not to the repository
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps[:8] == list(range(1, 9))
+    assert steps == list(range(1, 9))  # one record per step, no end-of-run duplicate
     assert result.stdout.count("[OPSD align]") == 1
     assert result.stdout.count("[OPSD kl]") == 8
+    assert "{'loss'" not in result.stdout + result.stderr  # the step line is the only one per step
+    assert "FutureWarning" not in result.stderr and "DeprecationWarning" not in result.stderr
+    summary = [line for line in result.stdout.splitlines() if line.startswith("[OPSD] done:")]
+    assert len(summary) == 1 and "8 steps" in summary[0] and str(out / "checkpoint-8") in summary[0]
+    assert "last true_kl" in summary[0]
+
+
+def test_run_configuration_is_printed_and_stored(tiny_run):
+    out, result = tiny_run
+    config = json.loads((out / "run_config.json").read_text())
+    assert config["lr_scheduler_type"] == "cosine"  # the recipe's one change from the released default
+    assert "learning_rate" not in config  # unchanged recipe values are not listed
+    assert config["OPSD_CLIP_MODE"] == "entry" and config["data_select"] == "none"
+    assert config["train_rows"] > 0 and config["global_batch"] == 4 and config["max_steps"] == 8
+    assert config["output_dir"] == str(out)
+    for step in (4, 8):
+        assert json.loads((out / f"checkpoint-{step}" / "run_config.json").read_text()) == config
+    block = result.stdout.split("[OPSD] run configuration", 1)[1]
+    for key, value in config.items():
+        assert f"{key}" in block and str(value) in block
+    assert not (out / ".staging").exists() and not (out / ".lock").exists()
+    card = (out / "README.md").read_text()
+    assert "None" not in card
 
 
 def test_train_capped_resumes_a_finished_run_without_new_steps(tiny_run):
     out, _ = tiny_run
-    before = (out / "metrics.jsonl").read_text().count("opsd/true_kl")
-    result = run(["bash", "train_capped.sh"], {"OPSD_PRESET": "tiny", "OPSD_OUTPUT": str(out)})
+    before = (out / "metrics.jsonl").read_text()
+    result = run(["bash", "train_capped.sh", str(out.parent.parent / "my.env")],
+                 {"OPSD_PRESET": "tiny", "OPSD_OUTPUT": str(out)})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"resuming from {out / 'checkpoint-8'}" in result.stdout
-    assert "already reached max_steps=8" in result.stdout
-    assert (out / "metrics.jsonl").read_text().count("opsd/true_kl") == before
+    assert f"is finished: its last checkpoint {out / 'checkpoint-8'} reached max_steps=8" in result.stdout
+    assert (out / "metrics.jsonl").read_text() == before
     assert not (out / "checkpoint-9").exists()
+
+
+def test_resume_into_a_run_of_another_configuration_is_refused(tiny_run):
+    out, _ = tiny_run
+    env = {"OPSD_PRESET": "tiny", "OPSD_OUTPUT": str(out), "OPSD_CLIP_MODE": "token"}
+    result = run(["bash", "train_capped.sh", str(out.parent.parent / "my.env")], env)
+    assert_one_line_error(result, "OPSD_CLIP_MODE", "'entry' -> 'token'", "another OPSD_OUTPUT")
+    assert "[OPSD] budget" not in result.stdout  # refused before accelerate starts
+
+
+@pytest.mark.parametrize("env, fragments", [
+    ({"OPSD_CLIP_MODE": "foo"}, ["OPSD_CLIP_MODE='foo'"]),
+    ({"OPSD_PRESET": "huge"}, ["OPSD_PRESET='huge'"]),
+    ({"OPSD_MODEL": "./no-such-model"}, ["model ./no-such-model: no such folder"]),  # the preset does not hide it
+    ({"OPSD_DATA": "rows.jsonl"}, ["train file rows.jsonl", "solution"]),  # relative to the caller
+    ({"OPSD_OUTPUT": "a-file"}, ["a-file is a file"]),
+    ({"OPSD_OUTPUT": "a-file/run"}, ["cannot be created", "is a file"]),
+], ids=["switch", "preset", "model", "data", "output-file", "output-under-file"])
+def test_train_capped_bad_input_is_one_line_before_launch(tmp_path, env, fragments):
+    (tmp_path / "rows.jsonl").write_text('{"problem": "What is 1+1?", "answer": "2"}\n')
+    (tmp_path / "a-file").write_text("not a folder\n")
+    result = run(["bash", str(ROOT / "train_capped.sh")], {"OPSD_PRESET": "tiny", **env}, cwd=tmp_path)
+    assert_one_line_error(result, *fragments)
+    assert "[OPSD] budget" not in result.stdout
 
 
 def test_train_capped_rejects_a_bad_recipe_before_loading(tmp_path):
@@ -57,6 +118,20 @@ def test_train_capped_rejects_a_bad_recipe_before_loading(tmp_path):
     err = result.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and f"{recipe}:2:" in err[0]
     assert not out.exists()
+
+
+def test_help_starts_with_the_opsd_settings_variables_and_precedence():
+    result = run([sys.executable, "opsd_train.py", "--help"], {})
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = result.stdout
+    assert text.startswith("usage: python opsd_train.py")
+    inherited = text.index("Inherited flags")
+    head = text[:inherited]
+    assert "Precedence" in head.split("OPSD settings:")[0]
+    for fragment in ("--clip_mode", "--jsd_token_clip", "--recipe", "OPSD_CLIP_MODE", "OPSD_DATA_SELECT",
+                     "command-line flags"):
+        assert fragment in head, fragment
+    assert "--per_device_train_batch_size" in text[inherited:]
 
 
 def test_recipe_budget_knob_is_warned_and_ignored(tmp_path):
@@ -85,3 +160,70 @@ def test_two_process_launch(tmp_path):
     assert result.stdout.count("[OPSD align]") == 1  # printed by the main process only
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert record["step"] == 1 and record["opsd/true_kl"] > 0
+
+
+def _train_cmd(out, steps, save_steps):
+    return [
+        sys.executable, str(ROOT / "opsd_train.py"), "--preset", "tiny", "--output_dir", str(out),
+        "--max_steps", str(steps), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+        "--save_steps", str(save_steps), "--report_to", "none", "--max_completion_length", "8",
+    ]  # fmt: skip
+
+
+def _start(cmd, env_extra=None):
+    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env_extra or {})}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _read_until(proc, fragment):
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if fragment in line:
+            return "".join(seen)
+    raise AssertionError(f"{fragment!r} never printed:\n" + "".join(seen)[-3000:])
+
+
+def test_faults_signal_stop_concurrent_run_kill_during_save(tmp_path):
+    """One run folder through the faults a cluster job meets, each run a real process:
+    SIGTERM mid-run (a checkpoint at the step boundary, exit 143); a resumed run killed
+    with SIGKILL inside a checkpoint write, while a second run into the same folder is
+    refused by the lock; then a re-run removes the partial save, takes over the stale
+    lock, resumes from the last complete checkpoint and ends with one record per step."""
+    import signal
+
+    out = tmp_path / "run"
+    first = _start(_train_cmd(out, 4, save_steps=100))  # no periodic save: only the signal writes one
+    _read_until(first, "[OPSD kl] step=1")
+    first.send_signal(signal.SIGTERM)
+    rest = first.communicate(timeout=300)[0]
+    assert first.returncode == 128 + signal.SIGTERM, rest[-3000:]
+    assert "stopped by SIGTERM" in rest
+    stopped_at = run_folder_last(out)
+    assert stopped_at in (1, 2, 3)
+
+    killed = _start(_train_cmd(out, 4, save_steps=1), {"OPSD_TEST_PAUSE_IN_SAVE": "120"})
+    head = _read_until(killed, "[OPSD test] pausing")
+    assert f"resuming from {out / f'checkpoint-{stopped_at}'}" in head
+    assert (out / ".lock").read_text().split()[0] == str(killed.pid)
+    second = run(_train_cmd(out, 4, save_steps=1), {})
+    assert_one_line_error(second, f"in use by another run (PID {killed.pid}")
+    killed.kill()
+    killed.wait(timeout=60)
+    partial = list((out / ".staging").iterdir())  # the checkpoint being written when the kill came
+    assert len(partial) == 1 and partial[0].name.startswith("checkpoint-")
+    assert not (out / partial[0].name).exists() and run_folder_last(out) == stopped_at
+
+    final = run(_train_cmd(out, 4, save_steps=1), {})
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert "removed the partial checkpoint" in final.stdout
+    assert f"resuming from {out / f'checkpoint-{stopped_at}'}" in final.stdout
+    assert (out / "checkpoint-4" / "adapter_model.safetensors").is_file()
+    assert not (out / ".staging").exists() and not (out / ".lock").exists()
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+
+def run_folder_last(out):
+    steps = [int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")]
+    return max(steps) if steps else None

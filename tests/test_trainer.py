@@ -81,7 +81,7 @@ def test_checkpoint_reloads_and_changes_logits(trained_run):
     ckpt = trained_run / "checkpoint-2"
     assert (ckpt / "adapter_model.safetensors").is_file()
     assert (trained_run / "checkpoint-1" / "adapter_model.safetensors").is_file()
-    assert not any((trained_run / opsd_trainer.STAGING_DIR).iterdir())  # every staged save was moved into place
+    assert not (trained_run / opsd_trainer.STAGING_DIR).exists()  # every staged save was moved into place
     with torch.no_grad():
         base_logits = base_model()(PROBE).logits
         tuned_logits = PeftModel.from_pretrained(base_model(), ckpt).eval()(PROBE).logits
@@ -113,6 +113,42 @@ def test_align_and_kl_lines_printed(tmp_path, capsys):
     assert out.count("[OPSD align]") == 1
     assert "pad_side=right" in out
     assert "[OPSD kl] step=1" in out and "true_kl=" in out
+    assert "{'loss'" not in out  # no second copy of the step as a dict
+    assert out.count("[OPSD] done: 1 steps in ") == 1 and f"last checkpoint {tmp_path / 'checkpoint-1'}" in out
+
+
+def test_resumed_run_equals_the_uninterrupted_one(trained_run, tmp_path):
+    """Steps 1-2 in one go, or step 1, a stop, then step 2 resumed: the same adapter, bit for bit."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    shutil.rmtree(run / "checkpoint-2")
+    (run / "adapter_model.safetensors").unlink()
+    assert opsd_train.main(tiny_argv(run, 2, "--save_steps", "1")) == 0
+    resumed = load_file(run / "checkpoint-2" / "adapter_model.safetensors")
+    whole = load_file(trained_run / "checkpoint-2" / "adapter_model.safetensors")
+    assert resumed.keys() == whole.keys()
+    for key in whole:
+        assert torch.equal(resumed[key], whole[key]), key
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+
+
+def test_full_disk_stops_with_a_clear_error_and_keeps_earlier_checkpoints(tmp_path, monkeypatch, capsys):
+    import errno
+
+    def full_at_second_save(name):
+        if name == "checkpoint-2":
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(opsd_trainer, "_test_pause_in_save", full_at_second_save)
+    assert opsd_train.main(tiny_argv(tmp_path, 2, "--save_steps", "1")) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
+    assert err.startswith("error:") and "cannot write checkpoint-2" in err and "no space left on device" in err
+    assert f"last: {tmp_path / 'checkpoint-1'}" in err
+    assert (tmp_path / "checkpoint-1" / "adapter_model.safetensors").is_file()
+    assert not (tmp_path / "checkpoint-2").exists() and not (tmp_path / opsd_trainer.STAGING_DIR).exists()
+    assert not (tmp_path / ".lock").exists()
 
 
 def test_resume_continues_at_the_right_step(trained_run, tmp_path, capsys):
@@ -121,7 +157,9 @@ def test_resume_continues_at_the_right_step(trained_run, tmp_path, capsys):
     # A save interrupted mid-way leaves only a staging folder: resume must ignore it.
     (run / opsd_trainer.STAGING_DIR / "checkpoint-9").mkdir(parents=True)
     assert opsd_train.main(tiny_argv(run, 3, "--save_steps", "1")) == 0
-    assert f"resuming from {run / 'checkpoint-2'}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"resuming from {run / 'checkpoint-2'}" in out and "removed the partial checkpoint" in out
+    assert not (run / opsd_trainer.STAGING_DIR).exists()
     state = json.loads((run / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
     assert [r["step"] for r in read_metrics(run) if "opsd/true_kl" in r] == [1, 2, 3]
@@ -272,15 +310,33 @@ def test_recipe_values_reach_the_trainer_config(tmp_path, capsys):
         "top_k_loss=7\nteacher_thinking=true\nmax_steps=999  # budget knob: warned, ignored\n"
     )
     script_args, cfg, _ = opsd_train.parse(tiny_argv(tmp_path, 1, "--recipe", str(recipe)), env={})
-    assert "max_steps" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "max_steps" in err
     assert cfg.max_steps == 1
-    assert cfg.learning_rate == 3e-4 and str(cfg.lr_scheduler_type.value) == "cosine"
+    # tiny_argv sets --learning_rate 1e-2: the command line wins over the recipe, and says so
+    assert "--learning_rate 1e-2 (command line) wins over learning_rate=0.0003 from the recipe" in err
+    assert cfg.learning_rate == 1e-2 and str(cfg.lr_scheduler_type.value) == "cosine"
     assert cfg.warmup_steps == 0.1 and cfg.max_grad_norm == 0.5  # transformers 5: a float < 1 is a ratio
     assert (cfg.beta, cfg.jsd_token_clip, cfg.temperature, cfg.top_p, cfg.top_k) == (0.5, 0.2, 0.7, 0.9, 5)
     assert cfg.max_completion_length == 16 and cfg.top_k_loss == 7 and cfg.teacher_thinking
     assert (cfg.fixed_teacher, cfg.use_ema_teacher, cfg.ema_decay) == (False, True, 0.9)
     lora = opsd_train.lora_config(script_args)
     assert (lora.r, lora.lora_alpha) == (8, 16)
+
+
+def test_precedence_command_line_over_variable_over_recipe(tmp_path, capsys):
+    recipe = tmp_path / "recipe.env"
+    recipe.write_text("beta=0.5\ntemperature=0.7\nmax_completion_length=16\n")
+    argv = tiny_argv(tmp_path, 1, "--recipe", str(recipe), "--beta", "0.25", "--clip_mode", "entry",
+                     "--max_completion_length", "8")
+    _, cfg, _ = opsd_train.parse(argv, env={"OPSD_CLIP_MODE": "token", "OPSD_PAD_SIDE": "left"})
+    err = capsys.readouterr().err
+    assert (cfg.beta, cfg.clip_mode, cfg.max_completion_length) == (0.25, "entry", 8)  # command line
+    assert cfg.pad_side == "left" and cfg.temperature == 0.7  # variable, recipe
+    assert "--beta 0.25 (command line) wins over beta=0.5 from the recipe" in err
+    assert "--clip_mode entry (command line) wins over OPSD_CLIP_MODE=token" in err
+    _, capped, _ = opsd_train.parse(tiny_argv(tmp_path, 1, "--recipe", str(recipe)), env={})
+    assert capped.max_completion_length == 16  # the recipe's value under the tiny preset's cap of 24
 
 
 def test_bad_recipe_fails_before_loading(tmp_path, capsys):
@@ -378,6 +434,7 @@ def test_chunked_and_full_logit_paths_agree_in_the_trainer(tmp_path, tinker):
     results = {}
     for impl in ("chunked", "logits"):
         trainer.args.loss_implementation = impl
+        trainer.objective = opsd_trainer.make_objective(trainer.args)  # the loss is chosen once, at start
         model.zero_grad()
         loss, stats = trainer._opsd_loss(model, inputs)
         loss.backward()
@@ -479,6 +536,7 @@ def _step_results(trainer, inputs, settings):
     results = []
     for layers, loss_math, checkpointing in settings:
         trainer.args.compile_layers, trainer.args.compile_loss = layers, loss_math
+        trainer.objective = opsd_trainer.make_objective(trainer.args)
         if checkpointing:
             model.get_base_model().activation_checkpointing_enable()
         else:
