@@ -84,5 +84,11 @@ args=("${model_args[@]}" --recipe "$recipe" --output_dir "$output"
 python "$repo/opsd_train.py" --check_only --world_size "$nproc" "${args[@]}"
 
 echo "[OPSD] budget: $steps steps x global batch $global_batch = $per_device per device x $accum accumulation x $nproc processes -> $output"
+if (( nproc == 1 )); then
+  # One process needs no launcher: the trainer itself receives SIGTERM / Ctrl-C (accelerate's
+  # single-process launcher does not pass SIGTERM on) and its exit status is this script's.
+  export ACCELERATE_MIXED_PRECISION=no ACCELERATE_DYNAMO_BACKEND=NO
+  exec python "$repo/opsd_train.py" "${args[@]}"
+fi
 exec accelerate launch --num_processes "$nproc" --num_machines 1 --mixed_precision no --dynamo_backend no \
   "$repo/opsd_train.py" "${args[@]}"

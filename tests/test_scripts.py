@@ -120,6 +120,27 @@ def test_train_capped_rejects_a_bad_recipe_before_loading(tmp_path):
     assert not out.exists()
 
 
+def test_train_capped_stops_on_sigterm_with_a_checkpoint(tmp_path):
+    """Preemption of the script itself: SIGTERM to train_capped.sh's process stops the run at a step
+    boundary with a checkpoint and a non-zero status, without a launcher traceback."""
+    import signal
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen(["bash", str(ROOT / "train_capped.sh")], cwd=tmp_path, text=True,
+                            env={**os.environ, "OPSD_PRESET": "tiny", "OPSD_OUTPUT": str(out)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for line in proc.stdout:
+        if "[OPSD kl] step=1" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "stopped by SIGTERM" in stdout and "Traceback" not in stderr
+    step = run_folder_last(out)
+    assert step is not None and (out / f"checkpoint-{step}" / "adapter_model.safetensors").is_file()
+    assert not (out / ".lock").exists()
+
+
 def test_help_starts_with_the_opsd_settings_variables_and_precedence():
     result = run([sys.executable, "opsd_train.py", "--help"], {})
     assert result.returncode == 0, result.stderr[-2000:]
