@@ -121,56 +121,70 @@ SCHEDULER_TYPES = (
 )
 
 
+def _key(default, help: str, accepts: Callable[[float], bool] | None = None, allowed: str = ""):
+    """One recipe key, declared once: default (its type is the key's type), help, allowed range.
+    Everything else is derived: the whitelist, parsing, the range check here and in the
+    trainer's config, the config field's default and help (`recipe_field`)."""
+    return dataclasses.field(default=default, metadata={"help": help, "range": (accepts, allowed) if accepts else None})
+
+
 @dataclass(frozen=True)
 class Recipe:
     """The whitelisted recipe keys with the released defaults (SPEC section 6).
     Each field's type is the type of its default, which is how values are parsed."""
 
-    learning_rate: float = 5e-6
-    lr_scheduler_type: str = "constant"
-    warmup_ratio: float = 0.0
-    max_grad_norm: float = 0.1
-    lora_r: int = 64
-    lora_alpha: int = 128
-    beta: float = 0.0
-    jsd_token_clip: float = 0.05  # 0 (or `none` in the file) disables the clip
-    temperature: float = 1.1
-    top_p: float = 0.95
-    top_k: int = 20  # 0 disables top-k sampling
-    lmbda: float = 1.0
-    max_completion_length: int = 1024
-    fixed_teacher: bool = True
-    use_ema_teacher: bool = False
-    ema_decay: float = 0.999
-    reason_first: bool = False
-    teacher_thinking: bool = False
-    top_k_loss: int = 0
-    use_tinker_loss: bool = False
+    learning_rate: float = _key(5e-6, "Peak learning rate.", lambda v: v > 0, "> 0")
+    lr_scheduler_type: str = _key("constant", "Learning-rate schedule (a transformers SchedulerType).")
+    warmup_ratio: float = _key(0.0, "Share of the steps spent warming up.", lambda v: 0 <= v <= 1, "in [0, 1]")
+    max_grad_norm: float = _key(0.1, "Gradient clipping norm.", lambda v: v >= 0, ">= 0")
+    lora_r: int = _key(64, "LoRA rank.", lambda v: v >= 1, ">= 1")
+    lora_alpha: int = _key(128, "LoRA alpha.", lambda v: v >= 1, ">= 1")
+    beta: float = _key(0.0, "Divergence: 0 forward KL, 1 reverse KL, between: generalized JSD.",
+                       lambda v: 0 <= v <= 1, "in [0, 1]")
+    jsd_token_clip: float = _key(0.05, "Clip tau; 0 (`none` in a recipe) disables the clip.",
+                                 lambda v: v >= 0, ">= 0 (0 or none disables the clip)")
+    temperature: float = _key(1.1, "Sampling and loss temperature.", lambda v: v > 0, "> 0")
+    top_p: float = _key(0.95, "Nucleus sampling of the rollouts.", lambda v: 0 < v <= 1, "in (0, 1]")
+    top_k: int = _key(20, "Top-k sampling of the rollouts; 0 disables.", lambda v: v >= 0, ">= 0 (0 disables top-k)")
+    lmbda: float = _key(1.0, "Share of on-policy batches; the rest use the solution.",
+                        lambda v: 0 <= v <= 1, "in [0, 1]")
+    max_completion_length: int = _key(1024, "Rollout length limit in tokens.",
+                                      lambda v: 1 <= v <= MAX_COMPLETION_LENGTH_CAP,
+                                      f"in [1, {MAX_COMPLETION_LENGTH_CAP}]")
+    fixed_teacher: bool = _key(True, "Teacher = initial weights (adapter disabled).")
+    use_ema_teacher: bool = _key(False, "Teacher = EMA of the adapter.")
+    ema_decay: float = _key(0.999, "EMA decay per optimizer step.", lambda v: 0 <= v < 1, "in [0, 1)")
+    reason_first: bool = _key(False, "Teacher writes an analysis of the reference first.")
+    teacher_thinking: bool = _key(False, "enable_thinking for the teacher prompt.")
+    top_k_loss: int = _key(0, "Restrict the divergence to the teacher's top-k (0 = off).",
+                           lambda v: v >= 0, ">= 0 (0 disables)")
+    use_tinker_loss: bool = _key(False, "Sampled-token estimator instead of the full vocabulary.")
 
     def as_lines(self) -> list[str]:
         """`key=value` lines in field order; parse_recipe reads them back unchanged."""
         return [f"{f.name}={_format_value(getattr(self, f.name))}" for f in dataclasses.fields(self)]
 
 
-_FIELD_TYPES: dict[str, type] = {f.name: type(f.default) for f in dataclasses.fields(Recipe)}
-
+_RECIPE_FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
+_FIELD_TYPES: dict[str, type] = {name: type(f.default) for name, f in _RECIPE_FIELDS.items()}
 # key -> (accepts the parsed value, what the allowed range is)
-_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
-    "learning_rate": (lambda v: v > 0, "> 0"),
-    "warmup_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "max_grad_norm": (lambda v: v >= 0, ">= 0"),
-    "lora_r": (lambda v: v >= 1, ">= 1"),
-    "lora_alpha": (lambda v: v >= 1, ">= 1"),
-    "beta": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "jsd_token_clip": (lambda v: v >= 0, ">= 0 (0 or none disables the clip)"),
-    "temperature": (lambda v: v > 0, "> 0"),
-    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "top_k": (lambda v: v >= 0, ">= 0 (0 disables top-k)"),
-    "lmbda": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "max_completion_length": (lambda v: 1 <= v <= MAX_COMPLETION_LENGTH_CAP, f"in [1, {MAX_COMPLETION_LENGTH_CAP}]"),
-    "ema_decay": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "top_k_loss": (lambda v: v >= 0, ">= 0 (0 disables)"),
-}
+_RANGES = {name: f.metadata["range"] for name, f in _RECIPE_FIELDS.items() if f.metadata["range"]}
+
+
+def recipe_field(name: str, **kwargs):
+    """A config dataclass field for recipe key `name`: its released default and help."""
+    key = _RECIPE_FIELDS[name]
+    return dataclasses.field(default=key.default, metadata={"help": key.metadata["help"]}, **kwargs)
+
+
+def recipe_value_problem(name: str, value) -> str | None:
+    """Why `value` is out of the range declared for recipe key `name` (None when it is fine
+    or unset); for settings that arrive another way than the recipe file."""
+    check = _RANGES.get(name)
+    if check is None or value is None or check[0](value):
+        return None
+    return f"{name}={value} is out of range; must be {check[1]}"
+
 
 _BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
 _EXPORT = re.compile(r"^export\s+")

@@ -25,7 +25,18 @@ from dataclasses import dataclass, field
 
 import run_folder
 
-from opsd_config import DATA_SELECTS, SWITCH_VALUES, SWITCH_VARIABLES, ConfigError, Recipe, RecipeError, Switches, parse_recipe
+from opsd_config import (
+    DATA_SELECTS,
+    SWITCH_VALUES,
+    SWITCH_VARIABLES,
+    ConfigError,
+    Recipe,
+    RecipeError,
+    Switches,
+    parse_recipe,
+    recipe_field,
+    recipe_value_problem,
+)
 from opsd_data import DataError, load_train_dataset
 
 TINY_PRESET = {  # the embedded default on 2 CPU cores: short completions, a short prompt budget
@@ -47,8 +58,8 @@ class ScriptArguments:
     )
     recipe: str | None = field(default=None, metadata={"help": "recipe.env of SPEC §6 overrides."})
     preset: str | None = field(default=None, metadata={"help": "`tiny`: embedded model + data, CPU budget."})
-    lora_r: int = field(default=64)
-    lora_alpha: int = field(default=128)
+    lora_r: int = recipe_field("lora_r")
+    lora_alpha: int = recipe_field("lora_alpha")
     lora_dropout: float = field(default=0.0, metadata={"help": "0 keeps both roles on one deterministic network."})
     dtype: str = field(default="auto", metadata={"help": "auto: bfloat16 on GPU, float32 on CPU."})
     attn_implementation: str | None = field(default=None, metadata={"help": "e.g. sdpa, flash_attention_2."})
@@ -56,6 +67,12 @@ class ScriptArguments:
     data_select: str = field(
         default=DATA_SELECTS[0], metadata={"help": "Training rows: none, hard or nomath (OPSD_DATA_SELECT)."}
     )
+
+    def __post_init__(self):
+        for name in ("lora_r", "lora_alpha"):
+            problem = recipe_value_problem(name, getattr(self, name))
+            if problem:
+                raise ValueError(problem)
 
 
 # Every recipe key is the config field of the same name (ScriptArguments for lora_r /
@@ -400,9 +417,11 @@ def help_text() -> str:
 
     from opsd_trainer import OPSDConfig
 
+    recipe_keys = {f.name for f in dataclasses.fields(Recipe)}
+
     def describe(f, default) -> str:
-        text = f.metadata.get("help", "")
-        return f"  --{f.name} (default {default!r}){': ' + text if text else ''}"
+        text = f.metadata.get("help", "") + (" [recipe key]" if f.name in recipe_keys else "")
+        return f"  --{f.name} (default {default!r}){': ' + text.strip() if text else ''}"
 
     own = [f for f in dataclasses.fields(OPSDConfig) if f.name in vars(OPSDConfig).get("__annotations__", {})]
     base = {f.name for f in dataclasses.fields(DistillationConfig)}

@@ -43,7 +43,15 @@ from compiled_layers import CompiledLayers
 from data_collator import OPSDCollator, build_scoring_batch, check_alignment, gather_completion_positions
 from ema_teacher import AdapterEMA
 from opsd_chunked_loss import chunked_divergence_loss, chunked_tinker_loss
-from opsd_config import CLIP_MODES, PAD_SIDES, STUDENT_PROMPTS, TEACHER_CONTEXTS, Recipe
+from opsd_config import (
+    CLIP_MODES,
+    PAD_SIDES,
+    STUDENT_PROMPTS,
+    TEACHER_CONTEXTS,
+    Recipe,
+    recipe_field,
+    recipe_value_problem,
+)
 import run_folder
 from opsd_logging import append_metrics, kl_line
 from opsd_loss import divergence_loss, tinker_loss
@@ -55,7 +63,7 @@ STAGING_DIR = run_folder.STAGING_DIR  # checkpoints are written here, then renam
 # Fault injection for the tests: seconds to sleep inside each checkpoint save, after the
 # staged files are written and before the rename, so a test can kill -9 the run there.
 SAVE_PAUSE_VARIABLE = "OPSD_TEST_PAUSE_IN_SAVE"
-RELEASED = Recipe()  # SPEC §6 defaults: the one source of the released recipe's values
+RECIPE_KEYS = tuple(f.name for f in dataclasses.fields(Recipe))
 # Without it, sequence lengths that are not a multiple of 8 made the compiled layers
 # recompile (about 10 s each) in the first steps of a run on the H200 (BENCHMARKS.md).
 SCORING_PAD_MULTIPLE = 16
@@ -71,50 +79,38 @@ class OPSDConfig(DistillationConfig):
     a recipe file is the released configuration.
     """
 
-    # Base-class fields whose defaults differ in the released recipe.
-    learning_rate: float = field(default=RELEASED.learning_rate)
-    lr_scheduler_type: str = field(default=RELEASED.lr_scheduler_type)
-    max_grad_norm: float = field(default=RELEASED.max_grad_norm)
-    beta: float = field(default=RELEASED.beta)
-    temperature: float = field(default=RELEASED.temperature)
-    top_p: float = field(default=RELEASED.top_p)
-    top_k: int = field(default=RELEASED.top_k)
-    max_completion_length: int | None = field(default=RELEASED.max_completion_length)
+    # Recipe keys (SPEC §6): default, help and range are declared once, in opsd_config.Recipe.
+    # Some are base-class fields whose defaults differ in the released recipe.
+    learning_rate: float = recipe_field("learning_rate")
+    lr_scheduler_type: str = recipe_field("lr_scheduler_type")
+    max_grad_norm: float = recipe_field("max_grad_norm")
+    beta: float = recipe_field("beta")
+    temperature: float = recipe_field("temperature")
+    top_p: float = recipe_field("top_p")
+    top_k: int = recipe_field("top_k")
+    max_completion_length: int | None = recipe_field("max_completion_length")
+    jsd_token_clip: float | None = recipe_field("jsd_token_clip")
+    teacher_thinking: bool = recipe_field("teacher_thinking")
+    fixed_teacher: bool = recipe_field("fixed_teacher")
+    use_ema_teacher: bool = recipe_field("use_ema_teacher")
+    ema_decay: float = recipe_field("ema_decay")
+    reason_first: bool = recipe_field("reason_first")
+    top_k_loss: int = recipe_field("top_k_loss")
+    use_tinker_loss: bool = recipe_field("use_tinker_loss")
+    lmbda: float = recipe_field("lmbda")
+
     logging_steps: float = field(default=1)
     # TRL checkpoints activations by default; say it under transformers 5's name (the old one warns).
     gradient_checkpointing: bool | None = field(default=None)
     activation_checkpointing: bool | None = field(default=True)
 
-    jsd_token_clip: float | None = field(
-        default=RELEASED.jsd_token_clip, metadata={"help": "Clip tau; 0 or None disables."}
-    )
     clip_mode: str = field(
         default=CLIP_MODES[0], metadata={"help": "entry (released) or token (direction-preserving)."}
     )
     pad_side: str = field(default=PAD_SIDES[0], metadata={"help": "right (released, pad gap) or left (contiguous)."})
     student_prompt: str = field(default=STUDENT_PROMPTS[0], metadata={"help": "paper or eval."})
     teacher_context: str = field(default=TEACHER_CONTEXTS[0], metadata={"help": "solution, cot or both."})
-    teacher_thinking: bool = field(
-        default=RELEASED.teacher_thinking, metadata={"help": "enable_thinking for the teacher prompt."}
-    )
-    fixed_teacher: bool = field(
-        default=RELEASED.fixed_teacher, metadata={"help": "Teacher = initial weights (adapter disabled)."}
-    )
-    use_ema_teacher: bool = field(default=RELEASED.use_ema_teacher, metadata={"help": "Teacher = EMA of the adapter."})
-    ema_decay: float = field(default=RELEASED.ema_decay, metadata={"help": "EMA decay per optimizer step."})
-    reason_first: bool = field(
-        default=RELEASED.reason_first, metadata={"help": "Teacher writes an analysis of the reference first."}
-    )
-    reason_first_max_tokens: int = field(default=512, metadata={"help": "Length limit of that analysis."})
-    top_k_loss: int = field(
-        default=RELEASED.top_k_loss, metadata={"help": "Restrict the divergence to the teacher's top-k (0 = off)."}
-    )
-    use_tinker_loss: bool = field(
-        default=RELEASED.use_tinker_loss, metadata={"help": "Sampled-token estimator instead of full vocab."}
-    )
-    lmbda: float = field(
-        default=RELEASED.lmbda, metadata={"help": "Share of on-policy batches; the rest use the solution."}
-    )
+    reason_first_max_tokens: int = field(default=512, metadata={"help": "Length limit of the reason_first analysis."})
     max_prompt_length: int | None = field(default=None, metadata={"help": "Student prompt limit (warns only)."})
     max_teacher_prompt_length: int | None = field(
         default=None, metadata={"help": "Teacher prompt limit; the privileged context is truncated to fit."}
@@ -186,10 +182,10 @@ class OPSDConfig(DistillationConfig):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
         if self.fixed_teacher and self.use_ema_teacher:
             raise ValueError("fixed_teacher and use_ema_teacher are mutually exclusive")
-        if self.jsd_token_clip is not None and self.jsd_token_clip < 0:
-            raise ValueError(f"jsd_token_clip must be >= 0, got {self.jsd_token_clip}")
-        if not 0.0 <= self.lmbda <= 1.0:
-            raise ValueError(f"lmbda must be in [0, 1], got {self.lmbda}")
+        for name in RECIPE_KEYS:  # the ranges a recipe file is held to hold for flags too
+            problem = recipe_value_problem(name, getattr(self, name, None))
+            if problem:
+                raise ValueError(problem)
 
 
 def default_scoring_pad_multiple() -> int | None:

@@ -301,6 +301,19 @@ def test_bad_switch_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     assert "\n" not in err and "OPSD_CLIP_MODE" in err and not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--top_k_loss", "-1", "top_k_loss=-1 is out of range; must be >= 0 (0 disables)"),
+    ("--ema_decay", "1.0", "ema_decay=1.0 is out of range; must be in [0, 1)"),
+    ("--lora_r", "0", "lora_r=0 is out of range; must be >= 1"),
+])
+def test_flags_are_held_to_the_recipe_ranges(tmp_path, capsys, flag, value, message):
+    """A range is declared once (opsd_config.Recipe) and checked for flags as for recipe lines."""
+    assert opsd_train.main(tiny_argv(tmp_path / "out", 1, flag, value)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {message}"
+    assert not (tmp_path / "out").exists()
+
+
 def test_recipe_values_reach_the_trainer_config(tmp_path, capsys):
     recipe = tmp_path / "recipe.env"
     recipe.write_text(
