@@ -39,6 +39,7 @@ from transformers.trainer_utils import rotate_checkpoints
 from trl import DistillationConfig, DistillationTrainer
 from trl.models.utils import unwrap_model_for_generation
 
+import run_folder
 from compiled_layers import CompiledLayers
 from data_collator import OPSDCollator, build_scoring_batch, check_alignment, gather_completion_positions
 from ema_teacher import AdapterEMA
@@ -52,7 +53,6 @@ from opsd_config import (
     recipe_field,
     recipe_value_problem,
 )
-import run_folder
 from opsd_logging import append_metrics, kl_line
 from opsd_loss import divergence_loss, tinker_loss
 from rollout import SamplingSettings, TransformersBackend, to_completion
