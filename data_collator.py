@@ -1,5 +1,5 @@
 """Exact token geometry: rows -> prompt token ids, prompts + sampled completions
--> scoring batches whose completion positions line up for both roles (SPEC section 3).
+-> scoring batches whose completion positions line up for both roles (docs/SPEC.md §3).
 
 Prompt rendering: the chat template is applied as text (`tokenize=False`,
 `add_generation_prompt=True`, `enable_thinking=...`), then encoded with

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Evaluate a LoRA checkpoint, or the base model, with the frozen protocol
-# (SPEC section 5). The last line printed is the FINAL avg@k line.
+# (docs/SPEC.md §5). The last line printed is the FINAL avg@k line.
 set -euo pipefail
 
 usage() {

@@ -25,12 +25,14 @@ import torch
 
 from opsd_loss import (
     DIVERGENCE_STAT_KEYS,
+    NLL_STAT_KEYS,
     TINKER_STAT_KEYS,
     DivergenceConfig,
     compute_dtype,
     entry_divergence,
     mean_over_tokens,
     rows_divergence,
+    rows_nll,
     rows_tinker,
     tempered_log_probs,
 )
@@ -163,6 +165,24 @@ class TinkerObjective:
         return rows_tinker(
             student_logits, teacher_logits, self.target_ids[rows], temperature=self.temperature, with_stats=with_stats
         )
+
+    def logit_grad(self, student_logits, teacher_logits, rows: slice) -> torch.Tensor:
+        return autograd_logit_grad(
+            lambda s, t: self.per_token(s, t, rows, with_stats=False), student_logits, teacher_logits
+        )
+
+
+class NLLObjective:
+    """SFT cross-entropy per token (`rows_nll`), for `_ChunkedLoss`."""
+
+    stat_keys = NLL_STAT_KEYS
+    fixed_chunks = False
+
+    def __init__(self, target_ids: torch.Tensor):
+        self.target_ids = target_ids
+
+    def per_token(self, student_logits, teacher_logits, rows: slice, with_stats: bool = True):
+        return rows_nll(student_logits, teacher_logits, self.target_ids[rows], with_stats=with_stats)
 
     def logit_grad(self, student_logits, teacher_logits, rows: slice) -> torch.Tensor:
         return autograd_logit_grad(
@@ -309,3 +329,18 @@ def chunked_tinker_loss(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     objective = TinkerObjective(target_ids, temperature)
     return _apply(objective, student_hidden, teacher_hidden, lm_head_weight, lm_head_bias, chunk_size)
+
+
+def chunked_nll_loss(
+    student_hidden: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    *,
+    chunk_size: int = 1024,
+    lm_head_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`opsd_loss.nll_loss` on hidden states, chunked; target_ids [N] are the reference tokens."""
+    if target_ids.shape != student_hidden.shape[:1]:
+        raise ValueError(f"target_ids {tuple(target_ids.shape)} is not [{student_hidden.shape[0]}]")
+    return _apply(NLLObjective(target_ids), student_hidden, teacher_hidden, lm_head_weight, lm_head_bias, chunk_size)

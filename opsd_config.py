@@ -4,7 +4,7 @@ This is the one place where switches and `recipe.env` files are parsed. It uses
 the standard library only, so `python opsd_config.py check recipe.env` answers
 (and fails) in a fraction of a second, before torch or any model is loaded.
 
-Recipe files (SPEC section 6) are .env files: `KEY=VALUE` lines, `#` starts a
+Recipe files (docs/SPEC.md §6) are .env files: `KEY=VALUE` lines, `#` starts a
 comment (also after a value), blank lines are ignored, and an `export ` prefix
 or quotes around a value are tolerated. Only the whitelisted keys of `Recipe`
 are accepted; budget knobs (`BUDGET_KNOBS`) are fixed by train_capped.sh and are
@@ -51,7 +51,10 @@ CLIP_MODES = ("entry", "token")
 PAD_SIDES = ("right", "left")
 TEACHER_CONTEXTS = ("solution", "cot", "both")
 STUDENT_PROMPTS = ("paper", "eval")
-DATA_SELECTS = ("none", "hard", "nomath")
+# Data filters in the order they apply when combined (`nomath,hard`: drop math rows,
+# then keep the longer half of what remains), whatever order they are written in.
+DATA_FILTERS = ("nomath", "hard")
+DATA_SELECTS = ("none", *DATA_FILTERS)
 
 # Switches field -> (environment variable, allowed values)
 _SWITCHES = {
@@ -71,7 +74,7 @@ SWITCH_VALUES = {name: allowed for name, (_, allowed) in _SWITCHES.items()}
 
 @dataclass(frozen=True)
 class Switches:
-    """The method switches of SPEC sections 2-4, read from the environment."""
+    """The method switches of docs/SPEC.md §2-§4, read from the environment."""
 
     clip_mode: str = CLIP_MODES[0]
     pad_side: str = PAD_SIDES[0]
@@ -92,6 +95,8 @@ class Switches:
 
 def _read_switch(env: Mapping[str, str], var: str, allowed: tuple[str, ...]) -> str:
     raw = env.get(var, "")
+    if allowed is DATA_SELECTS:  # the one switch that takes a combination
+        return parse_data_select(raw, var)
     value = raw.strip().lower()
     if not value:
         return allowed[0]
@@ -100,11 +105,40 @@ def _read_switch(env: Mapping[str, str], var: str, allowed: tuple[str, ...]) -> 
     return value
 
 
+def parse_data_select(raw: str, var: str = "OPSD_DATA_SELECT") -> str:
+    """The canonical form of a data selection: `none`, or the named filters joined by
+    commas in the order they apply (DATA_FILTERS), so `hard,nomath` -> `nomath,hard`.
+    Empty means none; an unknown, repeated or empty name, or `none` combined with a
+    filter, is a ConfigError."""
+    names = [name.strip().lower() for name in raw.split(",")]
+    if names == [""]:
+        return DATA_SELECTS[0]
+    problem = None
+    unknown = [name for name in names if name not in DATA_SELECTS]
+    if unknown:
+        problem = f"{unknown[0] or 'an empty name'} is not a selection"
+    elif len(set(names)) < len(names):
+        problem = f"{next(n for n in names if names.count(n) > 1)} is named twice"
+    elif len(names) > 1 and "none" in names:
+        problem = "none cannot be combined with a filter"
+    if problem:
+        raise ConfigError(
+            f"{var}={raw!r} is not allowed ({problem}); expected one of: {', '.join(DATA_SELECTS)}, "
+            f"or a comma-separated combination of {', '.join(DATA_FILTERS)}"
+        )
+    return ",".join(name for name in DATA_FILTERS if name in names) or DATA_SELECTS[0]
+
+
 # --------------------------------------------------------------------------
 # The recipe
 # --------------------------------------------------------------------------
 
 MAX_COMPLETION_LENGTH_CAP = 4096
+
+# The sampling temperatures vLLM uses as given (vllm/sampling_params.py, 0.30.0): it
+# refuses one above 2 at the first rollout, and raises one below 0.01 to 0.01, which
+# would make sampling and the loss use different temperatures.
+VLLM_TEMPERATURE_RANGE = (0.01, 2.0)
 
 # Fixed by train_capped.sh (100 steps at global batch 32 on OPSD_MODEL).
 BUDGET_KNOBS = (
@@ -130,7 +164,7 @@ def _key(default, help: str, accepts: Callable[[float], bool] | None = None, all
 
 @dataclass(frozen=True)
 class Recipe:
-    """The whitelisted recipe keys with the released defaults (SPEC section 6).
+    """The whitelisted recipe keys with the released defaults (docs/SPEC.md §6).
     Each field's type is the type of its default, which is how values are parsed."""
 
     learning_rate: float = _key(5e-6, "Peak learning rate.", lambda v: v > 0, "> 0")
@@ -143,7 +177,9 @@ class Recipe:
                        lambda v: 0 <= v <= 1, "in [0, 1]")
     jsd_token_clip: float = _key(0.05, "Clip tau; 0 (`none` in a recipe) disables the clip.",
                                  lambda v: v >= 0, ">= 0 (0 or none disables the clip)")
-    temperature: float = _key(1.1, "Sampling and loss temperature.", lambda v: v > 0, "> 0")
+    temperature: float = _key(1.1, "Sampling and loss temperature.",
+                              lambda v: VLLM_TEMPERATURE_RANGE[0] <= v <= VLLM_TEMPERATURE_RANGE[1],
+                              "in [{}, {}], the range vLLM samples with".format(*VLLM_TEMPERATURE_RANGE))
     top_p: float = _key(0.95, "Nucleus sampling of the rollouts.", lambda v: 0 < v <= 1, "in (0, 1]")
     top_k: int = _key(20, "Top-k sampling of the rollouts; 0 disables.", lambda v: v >= 0, ">= 0 (0 disables top-k)")
     lmbda: float = _key(1.0, "Share of on-policy batches; the rest use the solution.",

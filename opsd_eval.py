@@ -1,4 +1,4 @@
-"""Evaluate a LoRA checkpoint (or the base model) on a math benchmark (SPEC section 5).
+"""Evaluate a LoRA checkpoint (or the base model) on a math benchmark (docs/SPEC.md §5).
 
     python opsd_eval.py CHECKPOINT|base [--model M] [--dataset D] [--output-dir O]
                         [--backend transformers|vllm|auto] [--preset tiny]
@@ -26,6 +26,7 @@ anything.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -60,8 +61,8 @@ class EvalSettings:
     automatic value in thinking mode), top_k disabled (-1 there, 0 here),
     max_new_tokens 38912 (its default; Qwen3's recommended budget for
     competition math). Its min_p 0 and presence_penalty 0 are the neutral
-    values both backends use anyway. Samples per problem, seed and thinking
-    mode are fixed by SPEC section 5 (the released script runs 16 samples).
+    values both backends use anyway. Samples per problem (12, as the released
+    script), seed and thinking mode are fixed by docs/SPEC.md §5.
     """
     n_samples: int = 12
     seed: int = 20260610
@@ -75,11 +76,10 @@ class EvalSettings:
 
 FROZEN_SETTINGS = EvalSettings()
 
-# OPSD_PRESET=tiny: the embedded tiny model on the first problems of its
-# generated eval set, fewer and shorter samples; the FINAL line shows its own k.
-# Sized for about a minute on 2 CPU cores: on CPU, sampling time is dominated
-# by the top-p sort over the 151,936-entry vocabulary at every step.
-TINY_SETTINGS = replace(FROZEN_SETTINGS, n_samples=4, max_new_tokens=48, max_problems=8)
+# OPSD_PRESET=tiny: the embedded model on its generated eval set (every problem),
+# 8 samples each, at most 96 new tokens (its worked solutions take about 50);
+# the FINAL line shows avg@8.
+TINY_SETTINGS = replace(FROZEN_SETTINGS, n_samples=8, max_new_tokens=96)
 
 
 def format_settings(settings: EvalSettings) -> str:
@@ -423,8 +423,8 @@ def dataset_tag(dataset: str) -> str:
 
 
 def resolve_model_path(model: str) -> str:
-    """'tiny' -> the embedded tiny model's folder; anything else is passed on."""
-    if model == TINY:
+    """'tiny' / 'tiny-random' -> the embedded model's folder; anything else is passed on."""
+    if model in (TINY, "tiny-random"):
         import tiny_default
 
         return str(tiny_default.resolve_model(model))
@@ -472,9 +472,42 @@ def _sample_chunk(backend, request: EvalRequest, prompts: list[list[int]], chunk
 
 
 def _sampling_backend(request: EvalRequest, model_path: str, tokenizer, prompts: list[list[int]]):
+    """The backend that samples every chunk, after one warning line for prompts the
+    context cannot fit. A vLLM backend is a context manager: evaluate() shuts it down
+    before printing any result."""
+    context = model_context(model_path)
+    warning = context_warning([len(p) for p in prompts], request.settings.max_new_tokens, context,
+                              request.backend)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     if request.backend == "vllm":
-        return _vllm_backend(request, model_path, prompts)
+        return _vllm_backend(request, model_path, prompts, context)
     return _transformers_backend(request, model_path, tokenizer)
+
+
+def model_context(model_path: str) -> int | None:
+    """The model's context window (max_position_embeddings), None if it declares none."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+
+
+def context_warning(prompt_lengths: Sequence[int], max_new_tokens: int, context: int | None,
+                    backend: str) -> str | None:
+    """One `warning:` line when prompts are longer than the context leaves after
+    max_new_tokens: their samples cannot get the full budget (vLLM stops them at the
+    context, as truncated) or run past what the model was trained on (transformers)."""
+    if not context:
+        return None
+    room = context - max_new_tokens
+    over = [n for n in prompt_lengths if n > room]
+    if not over:
+        return None
+    effect = ("vLLM stops their samples at the context limit (graded as truncated)" if backend == "vllm"
+              else "transformers samples them past the model's context window")
+    return (f"warning: {len(over)} of {len(prompt_lengths)} prompts are longer than the {max(room, 0)} tokens "
+            f"that the model's context of {context} leaves after max_new_tokens={max_new_tokens} "
+            f"(longest {max(over)}); {effect}")
 
 
 def _transformers_backend(request: EvalRequest, model_path: str, tokenizer):
@@ -497,14 +530,11 @@ def _transformers_backend(request: EvalRequest, model_path: str, tokenizer):
                                batch_size=request.batch_size)
 
 
-def _vllm_backend(request: EvalRequest, model_path: str, prompts: list[list[int]]):
-    from transformers import AutoConfig
-
+def _vllm_backend(request: EvalRequest, model_path: str, prompts: list[list[int]], context: int | None):
     from rollout import VLLMBackend
 
     # Room for the longest prompt plus a full generation, within the model's context.
     needed = max(len(p) for p in prompts) + request.settings.max_new_tokens
-    context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
     return VLLMBackend(model_path, lora_path=request.checkpoint, seed=request.settings.seed,
                        max_model_len=min(needed, context) if context else needed)
 
@@ -592,15 +622,21 @@ def evaluate(request: EvalRequest, problems: list[dict]) -> dict:
     done = partial.load()
     if done:
         print(f"resuming: {len(done)} of {len(problems)} problems already sampled and graded ({partial.path})")
-    backend = None
-    for chunk in problem_chunks(request, len(problems)):
-        if all(i in done for i in chunk):
-            continue
-        backend = backend or _sampling_backend(request, model_path, tokenizer, prompts)
-        graded = [grade_problem(i, problems[i], c, tokenizer)
-                  for i, c in zip(chunk, _sample_chunk(backend, request, prompts, chunk))]
-        partial.append(graded)
-        done.update((record["index"], record) for record in graded)
+    # Shut the backend (vLLM's engine) down before the results, so that nothing the
+    # engine does on exit (it may print) comes after them and the FINAL line.
+    with contextlib.ExitStack() as stack:
+        backend = None
+        for chunk in problem_chunks(request, len(problems)):
+            if all(i in done for i in chunk):
+                continue
+            if backend is None:
+                backend = _sampling_backend(request, model_path, tokenizer, prompts)
+                if hasattr(backend, "__exit__"):
+                    stack.enter_context(backend)
+            graded = [grade_problem(i, problems[i], c, tokenizer)
+                      for i, c in zip(chunk, _sample_chunk(backend, request, prompts, chunk))]
+            partial.append(graded)
+            done.update((record["index"], record) for record in graded)
     records = [done[i] for i in range(len(problems))]
     for record in records:
         print(format_problem_line(record, len(records)))

@@ -20,6 +20,7 @@ KL_LINE_FIELDS = (
     ("teacher_mass_removed", "opsd/clipped_teacher_mass"),
     ("H_student", "opsd/student_entropy"),
     ("H_teacher", "opsd/teacher_entropy"),
+    ("nll", "opsd/nll"),
 )
 
 

@@ -1,4 +1,4 @@
-"""The OPSD objective (SPEC section 2): reference implementation on full logits.
+"""The OPSD objective (docs/SPEC.md §2): reference implementation on full logits.
 
 Pure torch, no model. Everything is built from per-token functions on flat rows
 (`[N, V]` logits of the masked completion positions), so that this reference and the
@@ -60,6 +60,7 @@ DIVERGENCE_STAT_KEYS = (
     "loss_unclipped",
 )
 TINKER_STAT_KEYS = ("true_kl", "advantage_mean", "student_entropy", "teacher_entropy")
+NLL_STAT_KEYS = ("true_kl", "nll", "student_entropy", "teacher_entropy")
 
 PerTokenStats = dict[str, torch.Tensor]
 
@@ -273,6 +274,31 @@ def rows_tinker(
     return per_token, {key: stats[key] for key in TINKER_STAT_KEYS}
 
 
+def rows_nll(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    *,
+    with_stats: bool = True,
+) -> tuple[torch.Tensor, PerTokenStats]:
+    """Supervised fine-tuning per token: -log p_S(y_n) at temperature 1 (the SFT
+    baseline, `loss_type=sft`, on the reference solution's tokens y_n).
+
+    The teacher only feeds the diagnostics (true KL, entropies), so an SFT run
+    logs the same divergence an OPSD run minimises. Inputs: logits rows [N, V],
+    target_ids [N]. Returns (per-token loss [N], stats).
+    """
+    dtype = compute_dtype(student_logits, teacher_logits)
+    student_logp = tempered_log_probs(student_logits, 1.0, dtype)
+    per_token = -student_logp.gather(-1, target_ids.long().unsqueeze(-1)).squeeze(-1)
+    if not with_stats:
+        return per_token, {}
+    with torch.no_grad():
+        stats = _role_stats(student_logp, tempered_log_probs(teacher_logits.detach(), 1.0, dtype))
+        stats["nll"] = per_token.detach()
+    return per_token, {key: stats[key] for key in NLL_STAT_KEYS}
+
+
 # --------------------------------------------------------------------------- reduction
 
 
@@ -352,5 +378,21 @@ def tinker_loss(
     if completion_ids.shape != mask.shape:
         raise ValueError(f"completion_ids {tuple(completion_ids.shape)} does not match mask {tuple(mask.shape)}")
     per_token, stats = rows_tinker(student_rows, teacher_rows, completion_ids[keep], temperature=temperature)
+    num_tokens = per_token.shape[0]
+    return mean_over_tokens(per_token.sum(), num_tokens), reduce_stats(_sum_stats(stats), num_tokens)
+
+
+def nll_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    completion_ids: torch.Tensor,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SFT loss: mean over masked tokens of -log p_S(y_n), y_n = completion_ids [B, C]
+    (stats keys NLL_STAT_KEYS)."""
+    student_rows, teacher_rows, keep = _masked_rows(student_logits, teacher_logits, mask)
+    if completion_ids.shape != mask.shape:
+        raise ValueError(f"completion_ids {tuple(completion_ids.shape)} does not match mask {tuple(mask.shape)}")
+    per_token, stats = rows_nll(student_rows, teacher_rows, completion_ids[keep])
     num_tokens = per_token.shape[0]
     return mean_over_tokens(per_token.sum(), num_tokens), reduce_stats(_sum_stats(stats), num_tokens)

@@ -4,9 +4,9 @@
         --recipe recipe.env --max_steps 100 --per_device_train_batch_size 4 \
         --gradient_accumulation_steps 8
 
-Precedence, lowest to highest: defaults (and a YAML `--config`) < `--recipe` file
-(SPEC §6 keys) < the tiny preset's caps < `OPSD_*` variables that are set < command-line
-flags. Budget knobs in a recipe are warned about and ignored.
+Precedence, lowest to highest: defaults (and a YAML `--config`) < the tiny preset's
+values < `--recipe` file (docs/SPEC.md §6 keys) < `OPSD_*` variables that are set <
+command-line flags. Budget knobs in a recipe are warned about and ignored.
 Everything is validated (switches, recipe, model path, run folder, dataset) before a
 model is loaded; bad input exits with status 2 and a one-line `error:` message.
 """
@@ -39,10 +39,16 @@ from opsd_config import (
 )
 from opsd_data import DataError, load_train_dataset
 
-TINY_PRESET = {  # the embedded default on 2 CPU cores: short completions, a short prompt budget
-    "max_completion_length": 24,
-    "max_teacher_prompt_length": 384,
+TINY_PRESET = {  # the embedded default: its worked solutions take ~50 tokens, its longest teacher prompt ~300
+    "max_completion_length": 64,
+    "max_teacher_prompt_length": 512,
+    # A 3 M-parameter model is launch-bound on a GPU: compiling would cost more than it saves.
+    "compile_layers": False,
+    "compile_loss": False,
+    "rollout_cache_implementation": "dynamic",
 }
+
+TINY_MODELS = ("tiny", "tiny-random")  # tiny_default.TINY, TINY_RANDOM: the embedded models
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -56,7 +62,7 @@ class ScriptArguments:
         default="siyanzhao/Openthoughts_math_30k_opsd",
         metadata={"help": "HF dataset name, local .json/.jsonl/.parquet, or `tiny`."},
     )
-    recipe: str | None = field(default=None, metadata={"help": "recipe.env of SPEC §6 overrides."})
+    recipe: str | None = field(default=None, metadata={"help": "recipe.env of docs/SPEC.md §6 overrides."})
     preset: str | None = field(default=None, metadata={"help": "`tiny`: embedded model + data, CPU budget."})
     lora_r: int = recipe_field("lora_r")
     lora_alpha: int = recipe_field("lora_alpha")
@@ -106,37 +112,37 @@ def _same(a: str, b: str) -> bool:
 
 def overrides(preset: str | None, recipe: Recipe | None, max_steps: int,
               given: dict[str, str] | None = None) -> list[str]:
-    """Flags from the recipe and the preset's caps, in rising precedence.
+    """Flags from the tiny preset and the recipe, in rising precedence.
 
     They go before the user's flags, and the last occurrence of a flag wins, so the
-    order is: default < recipe < tiny preset's caps < command line (the OPSD_*
-    variables come between the last two: `apply_switches`). Going through the parser
-    keeps every type conversion and check in one path. A command-line flag that
-    overrides a different recipe value is reported.
+    order is: default < tiny preset < recipe < command line (the OPSD_* variables
+    come between the last two: `apply_switches`). The preset's values are defaults:
+    a recipe key the recipe leaves at its released value does not undo them, one it
+    changes wins. Going through the parser keeps every type conversion and check in
+    one path. A command-line flag that overrides a different recipe value is reported.
     """
     given = given or {}
     layers: list[tuple[str, dict[str, object]]] = []
+    preset_values = dict(TINY_PRESET) if preset == "tiny" else {}
+    if preset_values:
+        layers.append(("the tiny preset", preset_values))
+    changed: set[str] = set()
     if recipe is not None:
         values = {key: getattr(recipe, key) for key in RECIPE_TO_ARGS}
         # transformers 5 folds the ratio into `warmup_steps` (a float < 1 is a ratio).
         ratio = recipe.warmup_ratio
         values["warmup_steps"] = ratio if ratio < 1 else max_steps
         released = Recipe()
-        layers.append(("the recipe", values))
         changed = {k for k in RECIPE_TO_ARGS if getattr(recipe, k) != getattr(released, k)}
         if recipe.warmup_ratio != released.warmup_ratio:
             changed.add("warmup_steps")
-    if preset == "tiny":
-        length = TINY_PRESET["max_completion_length"]
-        if recipe is not None:
-            length = min(length, recipe.max_completion_length)
-        layers.append(("the tiny preset", {"max_completion_length": length,
-                                           "max_teacher_prompt_length": TINY_PRESET["max_teacher_prompt_length"]}))
+        values = {k: v for k, v in values.items() if k not in preset_values or k in changed}
+        layers.append(("the recipe", values))
     extra: list[str] = []
     for source, values in layers:
         for key, value in values.items():
             extra += _flag(key, value)
-            if source == "the tiny preset" or (source == "the recipe" and key not in changed):
+            if source == "the tiny preset" or key not in changed:
                 continue  # the preset's values and unset recipe keys are defaults, not choices that lost
             flag_value = _flag(key, value)[1]
             if key in given and not _same(given[key], flag_value):
@@ -224,7 +230,7 @@ def check_model(name: str) -> None:
     """A local model folder must exist and hold config.json; a hub id must look like one.
 
     Whether a hub id exists is only known when it loads (it may need the network)."""
-    if name == "tiny":
+    if name in TINY_MODELS:
         return
     if os.path.exists(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
@@ -242,7 +248,7 @@ def check_model(name: str) -> None:
 # --------------------------------------------------------------------------
 
 def recipe_values(script_args: ScriptArguments, config) -> dict:
-    """Every recipe key (SPEC §6) as this run resolved it, whatever set it."""
+    """Every recipe key (docs/SPEC.md §6) as this run resolved it, whatever set it."""
     values = {}
     for f in dataclasses.fields(Recipe):
         if f.name in ("lora_r", "lora_alpha"):
@@ -291,7 +297,7 @@ def run_identity(script_args: ScriptArguments, config, dataset, world_size: int 
 
 
 def _absolute_if_local(name: str) -> str:
-    return os.path.abspath(name) if name != "tiny" and os.path.exists(name) else name
+    return os.path.abspath(name) if name not in TINY_MODELS and os.path.exists(name) else name
 
 
 def format_identity(identity: dict) -> str:
@@ -430,8 +436,8 @@ def help_text() -> str:
         "",
         "On-Policy Self-Distillation of a LoRA student against its own teacher role.",
         "",
-        "Precedence, lowest to highest: defaults (and a YAML --config) < the --recipe file < the tiny",
-        "preset's caps < OPSD_* variables that are set < command-line flags; a flag that overrides a",
+        "Precedence, lowest to highest: defaults (and a YAML --config) < the tiny preset's values <",
+        "the --recipe file < OPSD_* variables that are set < command-line flags; a flag that overrides a",
         "different recipe or variable value is reported. Budget knobs in a recipe are ignored (warned).",
         "Everything is checked before a model loads: bad input is one `error:` line, exit 2.",
         "",
@@ -439,7 +445,7 @@ def help_text() -> str:
     ]
     lines += [describe(f, f.default) for f in dataclasses.fields(ScriptArguments)]
     lines += [describe(f, f.default) for f in own if f.name not in base]
-    lines += ["", "Inherited settings whose defaults are the released recipe's (SPEC §6):"]
+    lines += ["", "Inherited settings whose defaults are the released recipe's (docs/SPEC.md §6):"]
     lines += [describe(f, f.default) for f in own if f.name in base]
     lines += ["", "OPSD_* variables (the ablation switches; default first):"]
     for name, var in SWITCH_VARIABLES.items():

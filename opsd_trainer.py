@@ -43,18 +43,19 @@ import run_folder
 from compiled_layers import CompiledLayers
 from data_collator import OPSDCollator, build_scoring_batch, check_alignment, gather_completion_positions
 from ema_teacher import AdapterEMA
-from opsd_chunked_loss import chunked_divergence_loss, chunked_tinker_loss
+from opsd_chunked_loss import chunked_divergence_loss, chunked_nll_loss, chunked_tinker_loss
 from opsd_config import (
     CLIP_MODES,
     PAD_SIDES,
     STUDENT_PROMPTS,
     TEACHER_CONTEXTS,
+    VLLM_TEMPERATURE_RANGE,
     Recipe,
     recipe_field,
     recipe_value_problem,
 )
 from opsd_logging import append_metrics, kl_line
-from opsd_loss import divergence_loss, tinker_loss
+from opsd_loss import divergence_loss, nll_loss, tinker_loss
 from rollout import SamplingSettings, TransformersBackend, to_completion
 from vllm_weights import merged_named_parameters
 
@@ -64,6 +65,7 @@ STAGING_DIR = run_folder.STAGING_DIR  # checkpoints are written here, then renam
 # staged files are written and before the rename, so a test can kill -9 the run there.
 SAVE_PAUSE_VARIABLE = "OPSD_TEST_PAUSE_IN_SAVE"
 RECIPE_KEYS = tuple(f.name for f in dataclasses.fields(Recipe))
+LOSS_TYPES = ("opsd", "sft")
 # Without it, sequence lengths that are not a multiple of 8 made the compiled layers
 # recompile (about 10 s each) in the first steps of a run on the H200 (BENCHMARKS.md).
 SCORING_PAD_MULTIPLE = 16
@@ -71,15 +73,15 @@ SCORING_PAD_MULTIPLE = 16
 
 @dataclass
 class OPSDConfig(DistillationConfig):
-    """DistillationConfig plus the OPSD knobs (SPEC §2, §3, §6).
+    """DistillationConfig plus the OPSD knobs (docs/SPEC.md §2, §3, §6).
 
     `temperature`, `top_p`, `top_k`, `beta` and `max_completion_length` are the
     base class's fields: one temperature serves sampling and the loss, as in the
-    released recipe. Defaults are the released recipe's (SPEC §6), so a run without
+    released recipe. Defaults are the released recipe's (docs/SPEC.md §6), so a run without
     a recipe file is the released configuration.
     """
 
-    # Recipe keys (SPEC §6): default, help and range are declared once, in opsd_config.Recipe.
+    # Recipe keys (docs/SPEC.md §6): default, help and range are declared once, in opsd_config.Recipe.
     # Some are base-class fields whose defaults differ in the released recipe.
     learning_rate: float = recipe_field("learning_rate")
     lr_scheduler_type: str = recipe_field("lr_scheduler_type")
@@ -111,6 +113,13 @@ class OPSDConfig(DistillationConfig):
     student_prompt: str = field(default=STUDENT_PROMPTS[0], metadata={"help": "paper or eval."})
     teacher_context: str = field(default=TEACHER_CONTEXTS[0], metadata={"help": "solution, cot or both."})
     reason_first_max_tokens: int = field(default=512, metadata={"help": "Length limit of the reason_first analysis."})
+    loss_type: str = field(
+        default=LOSS_TYPES[0],
+        metadata={
+            "help": "opsd (the distillation loss) or sft: the baseline OPSD is compared with, cross-entropy on "
+            "the reference solutions with the same prompts, budget and LoRA (no rollouts; lmbda is ignored)."
+        },
+    )
     max_prompt_length: int | None = field(default=None, metadata={"help": "Student prompt limit (warns only)."})
     max_teacher_prompt_length: int | None = field(
         default=None, metadata={"help": "Teacher prompt limit; the privileged context is truncated to fit."}
@@ -162,6 +171,9 @@ class OPSDConfig(DistillationConfig):
         # compile_layers is resolved below; OPSDTrainer, which also sees sharding chosen in
         # accelerate's config, may switch a default (never an explicit) True off.
         self.compile_layers_is_default = self.compile_layers is None
+        low, high = VLLM_TEMPERATURE_RANGE
+        if self.use_vllm and not low <= self.temperature <= high:  # else vLLM fails at the first rollout
+            raise ValueError(f"temperature={self.temperature}: vLLM rollouts need a temperature in [{low}, {high}]")
         super().__post_init__()  # TRL turns the CLI's "none" / "32" into None / 32
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 0:
             raise ValueError(f"pad_to_multiple_of must be >= 0, got {self.pad_to_multiple_of}")
@@ -176,6 +188,7 @@ class OPSDConfig(DistillationConfig):
             "student_prompt": STUDENT_PROMPTS,
             "teacher_context": TEACHER_CONTEXTS,
             "loss_implementation": ("chunked", "logits"),
+            "loss_type": LOSS_TYPES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -183,9 +196,13 @@ class OPSDConfig(DistillationConfig):
         if self.fixed_teacher and self.use_ema_teacher:
             raise ValueError("fixed_teacher and use_ema_teacher are mutually exclusive")
         for name in RECIPE_KEYS:  # the ranges a recipe file is held to hold for flags too
+            if name == "temperature" and not self.use_vllm:
+                continue  # the recipe's range is vLLM's (checked above); transformers samples any > 0
             problem = recipe_value_problem(name, getattr(self, name, None))
             if problem:
                 raise ValueError(problem)
+        if self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature} is out of range; must be > 0")
 
 
 def default_scoring_pad_multiple() -> int | None:
@@ -255,7 +272,7 @@ class _StopOnSignal(TrainerCallback):
 
 
 class OPSDTrainer(DistillationTrainer):
-    # The loss is a token mean over each micro-batch (SPEC §2), so the Trainer must
+    # The loss is a token mean over each micro-batch (docs/SPEC.md §2), so the Trainer must
     # still divide by the number of accumulation steps.
     loss_is_scaled_for_ga = False
 
@@ -291,7 +308,8 @@ class OPSDTrainer(DistillationTrainer):
             args.compile_layers = False  # sharding chosen in accelerate's config, not in the arguments
         if self.use_vllm and is_peft_model(self.model) and not sharded:
             # Merge LoRA out of place for vLLM: TRL's in-place merge/unmerge would perturb the bf16
-            # base weights, i.e. the fixed teacher, a little at every sync.
+            # base weights, i.e. the fixed teacher, a little at every sync. Sharded runs keep TRL's
+            # path (it gathers the parameters first), and with it that drift (README).
             self.vllm_generation._iter_named_params = lambda: merged_named_parameters(self.vllm_generation.model)
         self.ema = AdapterEMA(self.model, args.ema_decay) if args.use_ema_teacher else None
         if self.ema is not None:
@@ -318,7 +336,9 @@ class OPSDTrainer(DistillationTrainer):
         """
         rows = inputs
         student_ids = [self.collator.student_prompt_ids(row) for row in rows]
-        if self.args.lmbda >= 1.0 or self._lmbda_rng.random() < self.args.lmbda:
+        if self.args.loss_type == "sft":  # supervised baseline: always the reference solution
+            completions, truncated = self._reference_completions(rows)
+        elif self.args.lmbda >= 1.0 or self._lmbda_rng.random() < self.args.lmbda:
             completions, truncated = self._sample(student_ids)
         else:  # off-policy batch (GKD's lmbda): the reference solution is the completion
             completions, truncated = self._reference_completions(rows)
@@ -577,7 +597,7 @@ def _test_pause_in_save(name: str) -> None:
 
 
 def make_objective(args: OPSDConfig):
-    """The run's loss, chosen once from the config when the trainer starts (SPEC §2).
+    """The run's loss, chosen once from the config when the trainer starts (docs/SPEC.md §2).
 
     Returns objective(student_hidden, teacher_hidden, mask, completion_ids, head) ->
     (loss, stats), where the hidden states are [B, C, H] at the completion positions,
@@ -591,6 +611,10 @@ def make_objective(args: OPSDConfig):
     temperature, chunk_size, compile_math = args.temperature, args.loss_chunk_size, args.compile_loss
     if args.loss_implementation == "chunked":  # logits formed chunk by chunk, never [B, C, V] at once
 
+        def chunked_sft(student, teacher, mask, ids, head):  # cross-entropy on the reference solution
+            return chunked_nll_loss(student[mask], teacher[mask], head.weight, ids[mask],
+                                    chunk_size=chunk_size, lm_head_bias=head.bias)
+
         def chunked_tinker(student, teacher, mask, ids, head):
             return chunked_tinker_loss(student[mask], teacher[mask], head.weight, ids[mask], temperature=temperature,
                                        chunk_size=chunk_size, lm_head_bias=head.bias)
@@ -599,15 +623,22 @@ def make_objective(args: OPSDConfig):
             return chunked_divergence_loss(student[mask], teacher[mask], head.weight, **divergence,
                                            chunk_size=chunk_size, lm_head_bias=head.bias, compile=compile_math)
 
+        if args.loss_type == "sft":
+            return chunked_sft
         return chunked_tinker if args.use_tinker_loss else chunked_divergence
 
     # "logits": full [B, C, V] logits for both roles (the released-style path).
+    def full_sft(student, teacher, mask, ids, head):
+        return nll_loss(head(student), head(teacher), ids, mask)
+
     def full_tinker(student, teacher, mask, ids, head):
         return tinker_loss(head(student), head(teacher), ids, mask, temperature=temperature)
 
     def full_divergence(student, teacher, mask, ids, head):
         return divergence_loss(head(student), head(teacher), mask, **divergence)
 
+    if args.loss_type == "sft":
+        return full_sft
     return full_tinker if args.use_tinker_loss else full_divergence
 
 

@@ -2,9 +2,9 @@
 
 Functions here return plain chat messages (`[{"role": "user", "content": ...}]`)
 and whether Qwen3's thinking mode is on; `data_collator` applies the chat
-template and tokenizes. Wording is the project's own (SPEC section 3).
+template and tokenizes. Wording is the project's own (docs/SPEC.md §3).
 
-- evaluation prompt (SPEC section 5): `{problem}` + blank line + INSTRUCTION, thinking on;
+- evaluation prompt (docs/SPEC.md §5): `{problem}` + blank line + INSTRUCTION, thinking on;
 - student prompt: `paper` = `Problem: {problem}` + blank line + INSTRUCTION with
   thinking off (Qwen3 pre-fills an empty think block); `eval` = the evaluation prompt;
 - teacher prompt: the problem, the privileged context between BEGIN/END markers,
@@ -52,7 +52,7 @@ def eval_prompt(problem: str) -> str:
 
 
 def eval_messages(problem: str) -> list[dict[str, str]]:
-    """The evaluation prompt (SPEC section 5); rendered with thinking on."""
+    """The evaluation prompt (docs/SPEC.md §5); rendered with thinking on."""
     return _user(eval_prompt(problem))
 
 

@@ -20,9 +20,13 @@ Changing the batch size (transformers) or the engine may change the samples.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import importlib.util
 import json
+import logging
+import os
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +46,15 @@ BACKENDS = ("transformers", "vllm", "auto")
 
 # LoRA ranks vLLM can be configured for (`max_lora_rank` must be one of these).
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+# Set before vLLM is imported, unless the user set them. With its engine core in a
+# separate process (vLLM's default) seeded samples are not reproducible from run to
+# run; in this process they are. vLLM logs to stdout by default, where its lines would
+# mix with the evaluation's output and could follow the FINAL line.
+VLLM_ENV_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+}
 
 
 class BackendUnavailable(RuntimeError):
@@ -233,6 +246,8 @@ def vllm_available() -> bool:
 
 
 def _import_vllm():
+    for name, value in VLLM_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     try:
         import vllm
     except ImportError as exc:
@@ -240,7 +255,16 @@ def _import_vllm():
             f"the vllm backend needs vLLM, which cannot be imported here ({exc}); "
             "install it on a GPU machine (pip install -r requirements-gpu.txt) or use --backend transformers"
         ) from None
+    _vllm_logs_to_stderr()
     return vllm
+
+
+def _vllm_logs_to_stderr() -> None:
+    """Move vLLM's console handlers from stdout to stderr: covers a vLLM that was
+    imported before VLLM_LOGGING_STREAM was set, or that ignores it."""
+    for handler in logging.getLogger("vllm").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
+            handler.setStream(sys.stderr)
 
 
 class VLLMBackend:
@@ -249,6 +273,9 @@ class VLLMBackend:
     Each prompt gets its own seed derived from (seed, prompt index); vLLM gives
     the n samples of a request seeds seed, seed+1, ..., so deriving per-prompt
     seeds by hashing keeps different prompts on unrelated random streams.
+
+    `close()` (or leaving a `with` block) shuts the engine down and frees its GPU
+    memory, so that nothing of vLLM runs, or prints, after the caller's results.
     """
 
     def __init__(self, model_path: str, *, lora_path: str | None = None, max_model_len: int | None = None,
@@ -297,6 +324,28 @@ class VLLMBackend:
                 and (not ids or ids[-1] not in self.eos_token_ids):
             ids.append(self.eos_token_ids[0])
         return to_completion(ids, self.eos_token_ids)
+
+    def close(self) -> None:
+        """Shut the engine down (idempotent)."""
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+        del llm
+        try:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        except ImportError:
+            gc.collect()
+        else:
+            cleanup_dist_env_and_memory()  # process groups, gc, CUDA cache
+
+    def __enter__(self) -> VLLMBackend:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def vllm_lora_rank(lora_path: str | Path) -> int:

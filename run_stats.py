@@ -53,7 +53,7 @@ compare: the difference of means B - A, in points, with
    given: they see evaluation-sampling noise, not training-seed noise, so they can
    say "these checkpoints differ" but never "these arms differ".
 4. optionally `--run-sd SD`, an assumed per-run sd from elsewhere (e.g. the 1.48 of
-   the retrained anchor, SPEC section 7): a normal interval d +- 1.96 SD sqrt(1/R_A + 1/R_B).
+   the retrained anchor, docs/SPEC.md §7): a normal interval d +- 1.96 SD sqrt(1/R_A + 1/R_B).
 
 The verdict calls a difference real only when the bootstrap CI excludes 0 AND the
 run-level test gives p < 0.05; if only one does, it says "inconclusive". With 1 vs

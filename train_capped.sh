@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # OPSD capped run: 100 optimizer steps at global batch 32, LoRA, then checkpoint-100.
 #
-#   bash train_capped.sh [RECIPE_FILE]            # default recipe.env
+#   bash train_capped.sh [RECIPE_FILE]            # default recipe.env: released recipe + cosine LR
+#   bash train_capped.sh recipe.released.env      # the released recipe (constant LR)
 #
 # Environment:
 #   OPSD_MODEL          model (hub id or local folder), default Qwen/Qwen3-1.7B
@@ -12,6 +13,8 @@
 #   OPSD_USE_VLLM       1 = vLLM rollouts, default 1 when vllm is importable
 #   OPSD_VLLM_MODE      colocate (default: vLLM shares the training GPUs) or server (a separate
 #                       `trl vllm-serve --model $OPSD_MODEL` must already be running)
+#   OPSD_VLLM_SERVER_GPU  server mode: the GPU id(s) running the server, comma-separated, default 0;
+#                       training uses the other visible GPUs (none: the server runs elsewhere)
 #   OPSD_PRESET=tiny    embedded tiny model + generated data, CPU budget (8 steps x batch 4);
 #                       OPSD_MODEL / OPSD_DATA, when set, still win
 #   OPSD_CLIP_MODE, OPSD_PAD_SIDE, OPSD_TEACHER_CONTEXT, OPSD_STUDENT_PROMPT, OPSD_DATA_SELECT: ablation switches
@@ -60,6 +63,33 @@ else
   use_vllm="${OPSD_USE_VLLM:-$(python -c 'import importlib.util as u; print(int(u.find_spec("vllm") is not None))')}"
   if [[ "$use_vllm" == "1" ]]; then
     extra+=(--use_vllm true --vllm_mode "${OPSD_VLLM_MODE:-colocate}")
+  fi
+  server_gpus="${OPSD_VLLM_SERVER_GPU:-0}"
+  server_gpus="${server_gpus// /}"
+  if [[ "$use_vllm" == "1" && "${OPSD_VLLM_MODE:-colocate}" == "server" && "$server_gpus" != "none" ]]; then
+    # No training rank on the server's GPUs: train on the visible GPUs (CUDA_VISIBLE_DEVICES,
+    # else all that nvidia-smi lists) without them.
+    if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+      IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
+    else
+      mapfile -t visible < <(nvidia-smi -L 2> /dev/null | sed -n 's/^GPU \([0-9]*\):.*/\1/p')
+    fi
+    train_gpus=()
+    for gpu in "${visible[@]}"; do
+      [[ ",$server_gpus," == *",$gpu,"* ]] || train_gpus+=("$gpu")
+    done
+    nproc="${OPSD_NUM_PROCESSES:-${#train_gpus[@]}}"
+    left="${#train_gpus[@]} GPUs left once OPSD_VLLM_SERVER_GPU=$server_gpus is excluded (visible: ${visible[*]:-none})"
+    if (( ${#train_gpus[@]} == 0 )); then
+      echo "error: OPSD_VLLM_MODE=server: no training GPU: $left" >&2
+      exit 2
+    elif (( nproc > ${#train_gpus[@]} )); then
+      echo "error: OPSD_VLLM_MODE=server: OPSD_NUM_PROCESSES=$nproc but $left" >&2
+      exit 2
+    fi
+    export CUDA_VISIBLE_DEVICES
+    CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${train_gpus[*]}")
+    echo "[OPSD] vLLM server on GPU $server_gpus; training on GPUs $CUDA_VISIBLE_DEVICES"
   fi
 fi
 

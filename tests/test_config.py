@@ -1,5 +1,6 @@
 """opsd_config: environment switches, recipe parsing and the `check` CLI."""
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,12 @@ def test_boolean_spellings(tmp_path, raw, expected):
     assert recipe.reason_first is expected
 
 
+@pytest.mark.parametrize("value", ["0.01", "2", "1.1"])
+def test_temperatures_vllm_samples_with_are_accepted(tmp_path, value):
+    recipe, _ = parse_recipe(write(tmp_path, f"temperature={value}\n"))
+    assert recipe.temperature == float(value)
+
+
 def test_jsd_token_clip_none_disables(tmp_path):
     recipe, _ = parse_recipe(write(tmp_path, "jsd_token_clip=none\n"))
     assert recipe.jsd_token_clip == 0.0
@@ -103,6 +110,37 @@ def test_as_lines_round_trips(tmp_path):
     recipe, _ = parse_recipe(write(tmp_path, text))
     again, _ = parse_recipe(write(tmp_path, "\n".join(recipe.as_lines()), name="again.env"))
     assert again == recipe
+
+
+# -- the shipped recipe files -------------------------------------------------
+
+# What each shipped file changes from the released recipe (the Recipe defaults).
+SHIPPED = {"recipe.env": {"lr_scheduler_type": "cosine"}, "recipe.released.env": {}}
+
+
+@pytest.mark.parametrize("name, overrides", SHIPPED.items())
+def test_shipped_recipe_files(name, overrides):
+    recipe, warnings = parse_recipe(ROOT / name)
+    assert warnings == []
+    assert recipe == dataclasses.replace(Recipe(), **overrides)
+
+
+@pytest.mark.parametrize("name, overrides", SHIPPED.items())
+def test_shipped_recipe_files_list_every_key_at_its_released_default(tmp_path, name, overrides):
+    """Uncommenting every `# key=value` line must change nothing but the active
+    overrides: each key is listed exactly once (a second one is a duplicate-key
+    error) and every commented value is the released default."""
+    fields = {f.name for f in dataclasses.fields(Recipe)}
+    listed, lines = [], []
+    for line in (ROOT / name).read_text().splitlines():
+        match = re.match(r"#?\s*(\w+)=", line)
+        if match and match.group(1) in fields:
+            listed.append(match.group(1))
+            line = line.lstrip("#").strip()
+        lines.append(line)
+    assert sorted(listed) == sorted(fields)
+    recipe, _ = parse_recipe(write(tmp_path, "\n".join(lines) + "\n"))
+    assert recipe == dataclasses.replace(Recipe(), **overrides)
 
 
 # -- recipe: budget knobs ---------------------------------------------------
@@ -141,6 +179,8 @@ ERRORS = [
     ("beta=1.5\n", 1, "out of range"),
     ("beta=-0.1\n", 1, "out of range"),
     ("temperature=0\n", 1, "out of range"),
+    ("temperature=2.5\n", 1, "temperature=2.5 is out of range; must be in [0.01, 2.0], the range vLLM samples with"),
+    ("temperature=0.005\n", 1, "out of range"),
     ("top_p=0\n", 1, "out of range"),
     ("top_p=1.01\n", 1, "out of range"),
     ("lmbda=2\n", 1, "out of range"),
@@ -185,7 +225,7 @@ def test_cli_check_prints_recipe_and_warnings(tmp_path):
     assert result.stderr.splitlines() == [f"warning: {path}:2: max_steps is a budget knob fixed by train_capped.sh; ignored"]
 
 
-@pytest.mark.parametrize("text, line, fragment", [ERRORS[0], ERRORS[3], ERRORS[11], ERRORS[28]])
+@pytest.mark.parametrize("text, line, fragment", [ERRORS[0], ERRORS[3], ERRORS[11], ERRORS[30]])
 def test_cli_check_errors_exit_2_with_one_line(tmp_path, text, line, fragment):
     path = write(tmp_path, text)
     result = run_cli("check", str(path))
@@ -213,7 +253,7 @@ def test_switch_defaults():
     ("OPSD_PAD_SIDE", "pad_side", ["right", "left"]),
     ("OPSD_TEACHER_CONTEXT", "teacher_context", ["solution", "cot", "both"]),
     ("OPSD_STUDENT_PROMPT", "student_prompt", ["paper", "eval"]),
-    ("OPSD_DATA_SELECT", "data_select", ["none", "hard", "nomath"]),
+    ("OPSD_DATA_SELECT", "data_select", ["none", "nomath", "hard"]),
 ])
 def test_each_switch_value(var, field, values):
     for value in values:
@@ -226,6 +266,22 @@ def test_each_switch_value(var, field, values):
         Switches.from_env({var: "bogus"})
     message = str(caught.value)
     assert var in message and "'bogus'" in message and ", ".join(values) in message and "\n" not in message
+
+
+@pytest.mark.parametrize("raw, canonical", [
+    ("nomath,hard", "nomath,hard"), ("hard,nomath", "nomath,hard"), (" Hard , NOMATH ", "nomath,hard"),
+])
+def test_data_select_combination_is_canonical(raw, canonical):
+    switches = Switches.from_env({"OPSD_DATA_SELECT": raw})
+    assert switches.data_select == canonical and switches.as_env()["OPSD_DATA_SELECT"] == canonical
+
+
+@pytest.mark.parametrize("raw", ["hard,hard", "nomath,bogus", "none,nomath", ",hard"])
+def test_bad_data_select_combination_is_one_line(raw):
+    with pytest.raises(ConfigError) as caught:
+        Switches.from_env({"OPSD_DATA_SELECT": raw})
+    message = str(caught.value)
+    assert message.startswith(f"OPSD_DATA_SELECT={raw!r} is not allowed (") and "\n" not in message
 
 
 def test_switches_read_os_environ_by_default(monkeypatch):

@@ -92,7 +92,7 @@ def test_hub_failure_is_a_data_error_naming_the_dataset():
 
 
 def test_tiny_uses_the_embedded_default(monkeypatch, jsonl):
-    monkeypatch.setattr(tiny_default, "tiny_train_path", lambda: jsonl, raising=False)
+    monkeypatch.setattr(tiny_default, "tiny_train_path", lambda name="tiny": jsonl)
     assert load_train_dataset("tiny").to_list() == ROWS
 
 
@@ -105,6 +105,8 @@ def test_real_tiny_default_with_each_selection():
     assert min(map(len, hard["COT_Reason"])) >= sorted(map(len, data["COT_Reason"]))[n // 2 - 1]
     nomath = load_train_dataset("tiny", select="nomath")
     assert 0 < len(nomath) < n and "math" not in nomath["source"]
+    both = load_train_dataset("tiny", select="nomath,hard")
+    assert len(both) == (len(nomath) + 1) // 2 and "math" not in both["source"]
     eval_rows = load_eval_dataset("tiny")
     assert eval_rows and all(isinstance(r["answer"], str) and r["problem"] for r in eval_rows)
 
@@ -151,6 +153,54 @@ def test_select_nomath_with_only_math_rows_is_an_error(tmp_path):
     path = write_jsonl(tmp_path / "all_math.jsonl", [r for r in ROWS if r["source"] == "math"])
     message = message_of(load_train_dataset, str(path), select="nomath")
     assert str(path) in message and "no rows" in message and "source" in message
+
+
+# 30 generated rows: every third row (10) is `math` with a long trace (100 + i chars);
+# the 20 others have short traces of i + 1 chars, so order of the filters matters.
+COMBINED_ROWS = [
+    {"problem": f"p{i}", "solution": "s", "COT_Reason": "x" * (100 + i if i % 3 == 0 else i + 1),
+     "source": "math" if i % 3 == 0 else ("olympiads", "amc_aime")[i % 2]}
+    for i in range(30)
+]
+
+
+@pytest.mark.parametrize("written", ["nomath,hard", "hard,nomath", " NoMath , hard "])
+def test_combined_selection_drops_math_then_keeps_the_longer_half(tmp_path, written):
+    path = write_jsonl(tmp_path / "t.jsonl", COMBINED_ROWS)
+    assert len(load_train_dataset(str(path))) == 30
+    assert len(load_train_dataset(str(path), select="nomath")) == 20
+    assert len(load_train_dataset(str(path), select="hard")) == 15
+    data = load_train_dataset(str(path), select=written)
+    # nomath leaves 20 rows; hard keeps the 10 with the longest traces, in file order.
+    # (hard first would keep the 10 math rows and 5 others, and nomath then 5 rows.)
+    assert len(data) == 10
+    assert problems(data) == ["p16", "p17", "p19", "p20", "p22", "p23", "p25", "p26", "p28", "p29"]
+
+
+def test_combined_selection_from_the_switch(tmp_path):
+    from opsd_config import Switches
+
+    switches = Switches.from_env({"OPSD_DATA_SELECT": "hard,nomath"})
+    assert switches.data_select == "nomath,hard"
+    path = write_jsonl(tmp_path / "t.jsonl", COMBINED_ROWS)
+    assert len(load_train_dataset(str(path), select=switches.data_select)) == 10
+
+
+@pytest.mark.parametrize("select, fragment", [
+    ("hard,hard", "hard is named twice"),
+    ("nomath,easy", "easy is not a selection"),
+    ("none,hard", "none cannot be combined"),
+    ("nomath,", "an empty name is not a selection"),
+])
+def test_bad_combined_selection_is_one_line(jsonl, select, fragment):
+    message = message_of(load_train_dataset, str(jsonl), select=select)
+    assert message.startswith(f"OPSD_DATA_SELECT={select!r} is not allowed") and fragment in message
+
+
+def test_combined_selection_with_only_math_rows_is_an_error(tmp_path):
+    path = write_jsonl(tmp_path / "all_math.jsonl", [r for r in COMBINED_ROWS if r["source"] == "math"])
+    message = message_of(load_train_dataset, str(path), select="nomath,hard")
+    assert message == f"train file {path}: OPSD_DATA_SELECT=nomath,hard left no rows (every 'source' is 'math')"
 
 
 @pytest.mark.parametrize("context", ["solution", "cot", "both"])
@@ -216,6 +266,8 @@ def test_column_with_mixed_types_is_named(tmp_path):
     ("COT_Reason", {"teacher_context": "both"}, ", needed by OPSD_TEACHER_CONTEXT=both"),
     ("COT_Reason", {"select": "hard"}, ", needed by OPSD_DATA_SELECT=hard"),
     ("source", {"select": "nomath"}, ", needed by OPSD_DATA_SELECT=nomath"),
+    ("source", {"select": "hard,nomath"}, ", needed by OPSD_DATA_SELECT=nomath,hard"),
+    ("COT_Reason", {"select": "nomath,hard"}, ", needed by OPSD_DATA_SELECT=nomath,hard"),
 ])
 def test_missing_column_names_file_and_column(tmp_path, drop, kwargs, reason):
     rows = [{k: v for k, v in row.items() if k != drop} for row in ROWS]
@@ -246,7 +298,7 @@ def test_eval_rows_with_answers_as_text(tmp_path, monkeypatch):
     rows = [{"id": 1, "problem": "a", "answer": 204}, {"id": 2, "problem": "b", "answer": 5.0},
             {"id": 3, "problem": "c", "answer": 1.5}]
     path = write_jsonl(tmp_path / "aime.jsonl", rows)
-    monkeypatch.setattr(tiny_default, "tiny_eval_path", lambda: path, raising=False)
+    monkeypatch.setattr(tiny_default, "tiny_eval_path", lambda name="tiny": path)
     expected = [{"id": 1, "problem": "a", "answer": "204"}, {"id": 2, "problem": "b", "answer": "5"},
                 {"id": 3, "problem": "c", "answer": "1.5"}]
     assert load_eval_dataset(str(path)) == expected

@@ -208,7 +208,7 @@ def test_frozen_settings():
 def dev_eval(*args, env=None, cwd=None):
     full_env = {**os.environ, "OPSD_PRESET": "tiny", **(env or {})}
     return subprocess.run(["bash", str(ROOT / "dev_eval.sh"), *args], capture_output=True, text=True,
-                          env=full_env, cwd=cwd or ROOT, timeout=600)
+                          env=full_env, cwd=cwd or ROOT, timeout=1500)
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +293,7 @@ def make_lora_checkpoint(folder: Path) -> Path:
 
     import tiny_default
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_default.tiny_model_dir())
+    model = AutoModelForCausalLM.from_pretrained(tiny_default.resolve_model("tiny"))  # the preset's model
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -414,3 +414,92 @@ def test_partial_results_of_other_arguments_are_not_reused(tmp_path, monkeypatch
     assert status == 0 and "resuming" not in stdout
     report = json.loads((out / "eval_base.json").read_text())
     assert all("bogus" not in p for p in report["problems"])
+
+
+# ---------------------------------------------------------------- the vLLM backend, with a fake vLLM
+
+def test_context_warning():
+    assert opsd_eval.context_warning([100, 2048], 38912, 40960, "vllm") is None  # 2048 fits exactly
+    line = opsd_eval.context_warning([100, 2049, 3000], 38912, 40960, "vllm")
+    assert line.startswith("warning: 2 of 3 prompts are longer than the 2048 tokens ") and "\n" not in line
+    assert "(longest 3000)" in line and "vLLM stops their samples at the context limit" in line
+    assert "past the model's context" in opsd_eval.context_warning([5000], 38912, 40960, "transformers")
+    assert opsd_eval.context_warning([10 ** 6], 38912, None, "vllm") is None  # no declared context
+
+
+def fake_vllm_modules(events: list):
+    """The parts of vLLM that the evaluation touches. Like the real one, its logger
+    writes to stdout and its engine prints while shutting down."""
+    import logging
+    import sys
+    import types
+
+    logger = logging.getLogger("vllm")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    logger.addHandler(logging.StreamHandler(sys.stdout))
+
+    class EngineCore:
+        def shutdown(self):
+            print("[fake vllm] engine core shut down")
+            events.append("shutdown")
+
+    class LLM:
+        def __init__(self, **kwargs):
+            events.append(("engine", kwargs, {name: os.environ.get(name) for name in
+                                              ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_STREAM")}))
+            logger.info("[fake vllm] engine ready")
+            self.llm_engine = types.SimpleNamespace(engine_core=EngineCore())
+
+        def generate(self, prompts, params, use_tqdm, lora_request):
+            events.append("generate")
+            sample = types.SimpleNamespace(token_ids=[7, 8], finish_reason="length", stop_reason=None)
+            return [types.SimpleNamespace(outputs=[sample] * p.n) for p in params]
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = LLM
+    vllm.SamplingParams = lambda **kwargs: types.SimpleNamespace(**kwargs)
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    parallel_state = types.ModuleType("vllm.distributed.parallel_state")
+    parallel_state.cleanup_dist_env_and_memory = lambda: events.append("cleanup")
+    return {"vllm": vllm, "vllm.inputs": inputs, "vllm.distributed": types.ModuleType("vllm.distributed"),
+            "vllm.distributed.parallel_state": parallel_state}, logger
+
+
+@pytest.mark.parametrize("user_multiprocessing", [None, "1"])
+def test_vllm_evaluation_env_logs_teardown_and_last_line(monkeypatch, tmp_path, capsys, user_multiprocessing):
+    import sys
+
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_STREAM"):
+        monkeypatch.setenv(name, "restored after the test")
+        monkeypatch.delenv(name)
+    if user_multiprocessing is not None:
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", user_multiprocessing)
+    events = []
+    modules, logger = fake_vllm_modules(events)
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    # A budget that leaves the tiny prompts too little of the context: the warning case.
+    context = opsd_eval.model_context(opsd_eval.resolve_model_path("tiny"))  # the learned tiny model's: 4096
+    monkeypatch.setattr(opsd_eval, "TINY_SETTINGS", opsd_eval.replace(TINY_SETTINGS, max_new_tokens=context - 20))
+    try:
+        status = opsd_eval.main(["base", "--preset", "tiny", "--backend", "vllm", "--output-dir", str(tmp_path)])
+    finally:
+        logger.handlers.clear()
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    _, engine_args, env = events[0]
+    assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": user_multiprocessing or "0",
+                   "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
+    assert engine_args["max_model_len"] == context  # capped at the tiny model's context
+    chunks = -(-30 // opsd_eval.VLLM_CHUNK_PROBLEMS)  # one generate per chunk of the 30 tiny problems
+    assert events[1:] == ["generate"] * chunks + ["shutdown", "cleanup"]
+
+    out = captured.out.splitlines()
+    assert FINAL_RE.match(out[-1]), out[-3:]
+    shutdown = out.index("[fake vllm] engine core shut down")
+    assert shutdown < next(i for i, line in enumerate(out) if re.match(r"\[ *1/", line))  # before any result
+    assert "engine ready" not in captured.out and "[fake vllm] engine ready" in captured.err
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and f"that the model's context of {context} leaves after max_new_tokens={context - 20}" in warnings[0]

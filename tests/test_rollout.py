@@ -4,6 +4,7 @@ The EOS cases are made exact with a hook on lm_head that sets the EOS token's
 probability to a chosen value: 1 (every sample is just EOS), 0 (every sample
 runs out of tokens) or in between (a mix, to check the cutting invariants)."""
 import math
+import os
 import sys
 import types
 
@@ -25,7 +26,7 @@ def tiny():
 
     import tiny_default
 
-    folder = tiny_default.tiny_model_dir()
+    folder = tiny_default.random_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     return model, tokenizer
@@ -353,6 +354,14 @@ def test_bucket_widths_and_engine_choice(tiny):
 
 # ---------------------------------------------------------------- choosing a backend, vLLM
 
+@pytest.fixture(autouse=True)
+def vllm_environment(monkeypatch):
+    """Importing vLLM sets its environment defaults; they are undone after each test."""
+    for name in rollout.VLLM_ENV_DEFAULTS:
+        monkeypatch.setenv(name, "restored after the test")
+        monkeypatch.delenv(name)
+
+
 @pytest.fixture
 def no_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
@@ -414,7 +423,7 @@ def test_vllm_backend_requests_and_completions(monkeypatch, tmp_path, tiny):
         monkeypatch.setitem(sys.modules, name, module)
     (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 16}))
 
-    backend = rollout.VLLMBackend(str(tiny_default.tiny_model_dir()), lora_path=str(tmp_path),
+    backend = rollout.VLLMBackend(str(tiny_default.random_model_dir()), lora_path=str(tmp_path),
                                   max_model_len=512, seed=5)
     assert calls["engine"]["enable_lora"] and calls["engine"]["max_lora_rank"] == 16
     result = backend.generate([[1, 2], [3]], SAMPLE, n=3)
@@ -427,3 +436,19 @@ def test_vllm_backend_requests_and_completions(monkeypatch, tmp_path, tiny):
     # EOS kept, EOS restored when the engine dropped it, truncation from running out of tokens
     assert result[0] == [Completion([7, 8, eos], False), Completion([7, 8, eos], False),
                          Completion([7, 8, 9], True)]
+
+
+def test_vllm_backend_close_shuts_the_engine_down_once(monkeypatch, tiny):
+    import tiny_default
+
+    calls, shutdowns = {}, []
+    for name, module in fake_vllm(calls, tiny[1].eos_token_id).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    with rollout.VLLMBackend(str(tiny_default.random_model_dir()), seed=0) as backend:
+        backend.llm.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(
+            shutdown=lambda: shutdowns.append(1)))
+    assert shutdowns == [1] and backend.llm is None
+    backend.close()  # idempotent
+    assert shutdowns == [1]
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert os.environ["VLLM_LOGGING_STREAM"] == "ext://sys.stderr"

@@ -321,9 +321,10 @@ def test_bad_inputs_exit_2_with_one_line(arms, tmp_path, capsys, difficulty):
                    f"error: {other_settings}: settings differ", "top_p 0.9 vs 0.95")
 
     fewer_samples = tmp_path / "eval_tiny.json"
-    write_json_atomic(fewer_samples, report_from_flags([row[:4] for row in flags], settings=TINY_SETTINGS))
+    write_json_atomic(fewer_samples, report_from_flags([row[:TINY_SETTINGS.n_samples] for row in flags],
+                                                       settings=TINY_SETTINGS))
     one_error_line(*cli(capsys, "summary", paths_a[0], fewer_samples), f"{fewer_samples}: settings differ",
-                   "n_samples 4 vs 12")
+                   f"n_samples {TINY_SETTINGS.n_samples} vs 12")
 
     fewer_problems = tmp_path / "eval_fewer.json"
     write_json_atomic(fewer_problems, report_from_flags(flags[:29]))

@@ -74,6 +74,24 @@ def test_run_configuration_is_printed_and_stored(tiny_run):
     assert "None" not in card
 
 
+def test_default_recipe_decays_the_learning_rate(tiny_run):
+    """`bash train_capped.sh` uses recipe.env, whose one override is the cosine
+    schedule: the rate falls every step (the released constant would not)."""
+    out, _ = tiny_run
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["learning_rate"] for r in records if "learning_rate" in r]
+    assert len(rates) == 8 and rates[0] <= 5e-6
+    assert all(later < earlier for earlier, later in zip(rates, rates[1:])), rates
+
+
+def test_help_is_the_header_and_names_both_recipes():
+    result = run(["bash", "train_capped.sh", "--help"], {})
+    assert result.returncode == 0
+    assert "default recipe.env: released recipe + cosine LR" in result.stdout
+    assert "recipe.released.env      # the released recipe (constant LR)" in result.stdout
+    assert "set -euo" not in result.stdout and not result.stdout.startswith("!")
+
+
 def test_train_capped_resumes_a_finished_run_without_new_steps(tiny_run):
     out, _ = tiny_run
     before = (out / "metrics.jsonl").read_text()
@@ -162,6 +180,68 @@ def test_recipe_budget_knob_is_warned_and_ignored(tmp_path):
     assert result.returncode == 0
     assert "max_steps" in result.stderr and "per_device_train_batch_size" in result.stderr
     assert "max_steps" not in result.stdout
+
+
+@pytest.fixture
+def fake_gpu_host(tmp_path):
+    """PATH with a fake `nvidia-smi -L` (FAKE_GPUS GPUs) and a fake `accelerate` that
+    prints the GPUs and arguments it would have been launched with."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(
+        '#!/usr/bin/env bash\nfor ((i = 0; i < ${FAKE_GPUS:-4}; i++)); do echo "GPU $i: NVIDIA H200 (UUID: GPU-$i)"; done\n')
+    (bin_dir / "accelerate").write_text(
+        '#!/usr/bin/env bash\necho "launch CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-unset} $*"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    # The script validates everything (`opsd_train.py --check_only`, which needs vllm for
+    # these runs) before it launches: a `python` that answers the check and passes the rest on.
+    (bin_dir / "python").write_text(
+        '#!/usr/bin/env bash\nif [[ " $* " == *" --check_only "* ]]; then echo "check $*"; exit 0; fi\n'
+        f'exec {sys.executable} "$@"\n')
+    (bin_dir / "python").chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if key != "CUDA_VISIBLE_DEVICES"}
+    return {**env, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OPSD_USE_VLLM": "1"}
+
+
+def launch(env, **extra):
+    result = subprocess.run(["bash", "train_capped.sh"], cwd=ROOT, env={**env, **extra},
+                            capture_output=True, text=True, timeout=120)
+    line = next((l for l in result.stdout.splitlines() if l.startswith("launch ")), "")
+    return result, line
+
+
+@pytest.mark.parametrize("extra, gpus, processes", [
+    ({"FAKE_GPUS": "5"}, "1,2,3,4", 4),                                    # the server's GPU 0 excluded
+    ({"FAKE_GPUS": "3", "OPSD_VLLM_SERVER_GPU": "1"}, "0,2", 2),
+    ({"CUDA_VISIBLE_DEVICES": "4,5,6", "OPSD_VLLM_SERVER_GPU": "5", "OPSD_PER_DEVICE_BATCH": "8"}, "4,6", 2),
+    ({"FAKE_GPUS": "8", "OPSD_VLLM_SERVER_GPU": "0, 7", "OPSD_NUM_PROCESSES": "4"}, "1,2,3,4,5,6", 4),
+])
+def test_server_mode_keeps_training_off_the_server_gpu(fake_gpu_host, extra, gpus, processes):
+    result, line = launch(fake_gpu_host, OPSD_VLLM_MODE="server", **extra)
+    assert result.returncode == 0, result.stderr
+    assert line.startswith(f"launch CUDA_VISIBLE_DEVICES={gpus} launch --num_processes {processes} ")
+    assert "--vllm_mode server" in line
+    assert f"--check_only --world_size {processes} " in result.stdout  # validated for that launch first
+
+
+def test_colocate_and_remote_server_use_every_gpu(fake_gpu_host):
+    for mode in ({"OPSD_VLLM_MODE": "colocate"}, {"OPSD_VLLM_MODE": "server", "OPSD_VLLM_SERVER_GPU": "none"}):
+        result, line = launch(fake_gpu_host, FAKE_GPUS="4", **mode)
+        assert result.returncode == 0, result.stderr
+        assert line.startswith("launch CUDA_VISIBLE_DEVICES=unset launch --num_processes 4 "), line
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ({"CUDA_VISIBLE_DEVICES": "0"}, "no training GPU: 0 GPUs left once OPSD_VLLM_SERVER_GPU=0 is excluded (visible: 0)"),
+    ({"FAKE_GPUS": "4", "OPSD_NUM_PROCESSES": "4"},
+     "OPSD_NUM_PROCESSES=4 but 3 GPUs left once OPSD_VLLM_SERVER_GPU=0 is excluded (visible: 0 1 2 3)"),
+])
+def test_server_mode_without_enough_training_gpus_is_one_line(fake_gpu_host, extra, fragment):
+    result, line = launch(fake_gpu_host, OPSD_VLLM_MODE="server", **extra)
+    assert result.returncode == 2 and not line
+    (message,) = result.stderr.splitlines()
+    assert message.startswith(f"error: OPSD_VLLM_MODE=server: {fragment}")
 
 
 def test_two_process_launch(tmp_path):

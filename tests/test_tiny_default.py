@@ -234,8 +234,8 @@ def test_sampling_differs_across_prompts_and_does_not_loop(tok, model):
 def test_model_dir_loads_like_a_hub_checkpoint(tok, model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = td.tiny_model_dir(0)
-    assert td.resolve_model(td.TINY) == str(path)
+    path = td.random_model_dir(0)
+    assert td.resolve_model(td.TINY_RANDOM) == str(path)
     assert td.resolve_model("Qwen/Qwen3-1.7B") == "Qwen/Qwen3-1.7B"
     for name in ("config.json", "generation_config.json", "model.safetensors",
                  "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -258,9 +258,9 @@ def test_model_dir_loads_like_a_hub_checkpoint(tok, model):
 # --------------------------------------------------------------------------
 
 def test_rebuild_in_fresh_cache_gives_identical_bytes(monkeypatch, tmp_path):
-    originals = [td.tiny_train_path(), td.tiny_eval_path(), td.tiny_model_dir(0)]
+    originals = [td.tiny_train_path(), td.tiny_eval_path(), td.random_model_dir(0)]
     monkeypatch.setenv("OPSD_CACHE", str(tmp_path))
-    rebuilt = [td.tiny_train_path(), td.tiny_eval_path(), td.tiny_model_dir(0)]
+    rebuilt = [td.tiny_train_path(), td.tiny_eval_path(), td.random_model_dir(0)]
     assert all(tmp_path in path.parents for path in rebuilt)
     for old, new in zip(originals[:2], rebuilt[:2]):
         assert old.read_bytes() == new.read_bytes(), old.name
@@ -279,7 +279,7 @@ def test_cached_folder_tolerates_losing_a_build_race(tmp_path):
         target.mkdir()  # another process finishes first
         (target / "data.txt").write_text("theirs")
 
-    assert td._cached_folder(target, build) == target
+    assert td.cache.cached_folder(target, build) == target
     assert (target / "data.txt").read_text() == "theirs"
     assert [p.name for p in tmp_path.iterdir()] == ["artifact"]
 
@@ -288,94 +288,74 @@ def test_cached_folder_tolerates_losing_a_build_race(tmp_path):
 # Datasets
 # --------------------------------------------------------------------------
 
-def _int_or_str(group):
-    return int(group) if re.fullmatch(r"-?\d+", group) else group
-
-
-def _linear(a, sign, b, c):
-    rhs = c - (b if sign == "+" else -b)
-    assert rhs % a == 0
-    return rhs // a
-
-
-def _largest_consecutive(k, total):
-    smallest = (total - k * (k - 1) // 2) // k
-    assert sum(range(smallest, smallest + k)) == total
-    return smallest + k - 1
-
-
-# Independent solvers, keyed by the problem's wording (brute force where cheap).
-SOLVERS = [
-    (r"Compute \$(\d+) \\times (\d+) ([+-]) (\d+)\$\.", lambda a, b, s, c: a * b + (c if s == "+" else -c)),
-    (r"Solve for \$x\$: \$(\d+)x ([+-]) (\d+) = (-?\d+)\$\.", _linear),
-    (r"What is the remainder when \$(\d+)\$ is divided by \$(\d+)\$\?", lambda n, m: n % m),
-    (r"Find the remainder when \$(\d+)\^\{(\d+)\}\$ is divided by \$(\d+)\$\.", lambda a, e, m: a ** e % m),
-    (r"How many positive divisors does \$(\d+)\$ have\?",
-     lambda n: sum(n % d == 0 for d in range(1, n + 1))),
-    (r"What is the greatest common divisor of \$(\d+)\$ and \$(\d+)\$\?",
-     lambda a, b: max(d for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0)),
-    (r"How many positive integers less than or equal to \$(\d+)\$ are divisible by \$(\d+)\$ or \$(\d+)\$\?",
-     lambda n, p, q: sum(i % p == 0 or i % q == 0 for i in range(1, n + 1))),
-    (r"What is the sum of all integers from \$(-?\d+)\$ to \$(-?\d+)\$, inclusive\?",
-     lambda a, b: sum(range(a, b + 1))),
-    (r"Let \$P = (\d+) \\times (\d+)\$\. What is the sum of the digits of \$P\$\?",
-     lambda a, b: sum(int(d) for d in str(a * b))),
-    ((r"costs \$(\d+)\$ dollars and an? \w+ costs \$(\d+)\$ dollars\. \w+ buys \$(\d+)\$ \w+ and \$(\d+)\$ \w+ "
-      r"and pays with a \$(\d+)\$-dollar bill\."), lambda p, q, k, m, bill: bill - k * p - m * q),
-    (r"committee of \$(\d+)\$ people be chosen from a group of \$(\d+)\$ people\?", lambda k, n: math.comb(n, k)),
-    (r"The sum of \$(\d+)\$ consecutive integers is \$(-?\d+)\$\. What is the largest", _largest_consecutive),
-]
-
-
-def _solve(problem):
-    matches = [(m, solve) for pattern, solve in SOLVERS if (m := re.search(pattern, problem))]
-    assert len(matches) == 1, f"no unique solver for: {problem}"
-    match, solve = matches[0]
-    return solve(*map(_int_or_str, match.groups()))
-
-
 def _last_boxed(text):
     return re.findall(r"\\boxed\{(-?\d+)\}", text)[-1]
 
 
-def test_train_schema_and_sources(train_rows):
+def _recompute(problem: str) -> int:
+    """The answer recomputed from the problem text alone, independently of tasks.py."""
+    numbers = [int(n) for n in re.findall(r"\d+", problem)]
+    if problem.startswith("Solve for"):
+        a, b, c = numbers
+        assert (c - b) % a == 0
+        return (c - b) // a
+    if "sum of the digits" in problem:
+        return sum(map(int, str(numbers[0] * numbers[1])))
+    expression = problem.split("$")[1].replace("\\times", "*")
+    return eval(expression, {"__builtins__": {}})  # digits, + , * and parentheses only
+
+
+def test_train_schema_sources_and_recomputed_answers(train_rows):
     assert len(train_rows) == td.N_TRAIN_ROWS
+    assert {row["source"] for row in train_rows} == set(td.tasks.SOURCES)
+    assert "math" in td.tasks.SOURCES
     for row in train_rows:
         assert set(row) == {"problem", "solution", "COT_Reason", "source", "Answer"}
-        assert all(isinstance(value, str) and value for value in row.values())
-    assert len({row["problem"] for row in train_rows}) == len(train_rows)
-    sources = {row["source"] for row in train_rows}
-    assert {"math", "olympiads", "amc_aime", "aops_forum", "cn_contest"} <= sources
-    share_math = sum(row["source"] == "math" for row in train_rows) / len(train_rows)
-    assert 0.1 < share_math < 0.9  # `nomath` selection keeps a real, non-empty part
+        answer = _recompute(row["problem"])
+        assert row["Answer"] == str(answer) and 0 <= answer <= 999
+        assert _last_boxed(row["solution"]) == str(answer) == _last_boxed(row["COT_Reason"])
+        assert len(row["COT_Reason"]) > len(row["solution"])
 
 
-def test_train_answers_are_boxed_and_correct(train_rows):
-    for row in train_rows:
-        boxed = f"\\boxed{{{row['Answer']}}}"
-        assert row["solution"].endswith(boxed) and row["COT_Reason"].endswith(boxed)
-        assert _last_boxed(row["solution"]) == _last_boxed(row["COT_Reason"]) == row["Answer"]
-        assert int(row["Answer"]) == _solve(row["problem"]), row["problem"]
+def test_every_worked_step_is_true(train_rows):
+    for item in td.tasks.draw(5, "train", 300):
+        for lhs, value in item.steps:
+            expression = lhs.replace("\\times", "*").replace("\\div", "//")
+            assert eval(expression, {"__builtins__": {}}) == int(value), (item.problem, lhs)
+            assert f"{lhs} = {value}" in item.solution
 
 
-def test_traces_are_longer_and_vary_in_length(train_rows):
-    assert all(len(row["COT_Reason"]) > len(row["solution"]) for row in train_rows)
+def test_traces_vary_in_length(train_rows):
     lengths = sorted(len(row["COT_Reason"]) for row in train_rows)
-    half = len(lengths) // 2
-    short_median, long_median = lengths[half // 2], lengths[half + half // 2]
-    assert long_median > 1.5 * short_median  # "hard = longer half" selects something different
-    assert lengths[-1] > 5 * lengths[0]
+    assert lengths[-1] > 1.5 * lengths[0]  # the hard selection keeps something different
 
 
-def test_eval_schema_answers_and_disjointness(eval_rows, train_rows):
+def test_splits_are_disjoint_by_construction(train_rows, eval_rows):
+    assert all(td.tasks.split_of(row["problem"]) == "train" for row in train_rows)
+    assert all(td.tasks.split_of(row["problem"]) == "eval" for row in eval_rows)
+    other = [json.loads(line) for line in td.tiny_eval_path("tiny:123:50").read_text().splitlines()]
+    assert len(other) == 50 and not {r["problem"] for r in other} & {r["problem"] for r in train_rows}
+    assert len({r["problem"] for r in other}) == 50
+
+
+def test_eval_schema(eval_rows):
     assert len(eval_rows) == td.N_EVAL_ROWS
     for row in eval_rows:
-        assert set(row) == {"problem", "answer"}
-        assert re.fullmatch(r"0|[1-9]\d{0,2}", row["answer"]), row["answer"]
-        assert int(row["answer"]) == _solve(row["problem"]), row["problem"]
-    problems = {row["problem"] for row in eval_rows}
-    assert len(problems) == len(eval_rows)
-    assert not problems & {row["problem"] for row in train_rows}
+        assert set(row) == {"problem", "answer"} and row["answer"] == str(_recompute(row["problem"]))
+
+
+def test_tiny_seed_names(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPSD_CACHE", str(tmp_path))
+    assert td.is_tiny_name("tiny") and td.is_tiny_name("tiny:7") and td.is_tiny_name("tiny:7:3")
+    for bad in ("tiny:", "tiny:x", "tiny:-1", "tiny:1:0", "tiny:1:2:3", "tinyx"):
+        assert not td.is_tiny_name(bad)
+    a, b = td.tiny_eval_path("tiny:7"), td.tiny_eval_path("tiny:8")
+    assert a.read_text() != b.read_text() and len(a.read_text().splitlines()) == td.N_EVAL_ROWS
+    assert td.tiny_eval_path("tiny:7").read_bytes() == a.read_bytes()  # same seed, same set
+    train = td.tiny_train_path("tiny:7:10").read_text().splitlines()
+    assert len(train) == 10 and all(td.tasks.split_of(json.loads(r)["problem"]) == "train" for r in train)
+    with pytest.raises(ValueError):
+        td.tiny_eval_path("tiny:x")
 
 
 def test_jsonl_files_are_sorted_key_utf8_lines():

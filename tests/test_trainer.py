@@ -19,10 +19,17 @@ from opsd_trainer import SCORING_PAD_MULTIPLE, OPSDTrainer, completion_hidden_st
 from tiny_default import build_qwen3_tokenizer, resolve_model
 
 
+# The sharp random tiny model: large divergences and clips that fire, so the numerical
+# comparisons below are meaningful (the learned `tiny` sits near clip thresholds).
+MODEL = "tiny-random"
+
+
 def tiny_argv(out, steps, *extra):
     return [
         "--preset",
         "tiny",
+        "--model_name_or_path",
+        MODEL,
         "--output_dir",
         str(out),
         "--max_steps",
@@ -60,7 +67,7 @@ def make_trainer(out, steps, *extra, env=None):
 
 
 def base_model():
-    return AutoModelForCausalLM.from_pretrained(resolve_model("tiny"), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(resolve_model(MODEL), dtype=torch.float32).eval()
 
 
 def read_metrics(run_dir):
@@ -348,8 +355,37 @@ def test_precedence_command_line_over_variable_over_recipe(tmp_path, capsys):
     assert cfg.pad_side == "left" and cfg.temperature == 0.7  # variable, recipe
     assert "--beta 0.25 (command line) wins over beta=0.5 from the recipe" in err
     assert "--clip_mode entry (command line) wins over OPSD_CLIP_MODE=token" in err
-    _, capped, _ = opsd_train.parse(tiny_argv(tmp_path, 1, "--recipe", str(recipe)), env={})
-    assert capped.max_completion_length == 16  # the recipe's value under the tiny preset's cap of 24
+    _, shorter, _ = opsd_train.parse(tiny_argv(tmp_path, 1, "--recipe", str(recipe)), env={})
+    assert shorter.max_completion_length == 16  # the recipe's value beats the tiny preset's 64
+
+
+def test_tiny_preset_values_are_defaults_the_user_overrides(tmp_path, capsys):
+    """The preset's values stand where nothing else sets the key; a recipe key, an OPSD_*
+    variable or a flag beats them."""
+    preset = opsd_train.TINY_PRESET
+    _, cfg, _ = opsd_train.parse(tiny_argv(tmp_path, 1), env={})
+    for key, value in preset.items():
+        assert getattr(cfg, key) == value, key
+    unchanged = tmp_path / "unchanged.env"
+    unchanged.write_text("beta=0.5\n")  # leaves max_completion_length at its released 1024
+    _, cfg, _ = opsd_train.parse(tiny_argv(tmp_path, 1, "--recipe", str(unchanged)), env={})
+    assert cfg.max_completion_length == preset["max_completion_length"]
+    longer = tmp_path / "longer.env"
+    longer.write_text("max_completion_length=128\n")
+    _, cfg, _ = opsd_train.parse(tiny_argv(tmp_path, 1, "--recipe", str(longer)), env={})
+    assert cfg.max_completion_length == 128
+    _, cfg, _ = opsd_train.parse(tiny_argv(tmp_path, 1, "--max_completion_length", "100",
+                                           "--max_teacher_prompt_length", "600", "--compile_loss", "true",
+                                           "--rollout_cache_implementation", "static"), env={})
+    assert (cfg.max_completion_length, cfg.max_teacher_prompt_length) == (100, 600)
+    assert cfg.compile_loss is True and cfg.rollout_cache_implementation == "static"
+
+
+def test_vllm_rollouts_refuse_a_temperature_vllm_rejects(tmp_path, capsys):
+    assert opsd_train.main(tiny_argv(tmp_path / "out", 1, "--use_vllm", "true", "--temperature", "2.5")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: temperature=2.5: vLLM rollouts need a temperature in [0.01, 2.0]"
+    assert not (tmp_path / "out").exists()
 
 
 def test_bad_recipe_fails_before_loading(tmp_path, capsys):
@@ -436,11 +472,25 @@ def test_lmbda_zero_uses_the_reference_solution_as_completion(tmp_path):
         assert completion == solution + [tok.eos_token_id]
 
 
-@pytest.mark.parametrize("tinker", [False, True])
-def test_chunked_and_full_logit_paths_agree_in_the_trainer(tmp_path, tinker):
+def test_sft_always_trains_on_the_reference_solution(tmp_path):
+    trainer = make_trainer(tmp_path, 1, "--loss_type", "sft")
+    rows = _rows(trainer)
+    batch = trainer._generate_and_score_completions(rows)
+    tok = trainer._tokenizer
+    for row, completion in zip(rows, batch["completion_ids"]):
+        solution = tok(row["solution"], add_special_tokens=False)["input_ids"][: trainer.args.max_completion_length - 1]
+        assert completion == solution + [tok.eos_token_id]
+    loss, stats = trainer._opsd_loss(trainer.model, batch)
+    assert "nll" in stats and torch.isfinite(loss)
+    torch.testing.assert_close(loss.detach(), stats["nll"].detach())  # the loss is the reference's NLL
+
+
+@pytest.mark.parametrize("objective", [[], ["--use_tinker_loss", "true"], ["--loss_type", "sft"]],
+                         ids=["divergence", "tinker", "sft"])
+def test_chunked_and_full_logit_paths_agree_in_the_trainer(tmp_path, objective):
     """The default chunked loss and the released-style full-logit loss give the same loss,
-    diagnostics and gradients on the same micro-batch."""
-    extra = ["--use_tinker_loss", "true"] if tinker else []
+    diagnostics and gradients on the same micro-batch, for every objective."""
+    extra = objective
     trainer = make_trainer(tmp_path, 1, *extra)
     inputs = trainer._generate_and_score_completions(_rows(trainer))
     model = trainer.model

