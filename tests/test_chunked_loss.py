@@ -257,3 +257,18 @@ def test_compiled_chunk_math_matches_reference(opts):
     """The trainer's GPU default (compile_loss): the per-chunk math through torch.compile
     (inductor on CPU here), float64, against the reference on full logits."""
     check_against_reference(opts, chunk_size=16, compile=True)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 1024])
+def test_nll_matches_reference(chunk_size):
+    from opsd_chunked_loss import chunked_nll_loss
+    from opsd_loss import NLL_STAT_KEYS, nll_loss
+
+    student, teacher, weight, _ = make_inputs()
+    ids = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(4))
+    loss, stats = chunked_nll_loss(student, teacher, weight, ids, chunk_size=chunk_size)
+    expected_loss, expected_stats = nll_loss(
+        full_logits(student, weight, None), full_logits(teacher, weight, None), ids.unsqueeze(0), torch.ones(1, N))
+    params = [student, weight]
+    assert_same(loss, stats, expected_loss, expected_stats, grads(loss, params), grads(expected_loss, params))
+    assert set(stats) == set(NLL_STAT_KEYS)

@@ -377,3 +377,29 @@ def test_tinker_matches_reference(temperature):
         advantage = ((logp_t - logp_s) * onehot).sum(-1, keepdim=True)
         analytic = -advantage * (onehot - logp_s.exp()) / temperature / mask.sum() * mask.unsqueeze(-1)
     torch.testing.assert_close(grad, analytic, rtol=1e-9, atol=1e-14)
+
+
+# --------------------------------------------------------------------------- sft
+
+
+def test_nll_matches_float64_cross_entropy_and_its_gradient():
+    """loss_type=sft: mean masked -log softmax(s)[y] at temperature 1, teacher unused
+    by the gradient; analytic gradient (p_S - onehot(y)) / N on masked tokens."""
+    from opsd_loss import NLL_STAT_KEYS, nll_loss
+
+    student, teacher = make_logits((3, 5, 40))
+    mask = make_mask(3, 5)
+    ids = torch.randint(0, 40, (3, 5), generator=torch.Generator().manual_seed(2))
+    loss, stats = nll_loss(student, teacher, ids, mask)
+    (grad,) = torch.autograd.grad(loss, student)
+    logp = torch.log_softmax(student.detach(), -1)
+    per_token = -logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    expected = (per_token * mask).sum() / mask.sum()
+    assert close(loss, expected) and close(stats["nll"], expected)
+    onehot = torch.nn.functional.one_hot(ids, 40).to(F64)
+    analytic = (logp.exp() - onehot) / mask.sum() * mask.unsqueeze(-1)
+    torch.testing.assert_close(grad, analytic, rtol=1e-9, atol=1e-14)
+    assert set(stats) == set(NLL_STAT_KEYS)
+    logp_t = torch.log_softmax(teacher, -1)
+    true_kl = ((logp_t.exp() * (logp_t - logp)).sum(-1) * mask).sum() / mask.sum()
+    assert close(stats["true_kl"], true_kl)

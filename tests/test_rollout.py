@@ -452,3 +452,22 @@ def test_vllm_backend_close_shuts_the_engine_down_once(monkeypatch, tiny):
     assert shutdowns == [1]
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert os.environ["VLLM_LOGGING_STREAM"] == "ext://sys.stderr"
+
+
+@pytest.mark.parametrize("top_k", [0, 20])
+def test_nucleus_filter_matches_transformers_top_p(top_k):
+    """Same kept set as transformers' TopPLogitsWarper (after top-k), also when the
+    candidates do not hold top_p of the mass (flat rows: the full-sort fallback)."""
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+    gen = torch.Generator().manual_seed(0)
+    sharp = torch.randn(6, 151936, generator=gen) * 4
+    flat = torch.randn(2, 151936, generator=gen) * 0.1
+    for scores in (sharp, flat):
+        if top_k:
+            scores = TopKLogitsWarper(top_k)(None, scores)
+        for top_p in (0.5, 0.95):
+            ours = rollout.NucleusFilter(top_p, candidates=256)(None, scores)
+            theirs = TopPLogitsWarper(top_p)(None, scores)
+            assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+            assert torch.equal(ours[~torch.isinf(ours)], scores[~torch.isinf(ours)])
