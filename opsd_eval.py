@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
+from answers import extract_boxed
+
 DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
 DEFAULT_DATASET = "HuggingFaceH4/aime_2024"
 TINY = "tiny"
@@ -92,9 +94,6 @@ def format_settings(settings: EvalSettings) -> str:
 # 2. Grading
 # --------------------------------------------------------------------------
 
-# `\boxed{`, `\boxed {` and `\fbox{`; the match ends on the opening brace.
-_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
-
 # math-verify's own time limit uses signals, which fail outside the main thread, and
 # a thread cannot interrupt a big-integer computation that holds the GIL (an answer
 # such as 9^{9^{9^{9}}}): math-verify runs in a worker process, killed past this limit.
@@ -106,37 +105,6 @@ class GradeResult(NamedTuple):
     answer: str | None  # content of the last \boxed{...}, None if there is none
     correct: bool
     reason: str         # "correct" | "wrong_answer" | "no_answer" | "truncated"
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}) in `text`, braces matched.
-    None when there is no box, the last one is never closed, or it is empty."""
-    openings = list(_BOX_OPEN.finditer(text))
-    if not openings:
-        return None
-    content = _braced_content(text, openings[-1].end() - 1)
-    if content is None or not content.strip():
-        return None
-    return content.strip()
-
-
-def _braced_content(text: str, open_at: int) -> str | None:
-    """The text between the brace at `open_at` and its matching closing brace.
-    Escaped braces (\\{ \\}) are literal set braces, not grouping."""
-    depth, i = 0, open_at
-    while i < len(text):
-        char = text[i]
-        if char == "\\":
-            i += 2  # skip the escaped character, whatever it is
-            continue
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return text[open_at + 1:i]
-        i += 1
-    return None
 
 
 def normalize_answer(answer: str) -> str:
