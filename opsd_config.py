@@ -49,7 +49,18 @@ class RecipeError(ConfigError):
 # Allowed values; the first one is the default.
 CLIP_MODES = ("entry", "token")
 PAD_SIDES = ("right", "left")
-TEACHER_CONTEXTS = ("solution", "cot", "both")
+# OPSD_TEACHER_CONTEXT: value -> what the teacher sees next to the problem (docs/SPEC.md §3).
+# `shuffled`, `answer` and `none` are control arms: each keeps the method and takes away part
+# of what the reference adds (its fit to the problem, its worked steps, all of it).
+TEACHER_CONTEXT_HELP = {
+    "solution": "the row's concise reference solution",
+    "cot": "the row's verified long trace (COT_Reason)",
+    "both": "the solution, then the long trace",
+    "shuffled": "another row's solution, by a fixed pairing drawn from the training seed (right form, wrong problem)",
+    "answer": "only the row's final answer (Answer, else the solution's last \\boxed{})",
+    "none": "nothing: the teacher prompt is the student prompt, token for token",
+}
+TEACHER_CONTEXTS = tuple(TEACHER_CONTEXT_HELP)
 STUDENT_PROMPTS = ("paper", "eval")
 # Data filters in the order they apply when combined (`nomath,hard`: drop math rows,
 # then keep the longer half of what remains), whatever order they are written in.
@@ -211,6 +222,21 @@ def recipe_field(name: str, **kwargs):
     """A config dataclass field for recipe key `name`: its released default and help."""
     key = _RECIPE_FIELDS[name]
     return dataclasses.field(default=key.default, metadata={"help": key.metadata["help"]}, **kwargs)
+
+
+def parse_recipe_value(name: str, raw: str) -> object:
+    """One recipe key's value from text, parsed and range-checked as on a recipe line
+    (for settings given another way, e.g. a probe variant); ConfigError otherwise."""
+    try:
+        return _parse_value(name, raw.strip())
+    except _LineProblem as problem:
+        raise ConfigError(str(problem)) from None
+
+
+def parse_switch_value(name: str, raw: str) -> str:
+    """One switch's value (Switches field `name`) from text, read as its environment variable
+    is; empty means the default. ConfigError, naming `name`, otherwise."""
+    return _read_switch({name: raw}, name, _SWITCHES[name][1])
 
 
 def recipe_value_problem(name: str, value) -> str | None:

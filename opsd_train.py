@@ -213,12 +213,14 @@ def parse(argv=None, env=os.environ, quiet: bool = False):
     extra = overrides(early.preset, recipe, early.max_steps, given if not quiet else {})
     script_args, config = parser.parse_args_and_config(defaults + extra + argv)
     apply_switches(switches, env, given, script_args, config, quiet)
+    config.check_combinations()
     if config.use_vllm and importlib.util.find_spec("vllm") is None:
         raise ConfigError("--use_vllm true: vllm is not installed (pip install -r requirements-gpu.txt)")
     check_model(script_args.model_name_or_path)
     run_folder.check_writable(config.output_dir)
     dataset = load_train_dataset(
-        script_args.dataset_name, select=script_args.data_select, teacher_context=config.teacher_context
+        script_args.dataset_name, select=script_args.data_select, teacher_context=config.teacher_context,
+        seed=config.seed,
     )
     return script_args, config, dataset
 

@@ -48,6 +48,7 @@ from opsd_config import (
     CLIP_MODES,
     PAD_SIDES,
     STUDENT_PROMPTS,
+    TEACHER_CONTEXT_HELP,
     TEACHER_CONTEXTS,
     VLLM_TEMPERATURE_RANGE,
     Recipe,
@@ -111,7 +112,11 @@ class OPSDConfig(DistillationConfig):
     )
     pad_side: str = field(default=PAD_SIDES[0], metadata={"help": "right (released, pad gap) or left (contiguous)."})
     student_prompt: str = field(default=STUDENT_PROMPTS[0], metadata={"help": "paper or eval."})
-    teacher_context: str = field(default=TEACHER_CONTEXTS[0], metadata={"help": "solution, cot or both."})
+    teacher_context: str = field(
+        default=TEACHER_CONTEXTS[0],
+        metadata={"help": "The teacher's privileged context: " + "; ".join(
+            f"{value}: {what}" for value, what in TEACHER_CONTEXT_HELP.items()) + "."},
+    )
     reason_first_max_tokens: int = field(default=512, metadata={"help": "Length limit of the reason_first analysis."})
     loss_type: str = field(
         default=LOSS_TYPES[0],
@@ -193,8 +198,7 @@ class OPSDConfig(DistillationConfig):
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
-        if self.fixed_teacher and self.use_ema_teacher:
-            raise ValueError("fixed_teacher and use_ema_teacher are mutually exclusive")
+        self.check_combinations()
         for name in RECIPE_KEYS:  # the ranges a recipe file is held to hold for flags too
             if name == "temperature" and not self.use_vllm:
                 continue  # the recipe's range is vLLM's (checked above); transformers samples any > 0
@@ -203,6 +207,15 @@ class OPSDConfig(DistillationConfig):
                 raise ValueError(problem)
         if self.temperature <= 0:
             raise ValueError(f"temperature={self.temperature} is out of range; must be > 0")
+
+
+    def check_combinations(self) -> None:
+        """Settings that exclude each other. Run again once the OPSD_* switches are applied
+        to a parsed config (opsd_train.apply_switches sets them after __post_init__)."""
+        if self.fixed_teacher and self.use_ema_teacher:
+            raise ValueError("fixed_teacher and use_ema_teacher are mutually exclusive")
+        if self.reason_first and self.teacher_context == "none":
+            raise ValueError("reason_first needs a reference to analyse; teacher_context=none has none")
 
 
 def default_scoring_pad_multiple() -> int | None:

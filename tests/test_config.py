@@ -251,7 +251,7 @@ def test_switch_defaults():
 @pytest.mark.parametrize("var, field, values", [
     ("OPSD_CLIP_MODE", "clip_mode", ["entry", "token"]),
     ("OPSD_PAD_SIDE", "pad_side", ["right", "left"]),
-    ("OPSD_TEACHER_CONTEXT", "teacher_context", ["solution", "cot", "both"]),
+    ("OPSD_TEACHER_CONTEXT", "teacher_context", ["solution", "cot", "both", "shuffled", "answer", "none"]),
     ("OPSD_STUDENT_PROMPT", "student_prompt", ["paper", "eval"]),
     ("OPSD_DATA_SELECT", "data_select", ["none", "nomath", "hard"]),
 ])
@@ -287,3 +287,21 @@ def test_bad_data_select_combination_is_one_line(raw):
 def test_switches_read_os_environ_by_default(monkeypatch):
     monkeypatch.setenv("OPSD_CLIP_MODE", "token")
     assert Switches.from_env().clip_mode == "token"
+
+
+def test_one_value_parsers_match_the_recipe_and_switch_rules():
+    from opsd_config import parse_recipe_value, parse_switch_value
+
+    assert parse_recipe_value("beta", " 0.5 ") == 0.5 and parse_recipe_value("jsd_token_clip", "none") == 0.0
+    assert parse_recipe_value("top_k_loss", "20") == 20 and parse_recipe_value("teacher_thinking", "true") is True
+    assert parse_switch_value("teacher_context", " Shuffled ") == "shuffled"
+    assert parse_switch_value("clip_mode", "") == "entry"  # empty = the default, as for the variable
+    for call, message in [
+        (lambda: parse_recipe_value("beta", "2"), "beta=2 is out of range; must be in [0, 1]"),
+        (lambda: parse_recipe_value("top_k_loss", "1.5"), "top_k_loss='1.5' is not an integer"),
+        (lambda: parse_recipe_value("bta", "0"), "unknown key 'bta' (did you mean beta?)"),
+        (lambda: parse_switch_value("pad_side", "middle"), "pad_side='middle' is not allowed; expected one of: right, left"),
+    ]:
+        with pytest.raises(ConfigError) as caught:
+            call()
+        assert str(caught.value) == message

@@ -10,6 +10,7 @@ import pytest
 import opsd_data
 import tiny_default
 from opsd_data import DataError, load_eval_dataset, load_train_dataset
+from prompts import SHUFFLED_SOLUTION
 
 # COT_Reason lengths 3, 10, 5, 10, 1, 5, 7; sources mix "math" with others.
 LENGTHS = [3, 10, 5, 10, 1, 5, 7]
@@ -203,9 +204,62 @@ def test_combined_selection_with_only_math_rows_is_an_error(tmp_path):
     assert message == f"train file {path}: OPSD_DATA_SELECT=nomath,hard left no rows (every 'source' is 'math')"
 
 
-@pytest.mark.parametrize("context", ["solution", "cot", "both"])
+@pytest.mark.parametrize("context", ["solution", "cot", "both", "shuffled", "answer", "none"])
 def test_teacher_context_keeps_all_rows(jsonl, context):
-    assert len(load_train_dataset(str(jsonl), teacher_context=context)) == len(ROWS)
+    assert len(load_train_dataset(str(jsonl), teacher_context=context, seed=0)) == len(ROWS)
+
+
+# -- control arms of OPSD_TEACHER_CONTEXT ----------------------------------------------------
+
+def test_shuffled_pairs_every_row_with_another_rows_solution(jsonl):
+    data = load_train_dataset(str(jsonl), teacher_context="shuffled", seed=42)
+    solutions = [row["solution"] for row in ROWS]
+    foreign = data[SHUFFLED_SOLUTION]
+    assert sorted(foreign) == sorted(solutions)  # a permutation of the solutions
+    assert all(f != own for f, own in zip(foreign, solutions))  # never the row's own
+    assert data.remove_columns(SHUFFLED_SOLUTION).to_list() == ROWS  # nothing else changes
+
+
+def test_shuffled_pairing_is_fixed_by_the_seed_and_changes_with_it(jsonl):
+    def foreign(seed):
+        return load_train_dataset(str(jsonl), teacher_context="shuffled", seed=seed)[SHUFFLED_SOLUTION]
+
+    assert foreign(42) == foreign(42)
+    pairings = {tuple(opsd_data.shuffled_pairing(len(ROWS), seed)) for seed in range(20)}
+    assert len(pairings) > 10  # the seed draws the pairing (7 rows: 720 possible cycles)
+    assert foreign(42) != foreign(43)
+    for pairing in pairings:
+        assert all(partner != i for i, partner in enumerate(pairing))
+        assert sorted(pairing) == list(range(len(ROWS)))
+
+
+def test_shuffled_pairs_the_selected_rows(jsonl):
+    data = load_train_dataset(str(jsonl), select="nomath", teacher_context="shuffled", seed=1)
+    kept = {row["solution"] for row in data}
+    assert set(data[SHUFFLED_SOLUTION]) == kept  # partners come from the rows the run trains on
+
+
+@pytest.mark.parametrize("n", [2, 3, 50])
+def test_shuffled_pairing_has_no_fixed_point(n):
+    for seed in range(30):
+        pairing = opsd_data.shuffled_pairing(n, seed)
+        assert sorted(pairing) == list(range(n)) and all(p != i for i, p in enumerate(pairing))
+
+
+def test_shuffled_needs_two_rows(tmp_path):
+    path = write_jsonl(tmp_path / "one.jsonl", ROWS[:1])
+    message = message_of(load_train_dataset, str(path), teacher_context="shuffled", seed=0)
+    assert message == f"train file {path}: OPSD_TEACHER_CONTEXT=shuffled needs at least 2 rows, got 1"
+
+
+def test_answer_context_needs_an_answer_in_every_row(tmp_path):
+    rows = [dict(ROWS[0]), {"problem": "p", "solution": "no box here", "Answer": " "}]
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    message = message_of(load_train_dataset, str(path), teacher_context="answer")
+    assert message == (f"train file {path}: row 2 has no final answer (no 'Answer' and no \\boxed{{}} in its "
+                       "'solution'), needed by OPSD_TEACHER_CONTEXT=answer")
+    rows[1]["solution"] = "so \\boxed{7}."  # the solution's box stands in for a missing Answer
+    assert len(load_train_dataset(str(write_jsonl(path, rows)), teacher_context="answer")) == 2
 
 
 # -- errors ---------------------------------------------------------------------------------

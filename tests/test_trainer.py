@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import opsd_train
 import opsd_trainer
-from data_collator import build_scoring_batch
+from data_collator import OPSDCollator, build_scoring_batch
 from opsd_trainer import SCORING_PAD_MULTIPLE, OPSDTrainer, completion_hidden_states, make_collator
 from tiny_default import build_qwen3_tokenizer, resolve_model
 
@@ -256,6 +256,8 @@ SWITCHES = [
     ("OPSD_CLIP_MODE", "token", "clip_mode"),
     ("OPSD_PAD_SIDE", "left", "pad_side"),
     ("OPSD_TEACHER_CONTEXT", "cot", "teacher_context"),
+    ("OPSD_TEACHER_CONTEXT", "answer", "teacher_context"),
+    ("OPSD_TEACHER_CONTEXT", "none", "teacher_context"),
     ("OPSD_STUDENT_PROMPT", "eval", "student_prompt"),
 ]
 
@@ -291,6 +293,34 @@ def test_prompt_switches_change_only_their_role(default_parse, tmp_path):
     assert student_eval.teacher_prompt_ids(row) == base.teacher_prompt_ids(row)
     assert teacher_cot.teacher_prompt_ids(row) != base.teacher_prompt_ids(row)
     assert teacher_cot.student_prompt_ids(row) == base.student_prompt_ids(row)
+
+
+def test_none_context_is_a_zero_loss_at_initialisation(tmp_path):
+    """OPSD_TEACHER_CONTEXT=none with the fixed teacher: both roles see the same tokens with the
+    same weights (LoRA B starts at zero), so the first step's loss and divergences are exactly
+    0; the arm can only pull the student back towards the base model."""
+    trainer = make_trainer(tmp_path, 1, "--max_completion_length", "8", env={"OPSD_TEACHER_CONTEXT": "none"})
+    lora_b = [p for name, p in trainer.model.named_parameters() if "lora_B" in name]
+    assert lora_b and all(not p.any() for p in lora_b)
+    rows = _rows(trainer)
+    inputs = trainer._generate_and_score_completions(rows)
+    assert inputs["teacher_prompt_ids"] == inputs["student_prompt_ids"]
+    with torch.no_grad():
+        loss, stats = trainer._opsd_loss(trainer.model, inputs)
+        assert loss.item() == 0.0
+        assert stats["true_kl"].item() == 0.0 and stats["loss_unclipped"].item() == 0.0
+        # the zero comes from the context: the reference solution's teacher on the same rollouts is not 0
+        with_solution = dict(inputs, teacher_prompt_ids=[OPSDCollator(trainer._tokenizer).teacher_prompt_ids(row)
+                                                         for row in rows])
+        assert trainer._opsd_loss(trainer.model, with_solution)[1]["true_kl"].item() > 1e-3
+
+
+def test_reason_first_without_a_context_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OPSD_TEACHER_CONTEXT", "none")
+    assert opsd_train.main(tiny_argv(tmp_path / "out", 1, "--reason_first", "true")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: reason_first needs a reference to analyse; teacher_context=none has none"
+    assert not (tmp_path / "out").exists()
 
 
 def test_data_select_switch_changes_only_the_data(default_parse, tmp_path):
