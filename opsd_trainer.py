@@ -29,6 +29,7 @@ import time
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from accelerate.utils import is_peft_model
@@ -41,7 +42,13 @@ from trl.models.utils import unwrap_model_for_generation
 
 import run_folder
 from compiled_layers import CompiledLayers
-from data_collator import OPSDCollator, build_scoring_batch, check_alignment, gather_completion_positions
+from data_collator import (
+    OPSDCollator,
+    ScoringBatch,
+    build_scoring_batch,
+    check_alignment,
+    gather_completion_positions,
+)
 from ema_teacher import AdapterEMA
 from opsd_chunked_loss import chunked_divergence_loss, chunked_nll_loss, chunked_tinker_loss
 from opsd_config import (
@@ -221,6 +228,16 @@ class OPSDConfig(DistillationConfig):
 def default_scoring_pad_multiple() -> int | None:
     """What `pad_to_multiple_of` None / "auto" means: SCORING_PAD_MULTIPLE with CUDA, off on CPU."""
     return SCORING_PAD_MULTIPLE if torch.cuda.is_available() else None
+
+
+class ScoringForwards(NamedTuple):
+    """One micro-batch scored by both roles: each role's ScoringBatch and its final hidden
+    states [B, C, H] at the positions that predict the completion tokens."""
+
+    student: ScoringBatch
+    teacher: ScoringBatch
+    student_hidden: torch.Tensor
+    teacher_hidden: torch.Tensor
 
 
 class NonFiniteLossError(RuntimeError):
@@ -478,11 +495,20 @@ class OPSDTrainer(DistillationTrainer):
         return (loss, None) if return_outputs else loss
 
     def _opsd_loss(self, unwrapped, inputs):
+        scored = self.scoring_forwards(unwrapped, inputs)
+        mask = scored.student.completion_mask.bool()
+        return self.objective(scored.student_hidden, scored.teacher_hidden, mask, scored.student.completion_ids,
+                              lm_head(unwrapped))
+
+    def scoring_forwards(self, unwrapped, inputs, pad_side: str | None = None) -> ScoringForwards:
+        """Both roles' forwards of one micro-batch (per-row prompt and completion token lists),
+        as the loss sees them. `pad_side` overrides the run's geometry (the probe scores one set
+        of rollouts under several; opsd_probe)."""
         device = self.accelerator.device
         completions = inputs["completion_ids"]
         geometry = {
             "pad_id": self._tokenizer.pad_token_id,
-            "pad_side": self.args.pad_side,
+            "pad_side": pad_side or self.args.pad_side,
             "pad_to_multiple_of": self.args.pad_to_multiple_of,
         }
         student = _to_device(build_scoring_batch(inputs["student_prompt_ids"], completions, **geometry), device)
@@ -497,10 +523,7 @@ class OPSDTrainer(DistillationTrainer):
             with torch.no_grad(), self._teacher_weights(unwrapped):
                 teacher_hidden = completion_hidden_states(unwrapped, teacher)
             student_hidden = completion_hidden_states(unwrapped, student)
-
-        mask = student.completion_mask.bool()
-        head = _base_model(unwrapped).get_output_embeddings()
-        return self.objective(student_hidden, teacher_hidden, mask, student.completion_ids, head)
+        return ScoringForwards(student, teacher, student_hidden, teacher_hidden)
 
     def _scoring_layers(self, unwrapped):
         """Compiled decoder layers for the scoring forwards (`compile_layers`), else nothing."""
@@ -517,7 +540,7 @@ class OPSDTrainer(DistillationTrainer):
         if not torch.equal(student.completion_mask, teacher.completion_mask):
             raise AssertionError("[OPSD align] student and teacher supervise different completion spans")
         if self.accelerator.is_main_process:
-            print(f"[OPSD align] pad_side={self.args.pad_side} student: {student_msg} | teacher: {teacher_msg}")
+            print(f"[OPSD align] pad_side={student.pad_side} student: {student_msg} | teacher: {teacher_msg}")
         self._alignment_checked = True
 
     # ------------------------------------------------------------------ checkpoints
@@ -617,10 +640,7 @@ def make_objective(args: OPSDConfig):
     `mask` marks real completion tokens and `head` is the LM head; the per-step code
     calls it without looking at the config again.
     """
-    divergence = {
-        "beta": args.beta, "temperature": args.temperature, "clip": args.jsd_token_clip,
-        "clip_mode": args.clip_mode, "top_k": args.top_k_loss,
-    }  # fmt: skip
+    divergence = divergence_settings(args)
     temperature, chunk_size, compile_math = args.temperature, args.loss_chunk_size, args.compile_loss
     if args.loss_implementation == "chunked":  # logits formed chunk by chunk, never [B, C, V] at once
 
@@ -653,6 +673,14 @@ def make_objective(args: OPSDConfig):
     if args.loss_type == "sft":
         return full_sft
     return full_tinker if args.use_tinker_loss else full_divergence
+
+
+def divergence_settings(args: OPSDConfig) -> dict:
+    """The divergence objective's options (opsd_loss.DivergenceConfig fields) from the config."""
+    return {
+        "beta": args.beta, "temperature": args.temperature, "clip": args.jsd_token_clip,
+        "clip_mode": args.clip_mode, "top_k": args.top_k_loss,
+    }  # fmt: skip
 
 
 def make_collator(tokenizer, args: OPSDConfig) -> OPSDCollator:
@@ -700,6 +728,11 @@ def completion_hidden_states(model, batch) -> torch.Tensor:
         use_cache=False,
     )
     return gather_completion_positions(out.last_hidden_state, batch)
+
+
+def lm_head(model) -> torch.nn.Module:
+    """The output projection (LM head) that turns the hidden states into logits."""
+    return _base_model(model).get_output_embeddings()
 
 
 def _base_model(model):
