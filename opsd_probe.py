@@ -59,6 +59,7 @@ VARIANT_KEYS = (
 # (table label, JSON key): the trainer's `[OPSD kl]` labels for the divergence diagnostics.
 STAT_COLUMNS = tuple((label, key.removeprefix("opsd/")) for label, key in KL_LINE_FIELDS if label != "nll")
 SHIFT_KEYS = ("lp_shift_student", "lp_shift_teacher")
+DEFAULT_ROWS = 8
 
 
 class ProbeError(ValueError):
@@ -195,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="training seed: samples the rollouts, draws the shuffled pairing "
                    "(default: the trainer's)")
     p.add_argument("--max-completion-length", type=_positive, help="rollout length limit (default: the config's)")
-    p.add_argument("--rows", type=_positive, help="rollouts to sample, one for each of the first ROWS rows (default 8)")
+    p.add_argument("--rows", type=_positive,
+                   help=f"rollouts to sample, one for each of the first ROWS rows (default {DEFAULT_ROWS})")
     p.add_argument("--batch-size", type=_positive, default=4,
                    help="scoring micro-batch (the pad gap of right padding depends on it; default 4, the capped "
                    "recipe's per-device batch)")
@@ -269,7 +271,7 @@ def prepare(argv: list[str], workdir: str, env=os.environ) -> Plan:
         _check_rollouts_match(rollouts, dataset, args.rollouts, _vocab_size(script_args.model_name_or_path))
         indices = [r.index for r in rollouts]
     else:
-        rows = args.rows or 8
+        rows = args.rows or DEFAULT_ROWS  # None when not given: --rollouts refuses an explicit --rows
         if rows > len(dataset):
             raise ProbeError(f"--rows {rows}: the data has only {len(dataset)} rows")
         indices = list(range(rows))
@@ -541,9 +543,10 @@ def run(plan: Plan) -> tuple[str, dict, list[dict]]:
     table_rows, baseline_scores = [], None
     for variant in plan.variants:
         variant_started = time.time()
-        scores, gaps = scorer.score(variant_config(config, variant))
+        variant_cfg = variant_config(config, variant)
+        scores, gaps = scorer.score(variant_cfg)
         baseline_scores = baseline_scores or scores
-        table_rows.append(summarize_variant(variant, variant_config(config, variant), scores, gaps))
+        table_rows.append(summarize_variant(variant, variant_cfg, scores, gaps))
         print(f"[probe] scored {variant.name} in {time.time() - variant_started:.1f} s", file=sys.stderr)
     records = attribution_records(tokenizer, rollouts, baseline_rows, baseline_scores)
     summary = summarize(records)

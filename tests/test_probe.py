@@ -62,15 +62,19 @@ def assert_row_matches(row, loss, stats):
         assert row[key] == pytest.approx(value, rel=1e-5, abs=1e-8), key
 
 
-def test_baseline_and_a_variant_equal_the_training_steps_loss(probed, tmp_path):
+def test_baseline_row_equals_the_training_steps_loss(probed, tmp_path):
     """Same rollouts, one micro-batch: the probe's numbers are the trainer's loss and diagnostics
     (chunked loss there, per-token reference functions here)."""
     _, rows, report, rollouts, _ = probed
     assert report["rollouts"]["count"] == ROWS and all(len(r["completion_ids"]) <= LENGTH for r in rollouts)
     assert rows["baseline"]["tokens"] == sum(len(r["completion_ids"]) for r in rollouts)
-    assert_row_matches(rows["baseline"], *trainer_step_loss(tmp_path / "a", {}, rollouts))
+    assert_row_matches(rows["baseline"], *trainer_step_loss(tmp_path, {}, rollouts))
+
+
+def test_variant_row_equals_the_training_steps_loss_under_those_switches(probed, tmp_path):
+    _, rows, _, rollouts, _ = probed
     env = {"OPSD_PAD_SIDE": "left", "OPSD_TEACHER_CONTEXT": "shuffled"}
-    assert_row_matches(rows["pad_side=left,teacher_context=shuffled"], *trainer_step_loss(tmp_path / "b", env, rollouts))
+    assert_row_matches(rows["pad_side=left,teacher_context=shuffled"], *trainer_step_loss(tmp_path, env, rollouts))
 
 
 def test_variant_rows_differ_where_they_should(probed):
