@@ -155,6 +155,14 @@ class OPSDConfig(DistillationConfig):
             "graph_compiled, graph, static (generate + static cache) or dynamic / None (generate + dynamic cache)."
         },
     )
+    ddp_find_unused_parameters: bool | None = field(
+        default=False,
+        metadata={
+            "help": "DDP's find_unused_parameters. False: the student's forward uses every LoRA parameter at every "
+            "step, whatever the loss (tested), so DDP need not walk the autograd graph each step to find unused "
+            "ones (transformers would turn it on for a peft model)."
+        },
+    )
     disable_dropout: bool = field(default=True, metadata={"help": "Dropout off: both roles see one network."})
     remove_unused_columns: bool | None = field(default=False, metadata={"help": "Rows keep their privileged columns."})
 

@@ -515,6 +515,27 @@ def test_chunked_and_full_logit_paths_agree_in_the_trainer(tmp_path, objective):
     assert (grad_c - grad_l).norm() / grad_l.norm() < 1e-6
 
 
+@pytest.mark.parametrize("extra", [[], ["--use_tinker_loss", "true"], ["--loss_type", "sft"],
+                                   ["--fixed_teacher", "false", "--use_ema_teacher", "true"]],
+                         ids=["divergence", "tinker", "sft", "ema_teacher"])
+def test_every_lora_parameter_gets_a_gradient_at_every_step(tmp_path, extra):
+    """Why DDP runs with find_unused_parameters=False by default: the trainable parameters are
+    exactly the LoRA adapters, and one loss computation gives each of them a gradient, for
+    every objective and teacher (DDP would hang or fail on a parameter without one). The
+    reference solutions stand in for rollouts (lmbda 0): sampling is slow on CPU and does not
+    change which parameters the loss reaches."""
+    trainer = make_trainer(tmp_path, 1, "--lmbda", "0", *extra)
+    assert trainer.args.ddp_find_unused_parameters is False
+    assert trainer.accelerator.ddp_handler.find_unused_parameters is False  # what DDP is built with
+    trainable = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in name or ".lora_B." in name for name in trainable)
+    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    trainer.compute_loss(trainer.model, inputs).backward()
+    assert [name for name, p in trainable.items() if p.grad is None] == []
+    # lora_B starts at zero, so lora_A's first gradient is zero; lora_B's must not be.
+    assert all(p.grad.abs().sum() > 0 for name, p in trainable.items() if ".lora_B." in name)
+
+
 def test_use_vllm_without_vllm_is_a_one_line_error(tmp_path, capsys):
     pytest.importorskip("torch")
     import importlib.util
