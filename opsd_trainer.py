@@ -56,7 +56,7 @@ from opsd_config import (
 )
 from opsd_logging import append_metrics, kl_line
 from opsd_loss import divergence_loss, nll_loss, tinker_loss
-from rollout import SamplingSettings, TransformersBackend, to_completion
+from rollout import ROLLOUT_STREAMS, SamplingSettings, TransformersBackend, rollout_seed, to_completion
 from vllm_weights import merged_named_parameters
 
 EMA_FILE = "ema_adapter.pt"
@@ -362,16 +362,22 @@ class OPSDTrainer(DistillationTrainer):
             "completion_ids": completions,
         }
 
-    def _sample(self, prompt_ids: list[list[int]], max_new_tokens: int | None = None):
-        """Student rollouts: vLLM through TRL's helper, else our transformers backend."""
+    def _sample(self, prompt_ids: list[list[int]], stream: str = ROLLOUT_STREAMS[0]):
+        """Student rollouts (`stream` "student": vLLM through TRL's helper, else our transformers
+        backend) or reason_first's analyses (always transformers).
+
+        This process's rows, seeded per (seed, rank, step, stream) on the transformers backend.
+        vLLM seeds its own engine: by rank in colocate mode (TRL), by the server in server mode."""
         settings = self.sampling
-        if max_new_tokens is not None:
-            settings = dataclasses.replace(settings, max_new_tokens=max_new_tokens)
-        if self.use_vllm and max_new_tokens is None:
+        if stream == "reason_first":
+            settings = dataclasses.replace(settings, max_new_tokens=self.args.reason_first_max_tokens)
+        elif self.use_vllm:
             samples = [  # syncs the LoRA weights first
                 to_completion(ids, self.eos_token_ids) for ids in self._generate_single_turn(prompt_ids, None, {})
             ]
             return [s.ids for s in samples], [s.truncated for s in samples]
+        seed = rollout_seed(self.args.seed, self.accelerator.process_index, self.state.global_step, stream)
+        settings = dataclasses.replace(settings, seed=seed)
         with self._unwrapped_for_generation() as unwrapped, torch.no_grad():
             backend = TransformersBackend(
                 unwrapped,
@@ -425,7 +431,7 @@ class OPSDTrainer(DistillationTrainer):
         """reason_first: the teacher (its own weights) first analyses the reference."""
         prompt_ids = [self.collator.reason_first_prompt_ids(row) for row in rows]
         with self._teacher_weights(self.accelerator.unwrap_model(self.model)):
-            ids, _ = self._sample(prompt_ids, max_new_tokens=self.args.reason_first_max_tokens)
+            ids, _ = self._sample(prompt_ids, stream="reason_first")
         return self._tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     def _log_rollout(self, prompt_ids, lengths: torch.Tensor, truncated: torch.Tensor) -> None:

@@ -449,6 +449,25 @@ def _rows(trainer, n=2):
     return [trainer.train_dataset[i] for i in range(n)]
 
 
+def test_each_rank_samples_with_its_own_reproducible_seed(tmp_path, monkeypatch):
+    """The trainer seeds a process's rollouts from (seed, rank, step): the same rows give other
+    completions on another rank or at another step, and the same ones again on the same rank
+    and step (a resumed run samples what the uninterrupted one did)."""
+    trainer = make_trainer(tmp_path, 1, "--max_completion_length", "8")
+    prompts = [trainer.collator.student_prompt_ids(row) for row in _rows(trainer)]
+
+    def sample(rank, step, global_seed=0):
+        monkeypatch.setattr(type(trainer.accelerator), "process_index", property(lambda self: rank))
+        trainer.state.global_step = step
+        torch.manual_seed(global_seed)  # the process-global RNG must play no part
+        return trainer._sample(prompts)[0]
+
+    first = sample(0, 0)
+    assert sample(0, 0, global_seed=1) == first
+    assert sample(1, 0) != first
+    assert sample(0, 1) != first
+
+
 def test_reason_first_puts_the_teachers_analysis_into_its_context(tmp_path):
     from prompts import RATIONALE_LABEL
 
