@@ -308,21 +308,24 @@ def test_server_mode_without_enough_training_gpus_is_one_line(fake_gpu_host, ext
 
 
 def test_two_process_launch(tmp_path):
-    """Data-parallel training through accelerate: gathers, barriers and the atomic
-    checkpoint rename all run with two ranks (gloo on CPU stands in for NCCL)."""
+    """Data-parallel training of the CLI: gathers, barriers and the atomic checkpoint rename
+    all run with two ranks (gloo on CPU stands in for NCCL). torchrun starts the ranks and
+    accelerate joins them, as `accelerate launch` does on GPUs; `accelerate launch --cpu
+    --num_processes 2` would start one process (several CPU ranks need mpirun there)."""
     out = tmp_path / "ddp"
     cmd = [
-        "accelerate", "launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         "opsd_train.py", "--preset", "tiny", "--output_dir", str(out), "--max_steps", "1",
         "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
         "--save_steps", "1", "--report_to", "none", "--max_completion_length", "8",
     ]  # fmt: skip
-    result = run(cmd, {})
+    result = run(cmd, {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((out / "run_config.json").read_text())["num_processes"] == 2
     assert (out / "checkpoint-1" / "adapter_model.safetensors").is_file()
+    assert not (out / ".staging").exists()
     assert result.stdout.count("[OPSD align]") == 1  # printed by the main process only
-    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    (record,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert record["step"] == 1 and record["opsd/true_kl"] > 0
 
 
