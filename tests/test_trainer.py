@@ -603,6 +603,66 @@ def test_gpu_defaults_with_cuda(tmp_path, monkeypatch, extra, layers):
     assert (explicit.compile_layers, explicit.compile_loss, explicit.pad_to_multiple_of) == (False, False, None)
 
 
+@pytest.mark.parametrize("sharded, zero_stage, expected", [
+    (False, None, (True, "auto", "chunked")),     # DDP / one process: the GPU defaults
+    (True, None, (False, "dynamic", "chunked")),  # FSDP
+    (True, 2, (False, "dynamic", "chunked")),
+    (True, 3, (False, "dynamic", "logits")),
+], ids=["ddp", "fsdp", "zero2", "zero3"])
+def test_engine_defaults(tmp_path, monkeypatch, sharded, zero_stage, expected):
+    """What the trainer makes of its defaults once it sees the engine accelerate's config chose
+    (on a simulated CUDA machine); explicit choices are kept, an impossible one is refused."""
+    monkeypatch.setattr(opsd_trainer.torch.cuda, "is_available", lambda: True)
+
+    def config(**explicit):
+        args = opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, **explicit)
+        opsd_trainer.apply_engine_defaults(args, sharded, zero_stage)
+        return args.compile_layers, args.rollout_cache_implementation, args.loss_implementation
+
+    assert config() == expected
+    assert config(compile_layers=True, rollout_cache_implementation="graph", loss_implementation="logits") == (
+        True, "graph", "logits")
+    if zero_stage == 3:
+        with pytest.raises(ValueError, match="loss_implementation=chunked cannot run under DeepSpeed ZeRO-3"):
+            config(loss_implementation="chunked")
+    else:
+        assert config(loss_implementation="chunked")[2] == "chunked"
+
+
+def test_chunked_loss_takes_an_fsdp2_sharded_lm_head(tmp_path):
+    """Under FSDP2 the LM head's weight can be a DTensor; the chunked loss gathers it and gives
+    the loss and gradients of an ordinary head (a one-rank gloo group stands in for the GPUs)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    objective = opsd_trainer.make_objective(opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False))
+    gen = torch.Generator().manual_seed(0)
+    hidden, vocab = 8, 40
+    plain = torch.nn.Linear(hidden, vocab, bias=False).double()
+    student = torch.randn(2, 5, hidden, dtype=torch.float64, generator=gen, requires_grad=True)
+    teacher = torch.randn(2, 5, hidden, dtype=torch.float64, generator=gen)
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    ids = torch.randint(vocab, (2, 5), generator=gen)
+    results = []
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        sharded = torch.nn.Linear(hidden, vocab, bias=False)
+        sharded.weight = torch.nn.Parameter(
+            distribute_tensor(plain.weight.detach(), init_device_mesh("cpu", (1,)), [Shard(0)]), requires_grad=False)
+        assert isinstance(sharded.weight, DTensor)
+        for head in (plain, sharded):
+            student.grad = None
+            loss, _ = objective(student, teacher, mask, ids, head)
+            loss.backward()
+            results.append((loss.detach(), student.grad.clone()))
+    finally:
+        dist.destroy_process_group()
+    (loss_plain, grad_plain), (loss_sharded, grad_sharded) = results
+    torch.testing.assert_close(loss_sharded, loss_plain, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad_sharded, grad_plain, rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize("value, expected", [("auto", 16), (None, 16), ("none", None), (0, None), ("32", 32), (8, 8)])
 def test_pad_to_multiple_of_spellings(tmp_path, monkeypatch, value, expected):
     """TRL's spellings of the field keep working; "auto" is the OPSD default (16 with CUDA)."""
