@@ -632,7 +632,13 @@ def apply_engine_defaults(args: OPSDConfig, sharded: bool, zero_stage: int | Non
     - ZeRO-3, the full-logit loss: the chunked loss reads the LM head's weight outside the
       head's forward, where ZeRO-3 leaves it partitioned to nothing; calling the head gathers it
       (at the cost of the micro-batch's [B, C, V] logits). An explicit chunked loss is refused.
+
+    The EMA teacher is refused where parameters are sharded (FSDP, ZeRO-3): it keeps whole
+    copies of the adapter tensors, which the engine replaces by shards when it wraps the model.
     """
+    if sharded and zero_stage in (None, 3) and args.use_ema_teacher:
+        raise ValueError("use_ema_teacher is not supported with sharded parameters (FSDP, DeepSpeed ZeRO-3): its "
+                         "whole copies of the adapter do not match the shards; use DDP or ZeRO-2")
     if sharded and args.compile_layers and getattr(args, "compile_layers_is_default", False):
         args.compile_layers = False
     if sharded and args.rollout_cache_implementation == "auto":

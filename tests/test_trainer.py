@@ -627,6 +627,12 @@ def test_engine_defaults(tmp_path, monkeypatch, sharded, zero_stage, expected):
             config(loss_implementation="chunked")
     else:
         assert config(loss_implementation="chunked")[2] == "chunked"
+    ema = {"fixed_teacher": False, "use_ema_teacher": True}
+    if sharded and zero_stage != 2:  # parameters sharded: FSDP, ZeRO-3
+        with pytest.raises(ValueError, match="use_ema_teacher is not supported with sharded parameters"):
+            config(**ema)
+    else:
+        assert config(**ema) == expected
 
 
 def test_chunked_loss_takes_an_fsdp2_sharded_lm_head(tmp_path):
