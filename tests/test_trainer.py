@@ -555,6 +555,18 @@ def test_every_lora_parameter_gets_a_gradient_at_every_step(tmp_path, extra):
     assert all(p.grad.abs().sum() > 0 for name, p in trainable.items() if ".lora_B." in name)
 
 
+def test_one_process_seeing_several_gpus_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """Started without a launcher on a multi-GPU host (simulated), transformers would wrap the
+    model in nn.DataParallel: refused before any model loads, also in train_capped.sh's check."""
+    monkeypatch.setattr(opsd_trainer.OPSDConfig, "n_gpu", property(lambda self: 4))
+    for extra in ([], ["--check_only", "--world_size", "1"]):
+        assert opsd_train.main(tiny_argv(tmp_path / "out", 1) + extra) == 2
+        (err,) = capsys.readouterr().err.strip().splitlines()
+        assert err.startswith("error: 4 GPUs are visible to one process") and "CUDA_VISIBLE_DEVICES=0" in err
+    assert not (tmp_path / "out").exists()
+    assert opsd_train.main(tiny_argv(tmp_path / "out", 1) + ["--check_only", "--world_size", "4"]) == 0
+
+
 def test_use_vllm_without_vllm_is_a_one_line_error(tmp_path, capsys):
     pytest.importorskip("torch")
     import importlib.util
