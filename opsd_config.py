@@ -11,9 +11,12 @@ are accepted; budget knobs (`BUDGET_KNOBS`) are fixed by train_capped.sh and are
 ignored with a warning. Every other problem is a `RecipeError` whose message is
 one line, `PATH:LINE: message`.
 
+It also declares the multi-GPU engines train_capped.sh launches with (`OPSD_ACCELERATE_CONFIG`).
+
 CLI:
     python opsd_config.py check RECIPE   # parsed recipe as key=value lines; exit 2 on error
     python opsd_config.py switches       # the OPSD_* switches in effect; exit 2 on error
+    python opsd_config.py accelerate-config [NAME|PATH]   # the accelerate config file; exit 2 on error
 """
 from __future__ import annotations
 
@@ -373,6 +376,37 @@ def _format_value(value: object) -> str:
 
 
 # --------------------------------------------------------------------------
+# Multi-GPU engine (train_capped.sh)
+# --------------------------------------------------------------------------
+
+ACCELERATE_CONFIG_VARIABLE = "OPSD_ACCELERATE_CONFIG"
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+# name -> (accelerate config file in configs/, when to choose it); the first is the default.
+ACCELERATE_CONFIGS = {
+    "ddp": ("ddp.yaml", "a full replica per GPU, gradients averaged: LoRA on a model that fits one GPU (1.7B)"),
+    "fsdp2": ("fsdp2.yaml", "parameters sharded per decoder layer: models, or full fine-tuning, that do not fit"),
+    "zero2": ("zero2.yaml", "DeepSpeed, gradients and optimizer state sharded (needs deepspeed)"),
+    "zero3": ("zero3.yaml", "DeepSpeed, parameters sharded too, where FSDP2 is not an option (needs deepspeed)"),
+}
+
+
+def accelerate_config_path(raw: str, var: str = ACCELERATE_CONFIG_VARIABLE) -> str:
+    """The accelerate config file that `raw` names: one of ACCELERATE_CONFIGS (empty: the
+    first), or the path of an existing .yaml / .yml / .json file, relative to the current
+    folder. Returned absolute; anything else is a ConfigError."""
+    value = raw.strip()
+    name = value.lower() or next(iter(ACCELERATE_CONFIGS))
+    if name in ACCELERATE_CONFIGS:
+        return os.path.join(CONFIGS_DIR, ACCELERATE_CONFIGS[name][0])
+    expected = f"expected one of: {', '.join(ACCELERATE_CONFIGS)}, or the path of an accelerate config file"
+    if not value.lower().endswith((".yaml", ".yml", ".json")):
+        raise ConfigError(f"{var}={raw!r} is not allowed; {expected} (.yaml, .yml or .json)")
+    if not os.path.isfile(value):
+        raise ConfigError(f"{var}={raw!r}: no such file; {expected}")
+    return os.path.abspath(value)
+
+
+# --------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------
 
@@ -382,6 +416,11 @@ def main(argv: list[str] | None = None) -> int:
     check = commands.add_parser("check", help="parse a recipe file and print it as key=value lines")
     check.add_argument("recipe", help="path of the recipe file, e.g. recipe.env")
     commands.add_parser("switches", help="print the OPSD_* switches read from the environment")
+    engines = "; ".join(f"{name}: {why}" for name, (_, why) in ACCELERATE_CONFIGS.items())
+    engine = commands.add_parser(
+        "accelerate-config", help=f"print the accelerate config file that {ACCELERATE_CONFIG_VARIABLE} names",
+        description=f"{ACCELERATE_CONFIG_VARIABLE}: {engines}; or the path of an accelerate config file.")
+    engine.add_argument("value", nargs="?", default="", help="a name or a path; empty: the default (ddp)")
     args = parser.parse_args(argv)
     try:
         if args.command == "check":
@@ -389,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
             for warning in warnings:
                 print(f"warning: {warning}", file=sys.stderr)
             lines = recipe.as_lines()
+        elif args.command == "accelerate-config":
+            lines = [accelerate_config_path(args.value)]
         else:
             lines = [f"{var}={value}" for var, value in Switches.from_env().as_env().items()]
     except ConfigError as e:

@@ -465,6 +465,11 @@ def main(argv=None) -> int:
         return 0
     try:
         script_args, config, dataset = parse(argv, quiet=check_only)
+        if (world_size or 1) == 1 and config.n_gpu > 1:  # launched processes see n_gpu 1 each
+            raise ConfigError(
+                f"{config.n_gpu} GPUs are visible to one process, which transformers would run as nn.DataParallel "
+                "(not supported): make one visible (CUDA_VISIBLE_DEVICES=0) or start one process per GPU "
+                "(train_capped.sh, accelerate launch)")
         identity = run_identity(script_args, config, dataset, world_size)
         resume = resume_point(config.output_dir, identity, script_args.resume)
         lock = run_folder.RunLock(config.output_dir)

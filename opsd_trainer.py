@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 from accelerate.utils import is_peft_model
+from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
@@ -64,7 +65,7 @@ from opsd_config import (
 )
 from opsd_logging import append_metrics, kl_line
 from opsd_loss import divergence_loss, nll_loss, tinker_loss
-from rollout import SamplingSettings, TransformersBackend, to_completion
+from rollout import ROLLOUT_STREAMS, SamplingSettings, TransformersBackend, rollout_seed, to_completion
 from vllm_weights import merged_named_parameters
 
 EMA_FILE = "ema_adapter.pt"
@@ -137,7 +138,11 @@ class OPSDConfig(DistillationConfig):
         default=None, metadata={"help": "Teacher prompt limit; the privileged context is truncated to fit."}
     )
     loss_implementation: str = field(
-        default="chunked", metadata={"help": "chunked (hidden states, low memory) or logits (full logits)."}
+        default="auto",
+        metadata={
+            "help": "chunked (hidden states, low memory), logits (full logits) or auto: chunked, except under "
+            "DeepSpeed ZeRO-3, which leaves the LM head's weight partitioned where the chunked loss reads it."
+        },
     )
     loss_chunk_size: int = field(default=1024, metadata={"help": "Tokens per chunk of the chunked loss."})
     pad_to_multiple_of: int | str | None = field(
@@ -167,6 +172,14 @@ class OPSDConfig(DistillationConfig):
             "graph_compiled, graph, static (generate + static cache) or dynamic / None (generate + dynamic cache)."
         },
     )
+    ddp_find_unused_parameters: bool | None = field(
+        default=False,
+        metadata={
+            "help": "DDP's find_unused_parameters. False: the student's forward uses every LoRA parameter at every "
+            "step, whatever the loss (tested), so DDP need not walk the autograd graph each step to find unused "
+            "ones (transformers would turn it on for a peft model)."
+        },
+    )
     disable_dropout: bool = field(default=True, metadata={"help": "Dropout off: both roles see one network."})
     remove_unused_columns: bool | None = field(default=False, metadata={"help": "Rows keep their privileged columns."})
 
@@ -183,6 +196,10 @@ class OPSDConfig(DistillationConfig):
         # compile_layers is resolved below; OPSDTrainer, which also sees sharding chosen in
         # accelerate's config, may switch a default (never an explicit) True off.
         self.compile_layers_is_default = self.compile_layers is None
+        # Likewise, OPSDTrainer may turn an automatic chunked loss into the full-logit one (ZeRO-3).
+        self.loss_implementation_is_default = self.loss_implementation == "auto"
+        if self.loss_implementation_is_default:
+            self.loss_implementation = "chunked"
         low, high = VLLM_TEMPERATURE_RANGE
         if self.use_vllm and not low <= self.temperature <= high:  # else vLLM fails at the first rollout
             raise ValueError(f"temperature={self.temperature}: vLLM rollouts need a temperature in [{low}, {high}]")
@@ -325,6 +342,9 @@ class OPSDTrainer(DistillationTrainer):
                 "fixed_teacher / use_ema_teacher need a LoRA (peft) student: the teacher is the base weights "
                 "with the adapter disabled or swapped, never a second model copy"
             )
+        sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
+        zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
+        apply_engine_defaults(args, sharded, zero_stage)  # the engine is chosen in accelerate's config
         self.collator = make_collator(self._tokenizer, args)
         self.objective = make_objective(args)
         self.sampling = SamplingSettings(
@@ -333,9 +353,6 @@ class OPSDTrainer(DistillationTrainer):
             top_k=args.top_k,
             max_new_tokens=args.max_completion_length,
         )
-        sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
-        if sharded and args.compile_layers and getattr(args, "compile_layers_is_default", False):
-            args.compile_layers = False  # sharding chosen in accelerate's config, not in the arguments
         if self.use_vllm and is_peft_model(self.model) and not sharded:
             # Merge LoRA out of place for vLLM: TRL's in-place merge/unmerge would perturb the bf16
             # base weights, i.e. the fixed teacher, a little at every sync. Sharded runs keep TRL's
@@ -384,16 +401,22 @@ class OPSDTrainer(DistillationTrainer):
             "completion_ids": completions,
         }
 
-    def _sample(self, prompt_ids: list[list[int]], max_new_tokens: int | None = None):
-        """Student rollouts: vLLM through TRL's helper, else our transformers backend."""
+    def _sample(self, prompt_ids: list[list[int]], stream: str = ROLLOUT_STREAMS[0]):
+        """Student rollouts (`stream` "student": vLLM through TRL's helper, else our transformers
+        backend) or reason_first's analyses (always transformers).
+
+        This process's rows, seeded per (seed, rank, step, stream) on the transformers backend.
+        vLLM seeds its own engine: by rank in colocate mode (TRL), by the server in server mode."""
         settings = self.sampling
-        if max_new_tokens is not None:
-            settings = dataclasses.replace(settings, max_new_tokens=max_new_tokens)
-        if self.use_vllm and max_new_tokens is None:
+        if stream == "reason_first":
+            settings = dataclasses.replace(settings, max_new_tokens=self.args.reason_first_max_tokens)
+        elif self.use_vllm:
             samples = [  # syncs the LoRA weights first
                 to_completion(ids, self.eos_token_ids) for ids in self._generate_single_turn(prompt_ids, None, {})
             ]
             return [s.ids for s in samples], [s.truncated for s in samples]
+        seed = rollout_seed(self.args.seed, self.accelerator.process_index, self.state.global_step, stream)
+        settings = dataclasses.replace(settings, seed=seed)
         with self._unwrapped_for_generation() as unwrapped, torch.no_grad():
             backend = TransformersBackend(
                 unwrapped,
@@ -447,7 +470,7 @@ class OPSDTrainer(DistillationTrainer):
         """reason_first: the teacher (its own weights) first analyses the reference."""
         prompt_ids = [self.collator.reason_first_prompt_ids(row) for row in rows]
         with self._teacher_weights(self.accelerator.unwrap_model(self.model)):
-            ids, _ = self._sample(prompt_ids, max_new_tokens=self.args.reason_first_max_tokens)
+            ids, _ = self._sample(prompt_ids, stream="reason_first")
         return self._tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     def _log_rollout(self, prompt_ids, lengths: torch.Tensor, truncated: torch.Tensor) -> None:
@@ -632,6 +655,37 @@ def _test_pause_in_save(name: str) -> None:
         time.sleep(seconds)
 
 
+def apply_engine_defaults(args: OPSDConfig, sharded: bool, zero_stage: int | None) -> None:
+    """Adapt the defaults that assume whole parameters in every process (never an explicit
+    choice) to the engine of the run: `sharded` under FSDP or DeepSpeed, `zero_stage` DeepSpeed's
+    stage (None without it). OPSDTrainer calls it once, before the loss is chosen.
+
+    - compile_layers off: compiled decoder layers were never tried with an engine that wraps
+      the layers' parameters (FSDP gathers them in hooks around each layer, DeepSpeed owns the
+      forward and backward);
+    - transformers rollouts (vLLM off) on `generate` with the dynamic cache: the CUDA-graph
+      decode loop would record the hooks' gathers of sharded parameters into its graph;
+    - ZeRO-3, the full-logit loss: the chunked loss reads the LM head's weight outside the
+      head's forward, where ZeRO-3 leaves it partitioned to nothing; calling the head gathers it
+      (at the cost of the micro-batch's [B, C, V] logits). An explicit chunked loss is refused.
+
+    The EMA teacher is refused where parameters are sharded (FSDP, ZeRO-3): it keeps whole
+    copies of the adapter tensors, which the engine replaces by shards when it wraps the model.
+    """
+    if sharded and zero_stage in (None, 3) and args.use_ema_teacher:
+        raise ValueError("use_ema_teacher is not supported with sharded parameters (FSDP, DeepSpeed ZeRO-3): its "
+                         "whole copies of the adapter do not match the shards; use DDP or ZeRO-2")
+    if sharded and args.compile_layers and getattr(args, "compile_layers_is_default", False):
+        args.compile_layers = False
+    if sharded and args.rollout_cache_implementation == "auto":
+        args.rollout_cache_implementation = "dynamic"
+    if zero_stage == 3 and args.loss_implementation == "chunked":
+        if not getattr(args, "loss_implementation_is_default", False):
+            raise ValueError("loss_implementation=chunked cannot run under DeepSpeed ZeRO-3, which partitions the "
+                             "LM head's weight the chunked loss reads; use logits (or auto)")
+        args.loss_implementation = "logits"
+
+
 def make_objective(args: OPSDConfig):
     """The run's loss, chosen once from the config when the trainer starts (docs/SPEC.md §2).
 
@@ -645,16 +699,16 @@ def make_objective(args: OPSDConfig):
     if args.loss_implementation == "chunked":  # logits formed chunk by chunk, never [B, C, V] at once
 
         def chunked_sft(student, teacher, mask, ids, head):  # cross-entropy on the reference solution
-            return chunked_nll_loss(student[mask], teacher[mask], head.weight, ids[mask],
-                                    chunk_size=chunk_size, lm_head_bias=head.bias)
+            return chunked_nll_loss(student[mask], teacher[mask], _whole(head.weight), ids[mask],
+                                    chunk_size=chunk_size, lm_head_bias=_whole(head.bias))
 
         def chunked_tinker(student, teacher, mask, ids, head):
-            return chunked_tinker_loss(student[mask], teacher[mask], head.weight, ids[mask], temperature=temperature,
-                                       chunk_size=chunk_size, lm_head_bias=head.bias)
+            return chunked_tinker_loss(student[mask], teacher[mask], _whole(head.weight), ids[mask],
+                                       temperature=temperature, chunk_size=chunk_size, lm_head_bias=_whole(head.bias))
 
         def chunked_divergence(student, teacher, mask, ids, head):
-            return chunked_divergence_loss(student[mask], teacher[mask], head.weight, **divergence,
-                                           chunk_size=chunk_size, lm_head_bias=head.bias, compile=compile_math)
+            return chunked_divergence_loss(student[mask], teacher[mask], _whole(head.weight), **divergence,
+                                           chunk_size=chunk_size, lm_head_bias=_whole(head.bias), compile=compile_math)
 
         if args.loss_type == "sft":
             return chunked_sft
@@ -681,6 +735,14 @@ def divergence_settings(args: OPSDConfig) -> dict:
         "beta": args.beta, "temperature": args.temperature, "clip": args.jsd_token_clip,
         "clip_mode": args.clip_mode, "top_k": args.top_k_loss,
     }  # fmt: skip
+
+
+def _whole(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The LM head's weight or bias as one ordinary tensor. Under FSDP2 it may be a DTensor (a
+    shard per GPU), which the chunked loss's matmuls cannot take: gathered here once per
+    micro-batch, not once per chunk. Frozen under LoRA; were it trained, the gather's backward
+    would hand each GPU its shard's gradient."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def make_collator(tokenizer, args: OPSDConfig) -> OPSDCollator:

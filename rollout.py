@@ -88,6 +88,20 @@ def derive_seed(seed: int, *keys: int) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
+# What a training process samples (rollout_seed's `stream`).
+ROLLOUT_STREAMS = ("student", "reason_first")
+
+
+def rollout_seed(seed: int, rank: int, step: int, stream: str = ROLLOUT_STREAMS[0]) -> int:
+    """The seed of what training process `rank` samples at optimizer step `step`.
+
+    Each rank samples its own rows, on its own random stream: rank-distinct (`seed + rank`
+    would give seed 1's rank 0 the stream of seed 0's rank 1, paired seeds of a grid),
+    reproducible (no RNG state to restore on resume) and apart from the evaluation's
+    (seed, index) streams, which hash fewer keys."""
+    return derive_seed(seed, rank, step, ROLLOUT_STREAMS.index(stream))
+
+
 def to_completion(ids: Iterable[int], eos_token_ids: Sequence[int]) -> Completion:
     """Cut `ids` right after the first EOS; what follows it is padding. A sample
     without EOS can only have stopped by running out of tokens: truncated."""

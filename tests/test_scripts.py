@@ -196,8 +196,11 @@ def fake_gpu_host(tmp_path):
         tool.chmod(0o755)
     # The script validates everything (`opsd_train.py --check_only`, which needs vllm for
     # these runs) before it launches: a `python` that answers the check and passes the rest on.
+    # A training run without the launcher (one process) is recorded like accelerate's.
     (bin_dir / "python").write_text(
         '#!/usr/bin/env bash\nif [[ " $* " == *" --check_only "* ]]; then echo "check $*"; exit 0; fi\n'
+        'if [[ " $* " == *"/opsd_train.py "* ]]; then echo "train CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-unset} $*"; '
+        'exit 0; fi\n'
         f'exec {sys.executable} "$@"\n')
     (bin_dir / "python").chmod(0o755)
     env = {key: value for key, value in os.environ.items() if key != "CUDA_VISIBLE_DEVICES"}
@@ -205,22 +208,28 @@ def fake_gpu_host(tmp_path):
 
 
 def launch(env, **extra):
+    """train_capped.sh on the fake host: the result and the line of the launch (accelerate's, or
+    `train ...` for one process started without it)."""
     result = subprocess.run(["bash", "train_capped.sh"], cwd=ROOT, env={**env, **extra},
                             capture_output=True, text=True, timeout=120)
-    line = next((l for l in result.stdout.splitlines() if l.startswith("launch ")), "")
+    line = next((l for l in result.stdout.splitlines() if l.startswith(("launch ", "train "))), "")
     return result, line
+
+
+DDP_CONFIG = ROOT / "configs" / "ddp.yaml"
 
 
 @pytest.mark.parametrize("extra, gpus, processes", [
     ({"FAKE_GPUS": "5"}, "1,2,3,4", 4),                                    # the server's GPU 0 excluded
     ({"FAKE_GPUS": "3", "OPSD_VLLM_SERVER_GPU": "1"}, "0,2", 2),
     ({"CUDA_VISIBLE_DEVICES": "4,5,6", "OPSD_VLLM_SERVER_GPU": "5", "OPSD_PER_DEVICE_BATCH": "8"}, "4,6", 2),
-    ({"FAKE_GPUS": "8", "OPSD_VLLM_SERVER_GPU": "0, 7", "OPSD_NUM_PROCESSES": "4"}, "1,2,3,4,5,6", 4),
+    ({"FAKE_GPUS": "8", "OPSD_VLLM_SERVER_GPU": "0, 7", "OPSD_NUM_PROCESSES": "4"}, "1,2,3,4", 4),  # the first 4 left
 ])
 def test_server_mode_keeps_training_off_the_server_gpu(fake_gpu_host, extra, gpus, processes):
     result, line = launch(fake_gpu_host, OPSD_VLLM_MODE="server", **extra)
     assert result.returncode == 0, result.stderr
-    assert line.startswith(f"launch CUDA_VISIBLE_DEVICES={gpus} launch --num_processes {processes} ")
+    assert line.startswith(f"launch CUDA_VISIBLE_DEVICES={gpus} launch --config_file {DDP_CONFIG} "
+                           f"--num_processes {processes} ")
     assert "--vllm_mode server" in line
     assert f"--check_only --world_size {processes} " in result.stdout  # validated for that launch first
 
@@ -229,7 +238,61 @@ def test_colocate_and_remote_server_use_every_gpu(fake_gpu_host):
     for mode in ({"OPSD_VLLM_MODE": "colocate"}, {"OPSD_VLLM_MODE": "server", "OPSD_VLLM_SERVER_GPU": "none"}):
         result, line = launch(fake_gpu_host, FAKE_GPUS="4", **mode)
         assert result.returncode == 0, result.stderr
-        assert line.startswith("launch CUDA_VISIBLE_DEVICES=unset launch --num_processes 4 "), line
+        assert line.startswith(f"launch CUDA_VISIBLE_DEVICES=unset launch --config_file {DDP_CONFIG} "
+                               "--num_processes 4 "), line
+
+
+@pytest.mark.parametrize("extra, line_start", [
+    # One process on a multi-GPU host: no launcher, and one GPU visible (never nn.DataParallel).
+    ({"OPSD_NUM_PROCESSES": "1"}, "train CUDA_VISIBLE_DEVICES=0 "),
+    ({"OPSD_NUM_PROCESSES": "1", "CUDA_VISIBLE_DEVICES": "2,3"}, "train CUDA_VISIBLE_DEVICES=2 "),
+    ({"OPSD_PRESET": "tiny"}, "train CUDA_VISIBLE_DEVICES=0 "),
+    # N processes below the visible GPUs: the first N.
+    ({"OPSD_NUM_PROCESSES": "2"}, f"launch CUDA_VISIBLE_DEVICES=0,1 launch --config_file {DDP_CONFIG} --num_processes 2 "),
+    ({"OPSD_NUM_PROCESSES": "2", "CUDA_VISIBLE_DEVICES": "3,1,2"},
+     f"launch CUDA_VISIBLE_DEVICES=3,1 launch --config_file {DDP_CONFIG} --num_processes 2 "),
+], ids=["one", "one-of-visible", "tiny-preset", "two-of-four", "two-of-visible"])
+def test_fewer_processes_than_gpus_use_the_first_ones(fake_gpu_host, extra, line_start):
+    result, line = launch(fake_gpu_host, FAKE_GPUS="4", **extra)
+    assert result.returncode == 0, result.stderr
+    assert line.startswith(line_start), line
+    processes = extra.get("OPSD_NUM_PROCESSES", "1")
+    assert f"--check_only --world_size {processes} " in result.stdout
+
+
+def test_more_processes_than_gpus_is_one_line_before_launch(fake_gpu_host):
+    result, line = launch(fake_gpu_host, FAKE_GPUS="2", OPSD_NUM_PROCESSES="4")
+    assert result.returncode == 2 and not line and "check " not in result.stdout
+    assert result.stderr.splitlines() == ["error: OPSD_NUM_PROCESSES=4 but 2 GPUs are visible (0 1)"]
+
+
+@pytest.mark.parametrize("name, file", [
+    ("ddp", "ddp.yaml"), ("fsdp2", "fsdp2.yaml"), ("zero2", "zero2.yaml"), ("ZeRO3", "zero3.yaml"),
+    ("configs/fsdp2.yaml", "fsdp2.yaml"),  # a path, relative to the caller's folder
+])
+def test_engine_is_passed_to_accelerate_as_its_config_file(fake_gpu_host, name, file):
+    result, line = launch(fake_gpu_host, FAKE_GPUS="2", OPSD_ACCELERATE_CONFIG=name)
+    assert result.returncode == 0, result.stderr
+    assert line.startswith(f"launch CUDA_VISIBLE_DEVICES=unset launch --config_file {ROOT / 'configs' / file} "
+                           "--num_processes 2 --num_machines 1 "), line
+
+
+def test_sharded_engine_with_one_process_goes_through_the_launcher(fake_gpu_host):
+    result, line = launch(fake_gpu_host, FAKE_GPUS="1", OPSD_ACCELERATE_CONFIG="zero3")
+    assert result.returncode == 0, result.stderr
+    assert line.startswith(f"launch CUDA_VISIBLE_DEVICES=unset launch --config_file {ROOT / 'configs' / 'zero3.yaml'} "
+                           "--num_processes 1 "), line
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("zero4", "OPSD_ACCELERATE_CONFIG='zero4' is not allowed; expected one of: ddp, fsdp2, zero2, zero3, or the path"),
+    ("missing.yaml", "OPSD_ACCELERATE_CONFIG='missing.yaml': no such file"),
+])
+def test_bad_engine_is_one_line_before_anything_runs(fake_gpu_host, value, fragment):
+    result, line = launch(fake_gpu_host, FAKE_GPUS="2", OPSD_ACCELERATE_CONFIG=value)
+    assert result.returncode == 2 and not line and "check " not in result.stdout
+    (message,) = result.stderr.splitlines()
+    assert message.startswith(f"error: {fragment}")
 
 
 @pytest.mark.parametrize("extra, fragment", [
@@ -245,21 +308,24 @@ def test_server_mode_without_enough_training_gpus_is_one_line(fake_gpu_host, ext
 
 
 def test_two_process_launch(tmp_path):
-    """Data-parallel training through accelerate: gathers, barriers and the atomic
-    checkpoint rename all run with two ranks (gloo on CPU stands in for NCCL)."""
+    """Data-parallel training of the CLI: gathers, barriers and the atomic checkpoint rename
+    all run with two ranks (gloo on CPU stands in for NCCL). torchrun starts the ranks and
+    accelerate joins them, as `accelerate launch` does on GPUs; `accelerate launch --cpu
+    --num_processes 2` would start one process (several CPU ranks need mpirun there)."""
     out = tmp_path / "ddp"
     cmd = [
-        "accelerate", "launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         "opsd_train.py", "--preset", "tiny", "--output_dir", str(out), "--max_steps", "1",
         "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
         "--save_steps", "1", "--report_to", "none", "--max_completion_length", "8",
     ]  # fmt: skip
-    result = run(cmd, {})
+    result = run(cmd, {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((out / "run_config.json").read_text())["num_processes"] == 2
     assert (out / "checkpoint-1" / "adapter_model.safetensors").is_file()
+    assert not (out / ".staging").exists()
     assert result.stdout.count("[OPSD align]") == 1  # printed by the main process only
-    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    (record,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert record["step"] == 1 and record["opsd/true_kl"] > 0
 
 

@@ -479,6 +479,25 @@ def _rows(trainer, n=2):
     return [trainer.train_dataset[i] for i in range(n)]
 
 
+def test_each_rank_samples_with_its_own_reproducible_seed(tmp_path, monkeypatch):
+    """The trainer seeds a process's rollouts from (seed, rank, step): the same rows give other
+    completions on another rank or at another step, and the same ones again on the same rank
+    and step (a resumed run samples what the uninterrupted one did)."""
+    trainer = make_trainer(tmp_path, 1, "--max_completion_length", "8")
+    prompts = [trainer.collator.student_prompt_ids(row) for row in _rows(trainer)]
+
+    def sample(rank, step, global_seed=0):
+        monkeypatch.setattr(type(trainer.accelerator), "process_index", property(lambda self: rank))
+        trainer.state.global_step = step
+        torch.manual_seed(global_seed)  # the process-global RNG must play no part
+        return trainer._sample(prompts)[0]
+
+    first = sample(0, 0)
+    assert sample(0, 0, global_seed=1) == first
+    assert sample(1, 0) != first
+    assert sample(0, 1) != first
+
+
 def test_reason_first_puts_the_teachers_analysis_into_its_context(tmp_path):
     from prompts import RATIONALE_LABEL
 
@@ -545,6 +564,39 @@ def test_chunked_and_full_logit_paths_agree_in_the_trainer(tmp_path, objective):
     assert (grad_c - grad_l).norm() / grad_l.norm() < 1e-6
 
 
+@pytest.mark.parametrize("extra", [[], ["--use_tinker_loss", "true"], ["--loss_type", "sft"],
+                                   ["--fixed_teacher", "false", "--use_ema_teacher", "true"]],
+                         ids=["divergence", "tinker", "sft", "ema_teacher"])
+def test_every_lora_parameter_gets_a_gradient_at_every_step(tmp_path, extra):
+    """Why DDP runs with find_unused_parameters=False by default: the trainable parameters are
+    exactly the LoRA adapters, and one loss computation gives each of them a gradient, for
+    every objective and teacher (DDP would hang or fail on a parameter without one). The
+    reference solutions stand in for rollouts (lmbda 0): sampling is slow on CPU and does not
+    change which parameters the loss reaches."""
+    trainer = make_trainer(tmp_path, 1, "--lmbda", "0", *extra)
+    assert trainer.args.ddp_find_unused_parameters is False
+    assert trainer.accelerator.ddp_handler.find_unused_parameters is False  # what DDP is built with
+    trainable = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in name or ".lora_B." in name for name in trainable)
+    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    trainer.compute_loss(trainer.model, inputs).backward()
+    assert [name for name, p in trainable.items() if p.grad is None] == []
+    # lora_B starts at zero, so lora_A's first gradient is zero; lora_B's must not be.
+    assert all(p.grad.abs().sum() > 0 for name, p in trainable.items() if ".lora_B." in name)
+
+
+def test_one_process_seeing_several_gpus_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """Started without a launcher on a multi-GPU host (simulated), transformers would wrap the
+    model in nn.DataParallel: refused before any model loads, also in train_capped.sh's check."""
+    monkeypatch.setattr(opsd_trainer.OPSDConfig, "n_gpu", property(lambda self: 4))
+    for extra in ([], ["--check_only", "--world_size", "1"]):
+        assert opsd_train.main(tiny_argv(tmp_path / "out", 1) + extra) == 2
+        (err,) = capsys.readouterr().err.strip().splitlines()
+        assert err.startswith("error: 4 GPUs are visible to one process") and "CUDA_VISIBLE_DEVICES=0" in err
+    assert not (tmp_path / "out").exists()
+    assert opsd_train.main(tiny_argv(tmp_path / "out", 1) + ["--check_only", "--world_size", "4"]) == 0
+
+
 def test_use_vllm_without_vllm_is_a_one_line_error(tmp_path, capsys):
     pytest.importorskip("torch")
     import importlib.util
@@ -591,6 +643,72 @@ def test_gpu_defaults_with_cuda(tmp_path, monkeypatch, extra, layers):
     explicit = opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, compile_layers=False,
                                        compile_loss=False, pad_to_multiple_of=0)
     assert (explicit.compile_layers, explicit.compile_loss, explicit.pad_to_multiple_of) == (False, False, None)
+
+
+@pytest.mark.parametrize("sharded, zero_stage, expected", [
+    (False, None, (True, "auto", "chunked")),     # DDP / one process: the GPU defaults
+    (True, None, (False, "dynamic", "chunked")),  # FSDP
+    (True, 2, (False, "dynamic", "chunked")),
+    (True, 3, (False, "dynamic", "logits")),
+], ids=["ddp", "fsdp", "zero2", "zero3"])
+def test_engine_defaults(tmp_path, monkeypatch, sharded, zero_stage, expected):
+    """What the trainer makes of its defaults once it sees the engine accelerate's config chose
+    (on a simulated CUDA machine); explicit choices are kept, an impossible one is refused."""
+    monkeypatch.setattr(opsd_trainer.torch.cuda, "is_available", lambda: True)
+
+    def config(**explicit):
+        args = opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, **explicit)
+        opsd_trainer.apply_engine_defaults(args, sharded, zero_stage)
+        return args.compile_layers, args.rollout_cache_implementation, args.loss_implementation
+
+    assert config() == expected
+    assert config(compile_layers=True, rollout_cache_implementation="graph", loss_implementation="logits") == (
+        True, "graph", "logits")
+    if zero_stage == 3:
+        with pytest.raises(ValueError, match="loss_implementation=chunked cannot run under DeepSpeed ZeRO-3"):
+            config(loss_implementation="chunked")
+    else:
+        assert config(loss_implementation="chunked")[2] == "chunked"
+    ema = {"fixed_teacher": False, "use_ema_teacher": True}
+    if sharded and zero_stage != 2:  # parameters sharded: FSDP, ZeRO-3
+        with pytest.raises(ValueError, match="use_ema_teacher is not supported with sharded parameters"):
+            config(**ema)
+    else:
+        assert config(**ema) == expected
+
+
+def test_chunked_loss_takes_an_fsdp2_sharded_lm_head(tmp_path):
+    """Under FSDP2 the LM head's weight can be a DTensor; the chunked loss gathers it and gives
+    the loss and gradients of an ordinary head (a one-rank gloo group stands in for the GPUs)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    objective = opsd_trainer.make_objective(opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False))
+    gen = torch.Generator().manual_seed(0)
+    hidden, vocab = 8, 40
+    plain = torch.nn.Linear(hidden, vocab, bias=False).double()
+    student = torch.randn(2, 5, hidden, dtype=torch.float64, generator=gen, requires_grad=True)
+    teacher = torch.randn(2, 5, hidden, dtype=torch.float64, generator=gen)
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    ids = torch.randint(vocab, (2, 5), generator=gen)
+    results = []
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        sharded = torch.nn.Linear(hidden, vocab, bias=False)
+        sharded.weight = torch.nn.Parameter(
+            distribute_tensor(plain.weight.detach(), init_device_mesh("cpu", (1,)), [Shard(0)]), requires_grad=False)
+        assert isinstance(sharded.weight, DTensor)
+        for head in (plain, sharded):
+            student.grad = None
+            loss, _ = objective(student, teacher, mask, ids, head)
+            loss.backward()
+            results.append((loss.detach(), student.grad.clone()))
+    finally:
+        dist.destroy_process_group()
+    (loss_plain, grad_plain), (loss_sharded, grad_sharded) = results
+    torch.testing.assert_close(loss_sharded, loss_plain, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad_sharded, grad_plain, rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("value, expected", [("auto", 16), (None, 16), ("none", None), (0, None), ("32", 32), (8, 8)])
