@@ -431,7 +431,7 @@ def problem_chunks(request: EvalRequest, num_problems: int) -> list[range]:
 
 
 def _sample_chunk(backend, request: EvalRequest, prompts: list[list[int]], chunk: range):
-    from rollout import SamplingSettings, derive_seed
+    from sampling import SamplingSettings, derive_seed
 
     s = request.settings
     sampling = SamplingSettings(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,

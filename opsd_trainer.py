@@ -51,6 +51,7 @@ from data_collator import (
     gather_completion_positions,
 )
 from ema_teacher import AdapterEMA
+from model_utils import causal_lm
 from opsd_chunked_loss import chunked_divergence_loss, chunked_nll_loss, chunked_tinker_loss
 from opsd_config import (
     CLIP_MODES,
@@ -65,7 +66,8 @@ from opsd_config import (
 )
 from opsd_logging import append_metrics, kl_line
 from opsd_loss import divergence_loss, nll_loss, tinker_loss
-from rollout import ROLLOUT_STREAMS, SamplingSettings, TransformersBackend, rollout_seed, to_completion
+from rollout import TransformersBackend
+from sampling import ROLLOUT_STREAMS, SamplingSettings, rollout_seed, to_completion
 from vllm_weights import merged_named_parameters
 
 EMA_FILE = "ema_adapter.pt"
@@ -782,7 +784,7 @@ def completion_hidden_states(model, batch) -> torch.Tensor:
 
     Only the backbone runs; logits are formed by the loss, never for prompt positions.
     """
-    decoder = _base_model(model).get_decoder()
+    decoder = causal_lm(model).get_decoder()
     out = decoder(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
@@ -794,12 +796,7 @@ def completion_hidden_states(model, batch) -> torch.Tensor:
 
 def lm_head(model) -> torch.nn.Module:
     """The output projection (LM head) that turns the hidden states into logits."""
-    return _base_model(model).get_output_embeddings()
-
-
-def _base_model(model):
-    """The transformers CausalLM under a peft wrapper (LoRA layers are injected into it)."""
-    return model.get_base_model() if is_peft_model(model) else model
+    return causal_lm(model).get_output_embeddings()
 
 
 def _to_device(batch, device):

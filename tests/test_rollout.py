@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import rollout
-from rollout import (ROLLOUT_STREAMS, BackendUnavailable, Completion, SamplingSettings, TransformersBackend, derive_seed,
-                     make_backend, resolve_backend_name, rollout_seed, to_completion, vllm_lora_rank)
+from rollout import BackendUnavailable, TransformersBackend, make_backend, resolve_backend_name, vllm_lora_rank
+from sampling import ROLLOUT_STREAMS, Completion, SamplingSettings, derive_seed, rollout_seed, to_completion
 from static_decode import StaticDecoder, bucket_width, resolve_cache_implementation
 
 SAMPLE = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=123)
