@@ -416,6 +416,20 @@ def _summary_line(trainer, started: float) -> str:
     )
 
 
+def draw_curves(out: str) -> str | None:
+    """The run's curves.png beside metrics.jsonl (run_plots.py); its path, or None with one
+    warning line: a finished run never fails for its figure (no matplotlib, a full disk, ...)."""
+    try:
+        import run_plots
+
+        run_plots.plot_run_curves(out)
+        return os.path.join(out, run_plots.CURVES_FILE)
+    except Exception as exc:  # noqa: BLE001 - whatever went wrong, the training itself is done
+        print(f"warning: training curves not drawn: {' '.join(str(exc).split()) or type(exc).__name__}",
+              file=sys.stderr)
+        return None
+
+
 def help_text() -> str:
     """`--help`: this script's settings, the OPSD_* variables and the precedence first,
     then the flags inherited from TRL / transformers."""
@@ -510,7 +524,9 @@ def main(argv=None) -> int:
                   "command to resume", flush=True)
         return 128 + trainer.stopped_by_signal
     if main_process:
-        print(_summary_line(trainer, started), flush=True)
+        summary = _summary_line(trainer, started)
+        curves = draw_curves(out)
+        print(summary + (f" | curves {curves}" if curves else ""), flush=True)
     return 0
 
 

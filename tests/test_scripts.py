@@ -53,7 +53,9 @@ def test_train_capped_tiny_preset_end_to_end(tiny_run):
     assert "FutureWarning" not in result.stderr and "DeprecationWarning" not in result.stderr
     summary = [line for line in result.stdout.splitlines() if line.startswith("[OPSD] done:")]
     assert len(summary) == 1 and "8 steps" in summary[0] and str(out / "checkpoint-8") in summary[0]
-    assert "last true_kl" in summary[0]
+    assert "last true_kl" in summary[0] and summary[0].endswith(f" | curves {out / 'curves.png'}")
+    png = (out / "curves.png").read_bytes()  # drawn at the end of the run, beside metrics.jsonl
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
 def test_run_configuration_is_printed_and_stored(tiny_run):

@@ -122,6 +122,26 @@ def test_align_and_kl_lines_printed(tmp_path, capsys):
     assert "[OPSD kl] step=1" in out and "true_kl=" in out
     assert "{'loss'" not in out  # no second copy of the step as a dict
     assert out.count("[OPSD] done: 1 steps in ") == 1 and f"last checkpoint {tmp_path / 'checkpoint-1'}" in out
+    # The run's curves are drawn at its end, and the summary line says where.
+    assert f" | curves {tmp_path / 'curves.png'}" in out
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_figure_that_cannot_be_drawn_is_one_warning_not_a_failure(tmp_path, monkeypatch, capsys):
+    """draw_curves runs after the last step: whatever fails there is one warning line."""
+    import run_plots
+
+    assert opsd_train.draw_curves(str(tmp_path)) is None  # no metrics.jsonl
+    err = capsys.readouterr().err
+    assert err == f"warning: training curves not drawn: {tmp_path / 'metrics.jsonl'}: no such file " \
+                  "(a run writes it from its first logged step)\n"
+
+    def broken(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(run_plots, "plot_run_curves", broken)
+    assert opsd_train.draw_curves(str(tmp_path)) is None
+    assert capsys.readouterr().err == "warning: training curves not drawn: No module named 'matplotlib'\n"
 
 
 def test_resumed_run_equals_the_uninterrupted_one(trained_run, tmp_path):
