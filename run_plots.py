@@ -366,6 +366,7 @@ class Interval:
 
 @dataclass(frozen=True)
 class IntervalPanel:
+    title: str
     xlabel: str
     rows: tuple[Interval, ...]
     zero_line: bool = False  # differences: is 0 inside the interval?
@@ -376,7 +377,7 @@ def plot_intervals(panels: Sequence[IntervalPanel], out, title: str = "") -> lis
     out = check_output(out)
     from matplotlib.figure import Figure
 
-    heights = [max(len(p.rows), 1) * 0.55 + 0.9 for p in panels]
+    heights = [max(len(p.rows), 1) * 0.55 + 1.1 for p in panels]
     fig = Figure(figsize=(8.0, sum(heights) + 0.7), dpi=DPI, layout="constrained")
     axes = fig.subplots(len(panels), 1, squeeze=False, height_ratios=heights).ravel()
     drawn = []
@@ -397,11 +398,12 @@ def plot_intervals(panels: Sequence[IntervalPanel], out, title: str = "") -> lis
             ax.axvline(0.0, color="0.3", linewidth=0.8, linestyle="--")
         ax.set_yticks(range(n), [row.label for row in reversed(panel.rows)], fontsize=8)
         ax.set_ylim(-0.7, n - 0.3)
+        ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel(panel.xlabel, fontsize=9)
         ax.tick_params(axis="x", labelsize=8)
         ax.grid(axis="x", alpha=0.3)
     if title:
-        fig.suptitle(textwrap.fill(title, 110), fontsize=9)
+        fig.suptitle("\n".join(textwrap.fill(line, 110) for line in title.splitlines()), fontsize=9)
     _save(fig, out)
     return drawn
 
