@@ -418,16 +418,11 @@ def _summary_line(trainer, started: float) -> str:
 
 def draw_curves(out: str) -> str | None:
     """The run's curves.png beside metrics.jsonl (run_plots.py); its path, or None with one
-    warning line: a finished run never fails for its figure (no matplotlib, a full disk, ...)."""
-    try:
-        import run_plots
+    warning line: a finished run never fails for its figure."""
+    import run_plots  # stdlib at import; matplotlib only once it draws
 
-        run_plots.plot_run_curves(out)
-        return os.path.join(out, run_plots.CURVES_FILE)
-    except Exception as exc:  # noqa: BLE001 - whatever went wrong, the training itself is done
-        print(f"warning: training curves not drawn: {' '.join(str(exc).split()) or type(exc).__name__}",
-              file=sys.stderr)
-        return None
+    drawn = run_plots.draw_or_warn("training curves", run_plots.plot_run_curves, out)
+    return None if drawn is None else os.path.join(out, run_plots.CURVES_FILE)
 
 
 def help_text() -> str:

@@ -146,8 +146,9 @@ def _path_labels(folders: Sequence[Path]) -> list[str]:
     return [str(folder) for folder in folders]
 
 
-def run_curves(run_dirs: Sequence, keys: Sequence[str]) -> dict[str, list[Curve]]:
-    """{key: one Curve per run that logged it}; a key that no run logged is a PlotError."""
+def run_curves(run_dirs: Sequence, keys: Sequence[str], required: bool = True) -> dict[str, list[Curve]]:
+    """{key: one Curve per run that logged it}. A key that no run logged is a PlotError, or,
+    when not `required` (the default metrics), left out."""
     folders = [Path(d) for d in run_dirs]
     seen = set()
     for folder in folders:
@@ -159,10 +160,19 @@ def run_curves(run_dirs: Sequence, keys: Sequence[str]) -> dict[str, list[Curve]
     for key in keys:
         curves[key] = [Curve(label, *map(tuple, series(records, key))) for label, records in runs]
         curves[key] = [c for c in curves[key] if c.steps]
-        if not curves[key]:
-            raise _no_metric(key, f"the metrics.jsonl of any of the {len(runs)} runs",
-                             [r for _, records in runs for r in records])
-    return curves
+    return _drop_absent(curves, required, f"the metrics.jsonl of any of the {len(runs)} runs",
+                        [r for _, records in runs for r in records])
+
+
+def _drop_absent(curves: dict[str, list[Curve]], required: bool, where: str, records) -> dict[str, list[Curve]]:
+    for key, lines in curves.items():
+        if not lines and required:
+            raise _no_metric(key, where, records)
+    kept = {key: lines for key, lines in curves.items() if lines}
+    if not kept:
+        raise PlotError(f"none of {', '.join(map(metric_label, curves))} is in {where} "
+                        f"(logged: {', '.join(_logged_keys(records)) or 'nothing'})")
+    return kept
 
 
 def grid_arms(grid_dir, arms: Sequence[str] | None = None) -> dict[str, list[Path]]:
@@ -188,9 +198,11 @@ def _seed_number(folder: Path) -> int:
     return int(tail) if tail.isdigit() else -1
 
 
-def grid_curves(grid_dir, keys: Sequence[str], arms: Sequence[str] | None = None) -> dict[str, list[Curve]]:
+def grid_curves(grid_dir, keys: Sequence[str], arms: Sequence[str] | None = None,
+                required: bool = True) -> dict[str, list[Curve]]:
     """{key: one Curve per arm}: the mean over the arm's seeds at each step (over the seeds
-    that logged that step) with the lowest and highest seed as the band."""
+    that logged that step) with the lowest and highest seed as the band. A key that no arm
+    logged: as in run_curves."""
     per_arm = {arm: [read_metrics(folder) for folder in folders] for arm, folders in grid_arms(grid_dir, arms).items()}
     curves = {}
     for key in keys:
@@ -209,10 +221,8 @@ def grid_curves(grid_dir, keys: Sequence[str], arms: Sequence[str] | None = None
             curves[key].append(Curve(label, steps, means,
                                      tuple(min(by_step[s]) for s in steps) if band else None,
                                      tuple(max(by_step[s]) for s in steps) if band else None))
-        if not curves[key]:
-            raise _no_metric(key, f"the metrics.jsonl of any arm of {grid_dir}",
-                             [r for seeds in per_arm.values() for records in seeds for r in records])
-    return curves
+    return _drop_absent(curves, required, f"the metrics.jsonl of any arm of {grid_dir}",
+                        [r for seeds in per_arm.values() for records in seeds for r in records])
 
 
 # --------------------------------------------------------------------------
@@ -341,7 +351,7 @@ def plot_overlay(curves: dict[str, list[Curve]], out, title: str = "") -> list[t
 def overlay_runs(run_dirs: Sequence, out, metrics: Sequence[str] | None = None) -> list[tuple[str, str]]:
     check_output(out)
     keys = [metric_key(m) for m in (metrics or OVERLAY_METRICS)]
-    return plot_overlay(run_curves(run_dirs, keys), out)
+    return plot_overlay(run_curves(run_dirs, keys, required=bool(metrics)), out)
 
 
 def overlay_grid(grid_dir, out=None, metrics: Sequence[str] | None = None,
@@ -349,7 +359,7 @@ def overlay_grid(grid_dir, out=None, metrics: Sequence[str] | None = None,
     """The arms of an opsd_grid.py folder: seed mean and seed range per arm (default
     output GRID_DIR/curves.png)."""
     keys = [metric_key(m) for m in (metrics or OVERLAY_METRICS)]
-    curves = grid_curves(grid_dir, keys, arms)  # first: a missing grid folder is the error to report
+    curves = grid_curves(grid_dir, keys, arms, required=bool(metrics))  # first: a missing folder is the error
     out = check_output(out if out is not None else Path(grid_dir) / CURVES_FILE)
     return plot_overlay(curves, out, f"{Path(grid_dir).resolve().name}: mean over seeds, band = lowest to highest seed")
 
@@ -406,6 +416,16 @@ def plot_intervals(panels: Sequence[IntervalPanel], out, title: str = "") -> lis
         fig.suptitle("\n".join(textwrap.fill(line, 110) for line in title.splitlines()), fontsize=9)
     _save(fig, out)
     return drawn
+
+
+def draw_or_warn(what: str, draw, *args, **kwargs):
+    """For the end of a training run or a grid, whose work is done whatever happens here:
+    `draw(*args, **kwargs)`, or None after one `warning:` line on stderr."""
+    try:
+        return draw(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - no matplotlib, a full disk, ...: the figure is optional
+        print(f"warning: {what} not drawn: {' '.join(str(exc).split()) or type(exc).__name__}", file=sys.stderr)
+        return None
 
 
 # --------------------------------------------------------------------------

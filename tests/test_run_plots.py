@@ -96,6 +96,9 @@ def test_overlay_skips_a_run_without_the_metric(tmp_path):
     sft = write_run(tmp_path / "sft", keys=["loss", "opsd/true_kl"])
     drawn = run_plots.overlay_runs([a, sft], tmp_path / "o.png", ["teacher_mass_removed", "loss"])
     assert drawn == [("opsd/clipped_teacher_mass", "entry"), ("loss", "entry"), ("loss", "sft")]
+    # The default metrics that no run logged are left out (an SFT-only comparison has no clip).
+    drawn = run_plots.overlay_runs([sft], tmp_path / "d.png")
+    assert drawn == [("opsd/true_kl", "sft"), ("loss", "sft")]
 
 
 def test_grid_arms_are_seed_means_with_a_range_band(tmp_path):
