@@ -316,15 +316,26 @@ def plot_run_curves(run_dir, out=None, metrics: Sequence[str] | None = None) -> 
     return drawn
 
 
+def curve_colors(curves: dict[str, list[Curve]]) -> dict[str, str]:
+    """{curve label: colour}: one colour per run or arm in every panel, also where a panel
+    lacks some of them (an SFT arm has no clip metrics)."""
+    colors: dict[str, str] = {}
+    for lines in curves.values():
+        for curve in lines:
+            colors.setdefault(curve.label, f"C{len(colors) % 10}")
+    return colors
+
+
 def plot_overlay(curves: dict[str, list[Curve]], out, title: str = "") -> list[tuple[str, str]]:
     """One panel per metric, one line per Curve (with its band, if any). Returns the
     (metrics.jsonl key, curve label) pairs drawn."""
     out = check_output(out)
     fig, axes = _figure(len(curves))
+    colors = curve_colors(curves)
     drawn = []
     for ax, (key, lines) in zip(axes, curves.items()):
-        for index, curve in enumerate(lines):
-            color = f"C{index % 10}"
+        for curve in lines:
+            color = colors[curve.label]
             ax.plot(curve.steps, curve.values, color=color, label=curve.label, linewidth=1.2)
             if curve.low is not None:
                 ax.fill_between(curve.steps, curve.low, curve.high, color=color, alpha=0.15, linewidth=0)

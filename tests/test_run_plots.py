@@ -99,6 +99,12 @@ def test_overlay_skips_a_run_without_the_metric(tmp_path):
     # The default metrics that no run logged are left out (an SFT-only comparison has no clip).
     drawn = run_plots.overlay_runs([sft], tmp_path / "d.png")
     assert drawn == [("opsd/true_kl", "sft"), ("loss", "sft")]
+    # A run keeps its colour in a panel where another run is missing.
+    curves = run_plots.run_curves([a, sft], ["teacher_mass_removed", "loss"], required=False)
+    assert [c.label for c in curves["loss"]] == ["entry", "sft"]
+    assert run_plots.curve_colors(curves) == {"entry": "C0", "sft": "C1"}
+    sft_first = {"opsd/true_kl": curves["loss"][1:], "loss": curves["loss"]}  # a first panel without `entry`
+    assert run_plots.curve_colors(sft_first) == {"sft": "C0", "entry": "C1"}  # ... in both panels
 
 
 def test_grid_arms_are_seed_means_with_a_range_band(tmp_path):
