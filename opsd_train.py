@@ -451,7 +451,7 @@ def draw_curves(out: str) -> str | None:
     import run_plots  # stdlib at import; matplotlib only once it draws
 
     drawn = run_plots.draw_or_warn("training curves", run_plots.plot_run_curves, out)
-    return None if drawn is None else os.path.join(out, run_plots.CURVES_FILE)
+    return None if drawn is None else os.path.join(os.path.abspath(out), run_plots.CURVES_FILE)  # as checkpoints
 
 
 def help_text() -> str:
