@@ -15,7 +15,7 @@ It also declares the multi-GPU engines train_capped.sh launches with (`OPSD_ACCE
 
 CLI:
     python opsd_config.py check RECIPE   # parsed recipe as key=value lines; exit 2 on error
-    python opsd_config.py switches       # the OPSD_* switches in effect; exit 2 on error
+    python opsd_config.py switches       # the OPSD_* switches and OPSD_REPORT_TO in effect; exit 2 on error
     python opsd_config.py accelerate-config [NAME|PATH]   # the accelerate config file; exit 2 on error
 """
 from __future__ import annotations
@@ -80,6 +80,13 @@ _SWITCHES = {
 }
 
 
+# Where the run's logs also go: transformers' `report_to`, from OPSD_REPORT_TO; the first value
+# is the default. Not a method switch: it changes no number of the run, so it is read apart
+# from Switches and is no part of what a resume compares.
+REPORT_TO_VARIABLE = "OPSD_REPORT_TO"
+TRACKERS = ("tensorboard", "wandb", "trackio")  # each needs the package of the same name
+REPORT_TO_VALUES = ("none", *TRACKERS, "all")  # all: every tracker whose package is installed
+
 # Switches field -> environment variable (derived; for code that maps switches onto config fields).
 SWITCH_VARIABLES = {name: var for name, (var, _) in _SWITCHES.items()}
 # Switches field -> allowed values, the default first (derived; for help texts).
@@ -105,6 +112,14 @@ class Switches:
     def as_env(self) -> dict[str, str]:
         """{variable: value}, e.g. to log the run's switches or pass them on."""
         return {var: getattr(self, name) for name, (var, _) in _SWITCHES.items()}
+
+
+def read_report_to(env: Mapping[str, str] = os.environ) -> str | None:
+    """OPSD_REPORT_TO, checked like a switch; None when unset or empty (the config's default,
+    REPORT_TO_VALUES[0], then stands unless a YAML --config or a flag sets report_to)."""
+    if not env.get(REPORT_TO_VARIABLE, "").strip():
+        return None
+    return _read_switch(env, REPORT_TO_VARIABLE, REPORT_TO_VALUES)
 
 
 def _read_switch(env: Mapping[str, str], var: str, allowed: tuple[str, ...]) -> str:
@@ -415,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="parse a recipe file and print it as key=value lines")
     check.add_argument("recipe", help="path of the recipe file, e.g. recipe.env")
-    commands.add_parser("switches", help="print the OPSD_* switches read from the environment")
+    commands.add_parser("switches", help="print the OPSD_* switches (and OPSD_REPORT_TO) read from the environment")
     engines = "; ".join(f"{name}: {why}" for name, (_, why) in ACCELERATE_CONFIGS.items())
     engine = commands.add_parser(
         "accelerate-config", help=f"print the accelerate config file that {ACCELERATE_CONFIG_VARIABLE} names",
@@ -432,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
             lines = [accelerate_config_path(args.value)]
         else:
             lines = [f"{var}={value}" for var, value in Switches.from_env().as_env().items()]
+            lines.append(f"{REPORT_TO_VARIABLE}={read_report_to() or REPORT_TO_VALUES[0]}")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

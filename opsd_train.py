@@ -27,13 +27,17 @@ import run_folder
 
 from opsd_config import (
     DATA_SELECTS,
+    REPORT_TO_VALUES,
+    REPORT_TO_VARIABLE,
     SWITCH_VALUES,
     SWITCH_VARIABLES,
+    TRACKERS,
     ConfigError,
     Recipe,
     RecipeError,
     Switches,
     parse_recipe,
+    read_report_to,
     recipe_field,
     recipe_value_problem,
 )
@@ -196,6 +200,7 @@ def parse(argv=None, env=os.environ, quiet: bool = False):
     if early.preset not in (None, "", "tiny"):
         raise ConfigError(f"--preset {early.preset!r}: expected tiny")
     switches = Switches.from_env(env)
+    report_to = read_report_to(env)
     recipe = None
     if early.recipe:
         recipe, warnings = parse_recipe(early.recipe)
@@ -211,9 +216,11 @@ def parse(argv=None, env=os.environ, quiet: bool = False):
     defaults = ["--model_name_or_path", "tiny", "--dataset_name", "tiny"] if early.preset == "tiny" else []
     given = _given_flags(argv)
     extra = overrides(early.preset, recipe, early.max_steps, given if not quiet else {})
-    script_args, config = parser.parse_args_and_config(defaults + extra + argv)
+    tracker = tracker_flags(report_to, given, quiet)
+    script_args, config = parser.parse_args_and_config(defaults + extra + tracker + argv)
     apply_switches(switches, env, given, script_args, config, quiet)
     config.check_combinations()
+    check_trackers(config.report_to)
     if config.use_vllm and importlib.util.find_spec("vllm") is None:
         raise ConfigError("--use_vllm true: vllm is not installed (pip install -r requirements-gpu.txt)")
     check_model(script_args.model_name_or_path)
@@ -223,6 +230,27 @@ def parse(argv=None, env=os.environ, quiet: bool = False):
         seed=config.seed,
     )
     return script_args, config, dataset
+
+
+def tracker_flags(report_to: str | None, given: dict[str, str], quiet: bool = False) -> list[str]:
+    """`--report_to` from OPSD_REPORT_TO, placed before the user's flags: through the parser,
+    transformers normalises it (`all`, `none`) as it does a flag; a flag given wins, and says so."""
+    if report_to is None:
+        return []
+    if not quiet and "report_to" in given and not _same(given["report_to"], report_to):
+        print(f"note: --report_to {given['report_to']} (command line) wins over {REPORT_TO_VARIABLE}={report_to}",
+              file=sys.stderr)
+    return ["--report_to", report_to]
+
+
+def check_trackers(report_to: list[str]) -> None:
+    """A chosen tracker whose package is missing is an error now, before the model loads
+    (transformers would raise only once the trainer is built)."""
+    from transformers import integrations
+
+    for name in report_to:
+        if name in TRACKERS and not getattr(integrations, f"is_{name}_available")():
+            raise ConfigError(f"report_to {name}: the {name} package is not installed (pip install {name})")
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -282,6 +310,7 @@ def run_identity(script_args: ScriptArguments, config, dataset, world_size: int 
         "data_select": script_args.data_select,
         "train_rows": len(dataset),
         "preset": script_args.preset or "none",
+        "report_to": ",".join(config.report_to) or "none",  # recorded, not compared (run_folder.NOT_COMPARED)
     }
     identity.update({var: getattr(script_args if name == "data_select" else config, name)
                      for name, var in SWITCH_VARIABLES.items() if name != "data_select"})
@@ -418,6 +447,15 @@ def _summary_line(trainer, started: float) -> str:
     )
 
 
+def draw_curves(out: str) -> str | None:
+    """The run's curves.png beside metrics.jsonl (run_plots.py); its path, or None with one
+    warning line: a finished run never fails for its figure."""
+    import run_plots  # stdlib at import; matplotlib only once it draws
+
+    drawn = run_plots.draw_or_warn("training curves", run_plots.plot_run_curves, out)
+    return None if drawn is None else os.path.join(os.path.abspath(out), run_plots.CURVES_FILE)  # as checkpoints
+
+
 def help_text() -> str:
     """`--help`: this script's settings, the OPSD_* variables and the precedence first,
     then the flags inherited from TRL / transformers."""
@@ -453,6 +491,7 @@ def help_text() -> str:
     for name, var in SWITCH_VARIABLES.items():
         allowed = ", ".join(SWITCH_VALUES[name])
         lines.append(f"  {var:<22} {allowed}  (sets {name})")
+    lines.append(f"  {REPORT_TO_VARIABLE:<22} {', '.join(REPORT_TO_VALUES)}  (sets report_to; not a switch)")
     lines += ["", "Inherited flags (TRL DistillationConfig, transformers TrainingArguments):", ""]
     lines.append(TrlParser((DistillationConfig,), prog="opsd_train.py").format_help())
     return "\n".join(lines)
@@ -517,7 +556,9 @@ def main(argv=None) -> int:
                   "command to resume", flush=True)
         return 128 + trainer.stopped_by_signal
     if main_process:
-        print(_summary_line(trainer, started), flush=True)
+        summary = _summary_line(trainer, started)
+        curves = draw_curves(out)
+        print(summary + (f" | curves {curves}" if curves else ""), flush=True)
     return 0
 
 

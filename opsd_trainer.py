@@ -56,6 +56,7 @@ from opsd_chunked_loss import chunked_divergence_loss, chunked_nll_loss, chunked
 from opsd_config import (
     CLIP_MODES,
     PAD_SIDES,
+    REPORT_TO_VALUES,
     STUDENT_PROMPTS,
     TEACHER_CONTEXT_HELP,
     TEACHER_CONTEXTS,
@@ -113,6 +114,13 @@ class OPSDConfig(DistillationConfig):
     lmbda: float = recipe_field("lmbda")
 
     logging_steps: float = field(default=1)
+    # Declared here (opsd_config.REPORT_TO_VALUES) so that no tracker starts unless asked for,
+    # whatever transformers' own default is; OPSD_REPORT_TO or --report_to choose one.
+    report_to: None | str | list[str] = field(
+        default=REPORT_TO_VALUES[0],
+        metadata={"help": f"Where the logs also go, OPSD diagnostics included: {', '.join(REPORT_TO_VALUES)} "
+                          "(OPSD_REPORT_TO), or another transformers integration."},
+    )
     # TRL checkpoints activations by default; say it under transformers 5's name (the old one warns).
     gradient_checkpointing: bool | None = field(default=None)
     activation_checkpointing: bool | None = field(default=True)

@@ -20,6 +20,8 @@
 #                       training uses the other visible GPUs (none: the server runs elsewhere)
 #   OPSD_PRESET=tiny    embedded tiny model + generated data, CPU budget (8 steps x batch 4);
 #                       OPSD_MODEL / OPSD_DATA, when set, still win
+#   OPSD_REPORT_TO      where the logs also go, OPSD diagnostics included: none (default), tensorboard
+#                       (event files under OPSD_OUTPUT/runs/), wandb, trackio, or all installed ones
 #   OPSD_CLIP_MODE, OPSD_PAD_SIDE, OPSD_TEACHER_CONTEXT, OPSD_STUDENT_PROMPT, OPSD_DATA_SELECT: ablation switches
 # Paths (RECIPE_FILE, OPSD_OUTPUT, OPSD_DATA, OPSD_MODEL) are relative to the folder you call from.
 # Everything is validated before accelerate starts: a bad input is one `error:` line, exit 2.
@@ -132,7 +134,8 @@ accum=$((global_batch / per_step))
 
 args=("${model_args[@]}" --recipe "$recipe" --output_dir "$output"
       --max_steps "$steps" --per_device_train_batch_size "$per_device" --gradient_accumulation_steps "$accum"
-      --save_strategy steps --save_steps "$save_steps" --report_to none "${extra[@]}")
+      --save_strategy steps --save_steps "$save_steps" "${extra[@]}")
+# OPSD_REPORT_TO and the switches reach opsd_train.py through the environment, which checks them.
 # Switches, recipe, model path, data, run folder and lock, checked in one process before the
 # launch: accelerate would wrap a child's exit status 2 in its own traceback.
 python "$repo/opsd_train.py" --check_only --world_size "$nproc" "${args[@]}"

@@ -242,6 +242,21 @@ def test_cli_switches(tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error: OPSD_PAD_SIDE=")
 
 
+def test_report_to_variable():
+    from opsd_config import REPORT_TO_VALUES, read_report_to
+
+    assert read_report_to({}) is None and read_report_to({"OPSD_REPORT_TO": "  "}) is None  # the config's default
+    assert REPORT_TO_VALUES[0] == "none"
+    for value in REPORT_TO_VALUES:
+        assert read_report_to({"OPSD_REPORT_TO": f" {value.upper()} "}) == value
+    with pytest.raises(ConfigError, match="OPSD_REPORT_TO='comet_ml' is not allowed; expected one of: none, "):
+        read_report_to({"OPSD_REPORT_TO": "comet_ml"})
+    ok = run_cli("switches", env={"OPSD_REPORT_TO": "TensorBoard"})
+    assert ok.returncode == 0 and ok.stdout.splitlines()[-1] == "OPSD_REPORT_TO=tensorboard"
+    bad = run_cli("switches", env={"OPSD_REPORT_TO": "x"})
+    assert bad.returncode == 2 and bad.stderr.startswith("error: OPSD_REPORT_TO='x'")
+
+
 # -- switches ---------------------------------------------------------------------
 
 def test_switch_defaults():

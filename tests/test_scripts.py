@@ -53,7 +53,9 @@ def test_train_capped_tiny_preset_end_to_end(tiny_run):
     assert "FutureWarning" not in result.stderr and "DeprecationWarning" not in result.stderr
     summary = [line for line in result.stdout.splitlines() if line.startswith("[OPSD] done:")]
     assert len(summary) == 1 and "8 steps" in summary[0] and str(out / "checkpoint-8") in summary[0]
-    assert "last true_kl" in summary[0]
+    assert "last true_kl" in summary[0] and summary[0].endswith(f" | curves {out / 'curves.png'}")
+    png = (out / "curves.png").read_bytes()  # drawn at the end of the run, beside metrics.jsonl
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
 def test_run_configuration_is_printed_and_stored(tiny_run):
@@ -113,12 +115,13 @@ def test_resume_into_a_run_of_another_configuration_is_refused(tiny_run):
 
 @pytest.mark.parametrize("env, fragments", [
     ({"OPSD_CLIP_MODE": "foo"}, ["OPSD_CLIP_MODE='foo'"]),
+    ({"OPSD_REPORT_TO": "mlflow"}, ["OPSD_REPORT_TO='mlflow' is not allowed", "tensorboard, wandb, trackio, all"]),
     ({"OPSD_PRESET": "huge"}, ["OPSD_PRESET='huge'"]),
     ({"OPSD_MODEL": "./no-such-model"}, ["model ./no-such-model: no such folder"]),  # the preset does not hide it
     ({"OPSD_DATA": "rows.jsonl"}, ["train file rows.jsonl", "solution"]),  # relative to the caller
     ({"OPSD_OUTPUT": "a-file"}, ["a-file is a file"]),
     ({"OPSD_OUTPUT": "a-file/run"}, ["cannot be created", "is a file"]),
-], ids=["switch", "preset", "model", "data", "output-file", "output-under-file"])
+], ids=["switch", "report-to", "preset", "model", "data", "output-file", "output-under-file"])
 def test_train_capped_bad_input_is_one_line_before_launch(tmp_path, env, fragments):
     (tmp_path / "rows.jsonl").write_text('{"problem": "What is 1+1?", "answer": "2"}\n')
     (tmp_path / "a-file").write_text("not a folder\n")
@@ -293,6 +296,14 @@ def test_bad_engine_is_one_line_before_anything_runs(fake_gpu_host, value, fragm
     assert result.returncode == 2 and not line and "check " not in result.stdout
     (message,) = result.stderr.splitlines()
     assert message.startswith(f"error: {fragment}")
+
+
+def test_the_tracker_is_the_variables_not_the_scripts(fake_gpu_host):
+    """train_capped.sh hard-codes no --report_to: OPSD_REPORT_TO reaches opsd_train.py
+    through the environment, where the check and the run read it (test_trainer.py)."""
+    result, line = launch(fake_gpu_host, FAKE_GPUS="4", OPSD_REPORT_TO="wandb")
+    assert result.returncode == 0, result.stderr
+    assert line.startswith("launch ") and "--report_to" not in line and "--report_to" not in result.stdout
 
 
 @pytest.mark.parametrize("extra, fragment", [

@@ -122,6 +122,26 @@ def test_align_and_kl_lines_printed(tmp_path, capsys):
     assert "[OPSD kl] step=1" in out and "true_kl=" in out
     assert "{'loss'" not in out  # no second copy of the step as a dict
     assert out.count("[OPSD] done: 1 steps in ") == 1 and f"last checkpoint {tmp_path / 'checkpoint-1'}" in out
+    # The run's curves are drawn at its end, and the summary line says where.
+    assert f" | curves {tmp_path / 'curves.png'}" in out
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_figure_that_cannot_be_drawn_is_one_warning_not_a_failure(tmp_path, monkeypatch, capsys):
+    """draw_curves runs after the last step: whatever fails there is one warning line."""
+    import run_plots
+
+    assert opsd_train.draw_curves(str(tmp_path)) is None  # no metrics.jsonl
+    err = capsys.readouterr().err
+    assert err == f"warning: training curves not drawn: {tmp_path / 'metrics.jsonl'}: no such file " \
+                  "(a run writes it from its first logged step)\n"
+
+    def broken(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(run_plots, "plot_run_curves", broken)
+    assert opsd_train.draw_curves(str(tmp_path)) is None
+    assert capsys.readouterr().err == "warning: training curves not drawn: No module named 'matplotlib'\n"
 
 
 def test_resumed_run_equals_the_uninterrupted_one(trained_run, tmp_path):
@@ -329,6 +349,82 @@ def test_data_select_switch_changes_only_the_data(default_parse, tmp_path):
     assert _config_diff(base_cfg, cfg) == set()
     assert 0 < len(data) < len(base_data)
     assert "math" not in set(data["source"])
+
+
+def _without_report_to(argv):
+    i = argv.index("--report_to")
+    return argv[:i] + argv[i + 2:]
+
+
+def _fake_tracker(monkeypatch, name="tensorboard"):
+    """`name` counts as installed, and its transformers integration is a recorder of the
+    dicts it receives (the real one needs the package; the path to it is the same)."""
+    from transformers import TrainerCallback, integrations
+    from transformers.integrations import integration_utils
+
+    class Recorder(TrainerCallback):
+        received = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            Recorder.received.append(dict(logs))
+
+    monkeypatch.setattr(integrations, f"is_{name}_available", lambda: True)
+    monkeypatch.setitem(integration_utils.INTEGRATION_TO_CALLBACK, name, Recorder)
+    return Recorder
+
+
+def test_opsd_report_to_reaches_the_training_arguments(tmp_path, monkeypatch, capsys):
+    """OPSD_REPORT_TO (default none) sets report_to; a --report_to flag wins and says so;
+    the choice is recorded in the run configuration but not compared on resume."""
+    import run_folder
+
+    argv = _without_report_to(tiny_argv(tmp_path, 1))
+    script_args, cfg, data = opsd_train.parse(argv, env={})
+    assert cfg.report_to == [] and opsd_train.run_identity(script_args, cfg, data)["report_to"] == "none"
+    _fake_tracker(monkeypatch, "wandb")
+    script_args, cfg, data = opsd_train.parse(argv, env={"OPSD_REPORT_TO": " WandB "})
+    assert cfg.report_to == ["wandb"] and opsd_train.run_identity(script_args, cfg, data)["report_to"] == "wandb"
+    assert "report_to" in run_folder.NOT_COMPARED
+    _, cfg, _ = opsd_train.parse(argv + ["--report_to", "none"], env={"OPSD_REPORT_TO": "wandb"})
+    assert cfg.report_to == []
+    assert "note: --report_to none (command line) wins over OPSD_REPORT_TO=wandb" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"OPSD_REPORT_TO": "tensorbored"},
+     "error: OPSD_REPORT_TO='tensorbored' is not allowed; expected one of: none, tensorboard, wandb, trackio, all"),
+    ({"OPSD_REPORT_TO": "trackio"}, "error: report_to trackio: the trackio package is not installed (pip install trackio)"),
+], ids=["bad-value", "not-installed"])
+def test_bad_or_missing_tracker_is_one_line_before_loading(tmp_path, monkeypatch, capsys, env, message):
+    from transformers import integrations
+
+    monkeypatch.setattr(integrations, "is_trackio_available", lambda: False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert opsd_train.main(_without_report_to(tiny_argv(tmp_path / "out", 1))) == 2
+    assert capsys.readouterr().err == message + "\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_opsd_diagnostics_reach_the_report_to_trackers(tmp_path, monkeypatch):
+    """What the trainer computes per step (opsd/*, completions/*) is averaged into the dict
+    that Trainer.log hands to every report_to integration, the same dict as metrics.jsonl."""
+    recorder = _fake_tracker(monkeypatch, "tensorboard")
+    script_args, config, dataset = opsd_train.parse(_without_report_to(tiny_argv(tmp_path, 1)),
+                                                    env={"OPSD_REPORT_TO": "tensorboard"})
+    model, tokenizer = opsd_train.build_model_and_tokenizer(script_args)
+    trainer = OPSDTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                          peft_config=opsd_train.lora_config(script_args))
+    assert any(isinstance(cb, recorder) for cb in trainer.callback_handler.callbacks)
+    trainer.state.global_step = 1
+    trainer._metrics["train"]["opsd/true_kl"] += [0.2, 0.4]  # two micro-batches, as compute_loss appends them
+    trainer._metrics["train"]["opsd/clipped_teacher_mass"] += [0.1, 0.3]
+    trainer._metrics["train"]["completions/mean_length"] += [40.0]
+    trainer.log({"loss": 0.5})
+    (logs,) = recorder.received
+    assert logs["opsd/true_kl"] == pytest.approx(0.3) and logs["opsd/clipped_teacher_mass"] == pytest.approx(0.2)
+    assert logs["completions/mean_length"] == 40.0 and logs["loss"] == 0.5
+    assert read_metrics(tmp_path) == [{"step": 1, **logs}]
 
 
 def test_bad_switch_is_a_one_line_error(tmp_path, monkeypatch, capsys):
