@@ -29,6 +29,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 SHARED_RUN_FIXTURES = ("base_run", "trained_run", "tiny_run", "probed")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
     for item in items:
         for name in SHARED_RUN_FIXTURES:

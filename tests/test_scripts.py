@@ -12,6 +12,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# The script's plumbing on the tiny preset, with the small random model: a quarter of the
+# learned model's cost per token (test_eval, test_grid and quickstart run the learned one).
+TINY = {"OPSD_PRESET": "tiny", "OPSD_MODEL": "tiny-random"}
+
+
 def run(cmd, env_extra, timeout=600, cwd=ROOT):
     env = {**os.environ, **env_extra}
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -33,7 +38,7 @@ def tiny_run(tmp_path_factory):
     caller = tmp_path_factory.mktemp("caller")
     (caller / "my.env").write_text("lr_scheduler_type=cosine\n")
     cmd = ["bash", str(ROOT / "train_capped.sh"), "my.env"]
-    result = run(cmd, {"OPSD_PRESET": "tiny", "OPSD_OUTPUT": "runs/x"}, cwd=caller)
+    result = run(cmd, {**TINY, "OPSD_OUTPUT": "runs/x"}, cwd=caller)
     assert result.returncode == 0, result.stderr[-3000:]
     return caller / "runs" / "x", result
 
@@ -98,7 +103,7 @@ def test_train_capped_resumes_a_finished_run_without_new_steps(tiny_run):
     out, _ = tiny_run
     before = (out / "metrics.jsonl").read_text()
     result = run(["bash", "train_capped.sh", str(out.parent.parent / "my.env")],
-                 {"OPSD_PRESET": "tiny", "OPSD_OUTPUT": str(out)})
+                 {**TINY, "OPSD_OUTPUT": str(out)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"is finished: its last checkpoint {out / 'checkpoint-8'} reached max_steps=8" in result.stdout
     assert (out / "metrics.jsonl").read_text() == before
@@ -107,7 +112,7 @@ def test_train_capped_resumes_a_finished_run_without_new_steps(tiny_run):
 
 def test_resume_into_a_run_of_another_configuration_is_refused(tiny_run):
     out, _ = tiny_run
-    env = {"OPSD_PRESET": "tiny", "OPSD_OUTPUT": str(out), "OPSD_CLIP_MODE": "token"}
+    env = {**TINY, "OPSD_OUTPUT": str(out), "OPSD_CLIP_MODE": "token"}
     result = run(["bash", "train_capped.sh", str(out.parent.parent / "my.env")], env)
     assert_one_line_error(result, "OPSD_CLIP_MODE", "'entry' -> 'token'", "another OPSD_OUTPUT")
     assert "[OPSD] budget" not in result.stdout  # refused before accelerate starts
@@ -148,7 +153,7 @@ def test_train_capped_stops_on_sigterm_with_a_checkpoint(tmp_path):
 
     out = tmp_path / "run"
     proc = subprocess.Popen(["bash", str(ROOT / "train_capped.sh")], cwd=tmp_path, text=True,
-                            env={**os.environ, "OPSD_PRESET": "tiny", "OPSD_OUTPUT": str(out)},
+                            env={**os.environ, **TINY, "OPSD_OUTPUT": str(out)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     for line in proc.stdout:
         if "[OPSD kl] step=1" in line:
@@ -342,7 +347,8 @@ def test_two_process_launch(tmp_path):
 
 def _train_cmd(out, steps, save_steps):
     return [
-        sys.executable, str(ROOT / "opsd_train.py"), "--preset", "tiny", "--output_dir", str(out),
+        sys.executable, str(ROOT / "opsd_train.py"), "--preset", "tiny", "--model_name_or_path", "tiny-random",
+        "--output_dir", str(out),
         "--max_steps", str(steps), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
         "--save_steps", str(save_steps), "--report_to", "none", "--max_completion_length", "8",
     ]  # fmt: skip
