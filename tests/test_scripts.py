@@ -36,7 +36,8 @@ def tiny_run(tmp_path_factory):
     """The tiny capped run, called as a user would from another folder: the recipe and
     OPSD_OUTPUT are relative to that folder."""
     caller = tmp_path_factory.mktemp("caller")
-    (caller / "my.env").write_text("lr_scheduler_type=cosine\n")
+    # 16-token completions: the preset's budget of steps and batch at a quarter of its cost.
+    (caller / "my.env").write_text("lr_scheduler_type=cosine\nmax_completion_length=16\n")
     cmd = ["bash", str(ROOT / "train_capped.sh"), "my.env"]
     result = run(cmd, {**TINY, "OPSD_OUTPUT": "runs/x"}, cwd=caller)
     assert result.returncode == 0, result.stderr[-3000:]
