@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import torch
 
-from static_decode import causal_lm
+from model_utils import causal_lm
 
 # Graphs one layer forward may need in one process: grad on / off, adapter on / off,
 # checkpointing on / off (per layer with every_n_layers), whether the input requires

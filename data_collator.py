@@ -5,6 +5,9 @@ Prompt rendering: the chat template is applied as text (`tokenize=False`,
 `add_generation_prompt=True`, `enable_thinking=...`), then encoded with
 `add_special_tokens=False`, because the template already holds every special token.
 
+OPSD_TEACHER_CONTEXT=none: the teacher prompt is the student prompt (same style, same
+thinking setting, same ids); `teacher_thinking` and the teacher length limit do not apply.
+
 Prompt length policy:
 - the problem is never truncated;
 - student prompts are never truncated; one warning if one is longer than
@@ -114,6 +117,8 @@ class OPSDCollator:
         return ids
 
     def teacher_prompt_ids(self, row: Mapping, rationale: str | None = None) -> list[int]:
+        if self.teacher_context == "none":  # the control arm: the teacher sees exactly the student's tokens
+            return self.student_prompt_ids(row)
         context = privileged_context(row, self.teacher_context)
         if rationale:
             context = with_rationale(context, rationale)

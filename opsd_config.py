@@ -11,9 +11,12 @@ are accepted; budget knobs (`BUDGET_KNOBS`) are fixed by train_capped.sh and are
 ignored with a warning. Every other problem is a `RecipeError` whose message is
 one line, `PATH:LINE: message`.
 
+It also declares the multi-GPU engines train_capped.sh launches with (`OPSD_ACCELERATE_CONFIG`).
+
 CLI:
     python opsd_config.py check RECIPE   # parsed recipe as key=value lines; exit 2 on error
-    python opsd_config.py switches       # the OPSD_* switches in effect; exit 2 on error
+    python opsd_config.py switches       # the OPSD_* switches and OPSD_REPORT_TO in effect; exit 2 on error
+    python opsd_config.py accelerate-config [NAME|PATH]   # the accelerate config file; exit 2 on error
 """
 from __future__ import annotations
 
@@ -49,7 +52,18 @@ class RecipeError(ConfigError):
 # Allowed values; the first one is the default.
 CLIP_MODES = ("entry", "token")
 PAD_SIDES = ("right", "left")
-TEACHER_CONTEXTS = ("solution", "cot", "both")
+# OPSD_TEACHER_CONTEXT: value -> what the teacher sees next to the problem (docs/SPEC.md §3).
+# `shuffled`, `answer` and `none` are control arms: each keeps the method and takes away part
+# of what the reference adds (its fit to the problem, its worked steps, all of it).
+TEACHER_CONTEXT_HELP = {
+    "solution": "the row's concise reference solution",
+    "cot": "the row's verified long trace (COT_Reason)",
+    "both": "the solution, then the long trace",
+    "shuffled": "another row's solution, by a fixed pairing drawn from the training seed (right form, wrong problem)",
+    "answer": "only the row's final answer (Answer, else the solution's last \\boxed{})",
+    "none": "nothing: the teacher prompt is the student prompt, token for token",
+}
+TEACHER_CONTEXTS = tuple(TEACHER_CONTEXT_HELP)
 STUDENT_PROMPTS = ("paper", "eval")
 # Data filters in the order they apply when combined (`nomath,hard`: drop math rows,
 # then keep the longer half of what remains), whatever order they are written in.
@@ -66,8 +80,17 @@ _SWITCHES = {
 }
 
 
+# Where the run's logs also go: transformers' `report_to`, from OPSD_REPORT_TO; the first value
+# is the default. Not a method switch: it changes no number of the run, so it is read apart
+# from Switches and is no part of what a resume compares.
+REPORT_TO_VARIABLE = "OPSD_REPORT_TO"
+TRACKERS = ("tensorboard", "wandb", "trackio")  # each needs the package of the same name
+REPORT_TO_VALUES = ("none", *TRACKERS, "all")  # all: every tracker whose package is installed
+
 # Switches field -> environment variable (derived; for code that maps switches onto config fields).
 SWITCH_VARIABLES = {name: var for name, (var, _) in _SWITCHES.items()}
+# Switches field -> allowed values, the default first (derived; for help texts).
+SWITCH_VALUES = {name: allowed for name, (_, allowed) in _SWITCHES.items()}
 
 
 @dataclass(frozen=True)
@@ -89,6 +112,14 @@ class Switches:
     def as_env(self) -> dict[str, str]:
         """{variable: value}, e.g. to log the run's switches or pass them on."""
         return {var: getattr(self, name) for name, (var, _) in _SWITCHES.items()}
+
+
+def read_report_to(env: Mapping[str, str] = os.environ) -> str | None:
+    """OPSD_REPORT_TO, checked like a switch; None when unset or empty (the config's default,
+    REPORT_TO_VALUES[0], then stands unless a YAML --config or a flag sets report_to)."""
+    if not env.get(REPORT_TO_VARIABLE, "").strip():
+        return None
+    return _read_switch(env, REPORT_TO_VARIABLE, REPORT_TO_VALUES)
 
 
 def _read_switch(env: Mapping[str, str], var: str, allowed: tuple[str, ...]) -> str:
@@ -153,57 +184,87 @@ SCHEDULER_TYPES = (
 )
 
 
+def _key(default, help: str, accepts: Callable[[float], bool] | None = None, allowed: str = ""):
+    """One recipe key, declared once: default (its type is the key's type), help, allowed range.
+    Everything else is derived: the whitelist, parsing, the range check here and in the
+    trainer's config, the config field's default and help (`recipe_field`)."""
+    return dataclasses.field(default=default, metadata={"help": help, "range": (accepts, allowed) if accepts else None})
+
+
 @dataclass(frozen=True)
 class Recipe:
     """The whitelisted recipe keys with the released defaults (docs/SPEC.md §6).
     Each field's type is the type of its default, which is how values are parsed."""
 
-    learning_rate: float = 5e-6
-    lr_scheduler_type: str = "constant"
-    warmup_ratio: float = 0.0
-    max_grad_norm: float = 0.1
-    lora_r: int = 64
-    lora_alpha: int = 128
-    beta: float = 0.0
-    jsd_token_clip: float = 0.05  # 0 (or `none` in the file) disables the clip
-    temperature: float = 1.1
-    top_p: float = 0.95
-    top_k: int = 20  # 0 disables top-k sampling
-    lmbda: float = 1.0
-    max_completion_length: int = 1024
-    fixed_teacher: bool = True
-    use_ema_teacher: bool = False
-    ema_decay: float = 0.999
-    reason_first: bool = False
-    teacher_thinking: bool = False
-    top_k_loss: int = 0
-    use_tinker_loss: bool = False
+    learning_rate: float = _key(5e-6, "Peak learning rate.", lambda v: v > 0, "> 0")
+    lr_scheduler_type: str = _key("constant", "Learning-rate schedule (a transformers SchedulerType).")
+    warmup_ratio: float = _key(0.0, "Share of the steps spent warming up.", lambda v: 0 <= v <= 1, "in [0, 1]")
+    max_grad_norm: float = _key(0.1, "Gradient clipping norm.", lambda v: v >= 0, ">= 0")
+    lora_r: int = _key(64, "LoRA rank.", lambda v: v >= 1, ">= 1")
+    lora_alpha: int = _key(128, "LoRA alpha.", lambda v: v >= 1, ">= 1")
+    beta: float = _key(0.0, "Divergence: 0 forward KL, 1 reverse KL, between: generalized JSD.",
+                       lambda v: 0 <= v <= 1, "in [0, 1]")
+    jsd_token_clip: float = _key(0.05, "Clip tau; 0 (`none` in a recipe) disables the clip.",
+                                 lambda v: v >= 0, ">= 0 (0 or none disables the clip)")
+    temperature: float = _key(1.1, "Sampling and loss temperature.",
+                              lambda v: VLLM_TEMPERATURE_RANGE[0] <= v <= VLLM_TEMPERATURE_RANGE[1],
+                              "in [{}, {}], the range vLLM samples with".format(*VLLM_TEMPERATURE_RANGE))
+    top_p: float = _key(0.95, "Nucleus sampling of the rollouts.", lambda v: 0 < v <= 1, "in (0, 1]")
+    top_k: int = _key(20, "Top-k sampling of the rollouts; 0 disables.", lambda v: v >= 0, ">= 0 (0 disables top-k)")
+    lmbda: float = _key(1.0, "Share of on-policy batches; the rest use the solution.",
+                        lambda v: 0 <= v <= 1, "in [0, 1]")
+    max_completion_length: int = _key(1024, "Rollout length limit in tokens.",
+                                      lambda v: 1 <= v <= MAX_COMPLETION_LENGTH_CAP,
+                                      f"in [1, {MAX_COMPLETION_LENGTH_CAP}]")
+    fixed_teacher: bool = _key(True, "Teacher = initial weights (adapter disabled).")
+    use_ema_teacher: bool = _key(False, "Teacher = EMA of the adapter.")
+    ema_decay: float = _key(0.999, "EMA decay per optimizer step.", lambda v: 0 <= v < 1, "in [0, 1)")
+    reason_first: bool = _key(False, "Teacher writes an analysis of the reference first.")
+    teacher_thinking: bool = _key(False, "enable_thinking for the teacher prompt.")
+    top_k_loss: int = _key(0, "Restrict the divergence to the teacher's top-k (0 = off).",
+                           lambda v: v >= 0, ">= 0 (0 disables)")
+    use_tinker_loss: bool = _key(False, "Sampled-token estimator instead of the full vocabulary.")
 
     def as_lines(self) -> list[str]:
         """`key=value` lines in field order; parse_recipe reads them back unchanged."""
         return [f"{f.name}={_format_value(getattr(self, f.name))}" for f in dataclasses.fields(self)]
 
 
-_FIELD_TYPES: dict[str, type] = {f.name: type(f.default) for f in dataclasses.fields(Recipe)}
-
+_RECIPE_FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
+_FIELD_TYPES: dict[str, type] = {name: type(f.default) for name, f in _RECIPE_FIELDS.items()}
 # key -> (accepts the parsed value, what the allowed range is)
-_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
-    "learning_rate": (lambda v: v > 0, "> 0"),
-    "warmup_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "max_grad_norm": (lambda v: v >= 0, ">= 0"),
-    "lora_r": (lambda v: v >= 1, ">= 1"),
-    "lora_alpha": (lambda v: v >= 1, ">= 1"),
-    "beta": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "jsd_token_clip": (lambda v: v >= 0, ">= 0 (0 or none disables the clip)"),
-    "temperature": (lambda v: VLLM_TEMPERATURE_RANGE[0] <= v <= VLLM_TEMPERATURE_RANGE[1],
-                    "in [{}, {}], the range vLLM samples with".format(*VLLM_TEMPERATURE_RANGE)),
-    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "top_k": (lambda v: v >= 0, ">= 0 (0 disables top-k)"),
-    "lmbda": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "max_completion_length": (lambda v: 1 <= v <= MAX_COMPLETION_LENGTH_CAP, f"in [1, {MAX_COMPLETION_LENGTH_CAP}]"),
-    "ema_decay": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "top_k_loss": (lambda v: v >= 0, ">= 0 (0 disables)"),
-}
+_RANGES = {name: f.metadata["range"] for name, f in _RECIPE_FIELDS.items() if f.metadata["range"]}
+
+
+def recipe_field(name: str, **kwargs):
+    """A config dataclass field for recipe key `name`: its released default and help."""
+    key = _RECIPE_FIELDS[name]
+    return dataclasses.field(default=key.default, metadata={"help": key.metadata["help"]}, **kwargs)
+
+
+def parse_recipe_value(name: str, raw: str) -> object:
+    """One recipe key's value from text, parsed and range-checked as on a recipe line
+    (for settings given another way, e.g. a probe variant); ConfigError otherwise."""
+    try:
+        return _parse_value(name, raw.strip())
+    except _LineProblem as problem:
+        raise ConfigError(str(problem)) from None
+
+
+def parse_switch_value(name: str, raw: str) -> str:
+    """One switch's value (Switches field `name`) from text, read as its environment variable
+    is; empty means the default. ConfigError, naming `name`, otherwise."""
+    return _read_switch({name: raw}, name, _SWITCHES[name][1])
+
+
+def recipe_value_problem(name: str, value) -> str | None:
+    """Why `value` is out of the range declared for recipe key `name` (None when it is fine
+    or unset); for settings that arrive another way than the recipe file."""
+    check = _RANGES.get(name)
+    if check is None or value is None or check[0](value):
+        return None
+    return f"{name}={value} is out of range; must be {check[1]}"
+
 
 _BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
 _EXPORT = re.compile(r"^export\s+")
@@ -330,6 +391,37 @@ def _format_value(value: object) -> str:
 
 
 # --------------------------------------------------------------------------
+# Multi-GPU engine (train_capped.sh)
+# --------------------------------------------------------------------------
+
+ACCELERATE_CONFIG_VARIABLE = "OPSD_ACCELERATE_CONFIG"
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+# name -> (accelerate config file in configs/, when to choose it); the first is the default.
+ACCELERATE_CONFIGS = {
+    "ddp": ("ddp.yaml", "a full replica per GPU, gradients averaged: LoRA on a model that fits one GPU (1.7B)"),
+    "fsdp2": ("fsdp2.yaml", "parameters sharded per decoder layer: models, or full fine-tuning, that do not fit"),
+    "zero2": ("zero2.yaml", "DeepSpeed, gradients and optimizer state sharded (needs deepspeed)"),
+    "zero3": ("zero3.yaml", "DeepSpeed, parameters sharded too, where FSDP2 is not an option (needs deepspeed)"),
+}
+
+
+def accelerate_config_path(raw: str, var: str = ACCELERATE_CONFIG_VARIABLE) -> str:
+    """The accelerate config file that `raw` names: one of ACCELERATE_CONFIGS (empty: the
+    first), or the path of an existing .yaml / .yml / .json file, relative to the current
+    folder. Returned absolute; anything else is a ConfigError."""
+    value = raw.strip()
+    name = value.lower() or next(iter(ACCELERATE_CONFIGS))
+    if name in ACCELERATE_CONFIGS:
+        return os.path.join(CONFIGS_DIR, ACCELERATE_CONFIGS[name][0])
+    expected = f"expected one of: {', '.join(ACCELERATE_CONFIGS)}, or the path of an accelerate config file"
+    if not value.lower().endswith((".yaml", ".yml", ".json")):
+        raise ConfigError(f"{var}={raw!r} is not allowed; {expected} (.yaml, .yml or .json)")
+    if not os.path.isfile(value):
+        raise ConfigError(f"{var}={raw!r}: no such file; {expected}")
+    return os.path.abspath(value)
+
+
+# --------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------
 
@@ -338,7 +430,12 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="parse a recipe file and print it as key=value lines")
     check.add_argument("recipe", help="path of the recipe file, e.g. recipe.env")
-    commands.add_parser("switches", help="print the OPSD_* switches read from the environment")
+    commands.add_parser("switches", help="print the OPSD_* switches (and OPSD_REPORT_TO) read from the environment")
+    engines = "; ".join(f"{name}: {why}" for name, (_, why) in ACCELERATE_CONFIGS.items())
+    engine = commands.add_parser(
+        "accelerate-config", help=f"print the accelerate config file that {ACCELERATE_CONFIG_VARIABLE} names",
+        description=f"{ACCELERATE_CONFIG_VARIABLE}: {engines}; or the path of an accelerate config file.")
+    engine.add_argument("value", nargs="?", default="", help="a name or a path; empty: the default (ddp)")
     args = parser.parse_args(argv)
     try:
         if args.command == "check":
@@ -346,8 +443,11 @@ def main(argv: list[str] | None = None) -> int:
             for warning in warnings:
                 print(f"warning: {warning}", file=sys.stderr)
             lines = recipe.as_lines()
+        elif args.command == "accelerate-config":
+            lines = [accelerate_config_path(args.value)]
         else:
             lines = [f"{var}={value}" for var, value in Switches.from_env().as_env().items()]
+            lines.append(f"{REPORT_TO_VARIABLE}={read_report_to() or REPORT_TO_VALUES[0]}")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -21,17 +21,29 @@ Selection of training rows:
   the other in the fixed order of `opsd_config.DATA_FILTERS` (nomath, then hard),
   whatever order they are written in, so "hard" halves what "nomath" left.
 A selection that leaves no row is an error.
+
+Teacher contexts that need more than a column (OPSD_TEACHER_CONTEXT):
+- answer:   every row must have a final answer (`Answer`, else its solution's last
+            \\boxed{}; `answers.reference_answer`), else an error naming the row;
+- shuffled: after selection, each row gets another row's solution in the column
+            `prompts.SHUFFLED_SOLUTION`. The pairing is one random cycle through all
+            rows (Sattolo's shuffle, seeded with the training seed), so no row is
+            paired with itself and the same row always meets the same foreign
+            solution within a run; at least 2 rows are needed.
 """
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from answers import answer_text, reference_answer
 from opsd_config import TEACHER_CONTEXTS, ConfigError, parse_data_select
+from prompts import SHUFFLED_SOLUTION
 
 RELEASED_TRAIN_DATASET = "siyanzhao/Openthoughts_math_30k_opsd"
 DEFAULT_EVAL_DATASET = "HuggingFaceH4/aime_2024"  # split "train", columns problem, answer
@@ -47,17 +59,27 @@ class DataError(ValueError):
 # Public API
 # --------------------------------------------------------------------------
 
-def load_train_dataset(spec: str, select: str = "none", teacher_context: str = "solution") -> datasets.Dataset:
-    """Load, validate and select the training rows (see the module docstring)."""
+def load_train_dataset(
+    spec: str, select: str = "none", teacher_context: str = "solution", seed: int | None = None
+) -> datasets.Dataset:
+    """Load, validate and select the training rows (see the module docstring). `seed`
+    (the training seed) draws the pairing of teacher_context="shuffled", which needs it."""
     try:
         select = parse_data_select(select)
     except ConfigError as e:
         raise DataError(str(e)) from None
     _check_choice("OPSD_TEACHER_CONTEXT", teacher_context, TEACHER_CONTEXTS)
+    if teacher_context == "shuffled" and seed is None:
+        raise ValueError("teacher_context='shuffled' needs the training seed")
     data, where = _load(spec, "train")
     _require_columns(data, where, _train_columns(select, teacher_context))
     _require_text(data, where, "problem")
-    return _select(data, where, select)
+    if teacher_context == "answer":
+        _require_answers(data, where)
+    data = _select(data, where, select)
+    if teacher_context == "shuffled":
+        data = _with_shuffled_solutions(data, where, seed)
+    return data
 
 
 def load_eval_dataset(spec: str = DEFAULT_EVAL_DATASET) -> list[dict]:
@@ -70,7 +92,7 @@ def load_eval_dataset(spec: str = DEFAULT_EVAL_DATASET) -> list[dict]:
     for number, row in enumerate(data, start=1):
         if row["answer"] is None or str(row["answer"]).strip() == "":
             raise DataError(f"{where}: row {number} has an empty 'answer'")
-        rows.append({**row, "answer": _answer_text(row["answer"])})
+        rows.append({**row, "answer": answer_text(row["answer"])})
     return rows
 
 
@@ -210,6 +232,13 @@ def _require_columns(data: datasets.Dataset, where: str, required: dict[str, str
             )
 
 
+def _require_answers(data: datasets.Dataset, where: str) -> None:
+    for number, row in enumerate(data, start=1):
+        if reference_answer(row) is None:
+            raise DataError(f"{where}: row {number} has no final answer (no 'Answer' and no \\boxed{{}} in its "
+                            "'solution'), needed by OPSD_TEACHER_CONTEXT=answer")
+
+
 def _require_text(data: datasets.Dataset, where: str, column: str) -> None:
     for number, value in enumerate(data[column], start=1):
         if not isinstance(value, str) or not value.strip():
@@ -248,15 +277,36 @@ def nomath_indices(sources) -> list[int]:
 
 
 # --------------------------------------------------------------------------
-# Helpers
+# OPSD_TEACHER_CONTEXT=shuffled
 # --------------------------------------------------------------------------
 
-def _answer_text(answer: object) -> str:
-    """204 -> "204"; 204.0 -> "204" (an integer stored as float); strings stripped."""
-    if isinstance(answer, float) and answer.is_integer():
-        answer = int(answer)
-    return str(answer).strip()
+def shuffled_pairing(n: int, seed: int) -> list[int]:
+    """partner[i] = the row whose solution row i's teacher sees: one random n-cycle
+    (Sattolo's shuffle), so partner[i] != i for every i. Needs n >= 2; with n = 2 the
+    swap is the only such pairing."""
+    if n < 2:
+        raise ValueError(f"a pairing without fixed points needs at least 2 rows, got {n}")
+    partner = list(range(n))
+    rng = random.Random(seed)
+    for i in range(n - 1, 0, -1):
+        j = rng.randrange(i)  # j < i, never i itself: that is what makes it one cycle
+        partner[i], partner[j] = partner[j], partner[i]
+    return partner
 
+
+def _with_shuffled_solutions(data: datasets.Dataset, where: str, seed: int) -> datasets.Dataset:
+    if len(data) < 2:
+        raise DataError(f"{where}: OPSD_TEACHER_CONTEXT=shuffled needs at least 2 rows, got {len(data)}")
+    solutions = data["solution"]
+    foreign = [solutions[j] for j in shuffled_pairing(len(data), seed)]
+    if SHUFFLED_SOLUTION in data.column_names:  # a column of that name in the file is replaced
+        data = data.remove_columns(SHUFFLED_SOLUTION)
+    return data.add_column(SHUFFLED_SOLUTION, foreign)
+
+
+# --------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------
 
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()

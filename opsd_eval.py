@@ -26,6 +26,7 @@ anything.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -38,7 +39,9 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
+
+from answers import extract_boxed
 
 DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
 DEFAULT_DATASET = "HuggingFaceH4/aime_2024"
@@ -91,49 +94,17 @@ def format_settings(settings: EvalSettings) -> str:
 # 2. Grading
 # --------------------------------------------------------------------------
 
-# `\boxed{`, `\boxed {` and `\fbox{`; the match ends on the opening brace.
-_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
-
-# math-verify's own time limit uses signals, which fail outside the main thread;
-# it is switched off and this limit is enforced with a watchdog thread instead.
+# math-verify's own time limit uses signals, which fail outside the main thread, and
+# a thread cannot interrupt a big-integer computation that holds the GIL (an answer
+# such as 9^{9^{9^{9}}}): math-verify runs in a worker process, killed past this limit.
 MATH_VERIFY_TIMEOUT_S = 5.0
+ANSWER_WORKER_START_TIMEOUT_S = 120.0  # importing math-verify (sympy) in a fresh process
 
 
 class GradeResult(NamedTuple):
     answer: str | None  # content of the last \boxed{...}, None if there is none
     correct: bool
     reason: str         # "correct" | "wrong_answer" | "no_answer" | "truncated"
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}) in `text`, braces matched.
-    None when there is no box, the last one is never closed, or it is empty."""
-    openings = list(_BOX_OPEN.finditer(text))
-    if not openings:
-        return None
-    content = _braced_content(text, openings[-1].end() - 1)
-    if content is None or not content.strip():
-        return None
-    return content.strip()
-
-
-def _braced_content(text: str, open_at: int) -> str | None:
-    """The text between the brace at `open_at` and its matching closing brace.
-    Escaped braces (\\{ \\}) are literal set braces, not grouping."""
-    depth, i = 0, open_at
-    while i < len(text):
-        char = text[i]
-        if char == "\\":
-            i += 2  # skip the escaped character, whatever it is
-            continue
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return text[open_at + 1:i]
-        i += 1
-    return None
 
 
 def normalize_answer(answer: str) -> str:
@@ -147,7 +118,9 @@ def normalize_answer(answer: str) -> str:
     text = re.sub(r"\s+|\$", "", text)
     text = text.rstrip(".")
     if re.fullmatch(r"[+-]?\d+", text):
-        text = str(int(text))
+        # str(int(text)) without int(), which refuses more than 4300 digits.
+        digits = text.lstrip("+-").lstrip("0") or "0"
+        text = ("-" if text.startswith("-") and digits != "0" else "") + digits
     return text
 
 
@@ -158,7 +131,7 @@ def answers_match(answer: str, gold: str) -> bool:
     if normalize_answer(answer) == normalize_answer(gold):
         return True
     try:
-        return _run_with_timeout(_math_verify_equal, MATH_VERIFY_TIMEOUT_S, answer, gold)
+        return _ANSWER_WORKER.check(answer, gold, MATH_VERIFY_TIMEOUT_S)
     except Exception:  # parse failure or timeout: the string comparison above stands
         return False
 
@@ -187,26 +160,72 @@ class _DropTimeoutNotice(logging.Filter):
         return "Timeout is disabled" not in record.getMessage()
 
 
-def _run_with_timeout(function: Callable, timeout_s: float, *args):
-    """Run `function(*args)` in a daemon thread; TimeoutError if it overruns.
-    Works from any thread. A runaway call is abandoned, not killed (Python cannot
-    kill threads); being a daemon it never blocks interpreter exit."""
-    outcome: dict = {}
+def _answer_worker_loop(conn) -> None:
+    """The worker process: (answer, gold) in, (True, equal) or (False, error) out."""
+    import math_verify  # noqa: F401  (imported before "ready", so the first check is not slower)
 
-    def target():
+    _silence_math_verify_timeout_notice()
+    conn.send("ready")
+    while True:
         try:
-            outcome["value"] = function(*args)
-        except BaseException as exc:
-            outcome["error"] = exc
+            answer, gold = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send((True, _math_verify_equal(answer, gold)))
+        except Exception as exc:
+            conn.send((False, f"{type(exc).__name__}: {exc}"))
 
-    worker = threading.Thread(target=target, name="answer-check", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        raise TimeoutError(f"answer check took longer than {timeout_s}s")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+
+class _AnswerWorker:
+    """One persistent process that runs math-verify; killed and restarted when a
+    check overruns its time limit, so no answer can stall grading. Thread-safe
+    (checks are serialised); the process is a daemon, ended with the interpreter."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._process = None
+        self._conn = None
+
+    def check(self, answer: str, gold: str, timeout_s: float) -> bool:
+        with self._lock:
+            if self._process is None or not self._process.is_alive():
+                self._start()
+            try:
+                self._conn.send((answer, gold))
+                if not self._conn.poll(timeout_s):
+                    self._stop()
+                    raise TimeoutError(f"answer check took longer than {timeout_s}s")
+                ok, value = self._conn.recv()
+            except (EOFError, OSError):  # the worker died (e.g. out of memory): restart next time
+                self._stop()
+                raise
+        if not ok:
+            raise ValueError(value)
+        return value
+
+    def _start(self) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")  # a fork would copy torch's threads and memory
+        parent, child = context.Pipe()
+        process = context.Process(target=_answer_worker_loop, args=(child,), name="opsd-answer-check", daemon=True)
+        process.start()
+        child.close()
+        self._process, self._conn = process, parent
+        if not parent.poll(ANSWER_WORKER_START_TIMEOUT_S) or parent.recv() != "ready":
+            self._stop()
+            raise TimeoutError("the answer-check worker did not start")
+
+    def _stop(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.join()
+            self._conn.close()
+        self._process = self._conn = None
+
+
+_ANSWER_WORKER = _AnswerWorker()
 
 
 def grade(completion: str, gold: str, truncated: bool) -> GradeResult:
@@ -372,8 +391,8 @@ def dataset_tag(dataset: str) -> str:
 
 
 def resolve_model_path(model: str) -> str:
-    """'tiny' -> the embedded tiny model's folder; anything else is passed on."""
-    if model == TINY:
+    """'tiny' / 'tiny-random' -> the embedded model's folder; anything else is passed on."""
+    if model in (TINY, "tiny-random"):
         import tiny_default
 
         return str(tiny_default.resolve_model(model))
@@ -394,24 +413,44 @@ def prompt_token_ids(tokenizer, problems: Sequence[dict], enable_thinking: bool)
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
 
 
-def sample_completions(request: EvalRequest, model_path: str, tokenizer, prompts: list[list[int]]):
-    """[problem][sample] Completions from the requested backend."""
-    from rollout import SamplingSettings
+# Problems sampled per vLLM call: each finished call is saved, so a killed evaluation
+# resumes after it; fewer calls keep vLLM's batch full.
+VLLM_CHUNK_PROBLEMS = 10
+
+
+def problem_chunks(request: EvalRequest, num_problems: int) -> list[range]:
+    """Problems are sampled in fixed chunks, each seeded from (seed, its first problem):
+    a chunk's completions do not depend on what else ran, so an evaluation resumed
+    after a kill gives the same report as an uninterrupted one. Transformers: the
+    problems whose samples fill one batch; vLLM: VLLM_CHUNK_PROBLEMS."""
+    if request.backend == "vllm":
+        size = VLLM_CHUNK_PROBLEMS
+    else:
+        size = max(1, request.batch_size // request.settings.n_samples)
+    return [range(start, min(start + size, num_problems)) for start in range(0, num_problems, size)]
+
+
+def _sample_chunk(backend, request: EvalRequest, prompts: list[list[int]], chunk: range):
+    from sampling import SamplingSettings, derive_seed
 
     s = request.settings
     sampling = SamplingSettings(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                max_new_tokens=s.max_new_tokens, seed=s.seed)
+                                max_new_tokens=s.max_new_tokens, seed=derive_seed(s.seed, chunk.start))
+    return backend.generate([prompts[i] for i in chunk], sampling, n=s.n_samples, progress=True)
+
+
+def _sampling_backend(request: EvalRequest, model_path: str, tokenizer, prompts: list[list[int]]):
+    """The backend that samples every chunk, after one warning line for prompts the
+    context cannot fit. A vLLM backend is a context manager: evaluate() shuts it down
+    before printing any result."""
     context = model_context(model_path)
-    warning = context_warning([len(p) for p in prompts], s.max_new_tokens, context, request.backend)
+    warning = context_warning([len(p) for p in prompts], request.settings.max_new_tokens, context,
+                              request.backend)
     if warning:
         print(warning, file=sys.stderr, flush=True)
     if request.backend == "vllm":
-        # Shut down before returning, so that nothing the engine does on exit (it may
-        # print) comes after the results and the FINAL line.
-        with _vllm_backend(request, model_path, prompts, context) as backend:
-            return backend.generate(prompts, sampling, n=s.n_samples, progress=True)
-    backend = _transformers_backend(request, model_path, tokenizer)
-    return backend.generate(prompts, sampling, n=s.n_samples, progress=True)
+        return _vllm_backend(request, model_path, prompts, context)
+    return _transformers_backend(request, model_path, tokenizer)
 
 
 def model_context(model_path: str) -> int | None:
@@ -546,9 +585,27 @@ def evaluate(request: EvalRequest, problems: list[dict]) -> dict:
     model_path = resolve_model_path(request.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = prompt_token_ids(tokenizer, problems, request.settings.enable_thinking)
-    completions = sample_completions(request, model_path, tokenizer, prompts)
 
-    records = [grade_problem(i, p, c, tokenizer) for i, (p, c) in enumerate(zip(problems, completions))]
+    partial = PartialResults(request, len(problems))
+    done = partial.load()
+    if done:
+        print(f"resuming: {len(done)} of {len(problems)} problems already sampled and graded ({partial.path})")
+    # Shut the backend (vLLM's engine) down before the results, so that nothing the
+    # engine does on exit (it may print) comes after them and the FINAL line.
+    with contextlib.ExitStack() as stack:
+        backend = None
+        for chunk in problem_chunks(request, len(problems)):
+            if all(i in done for i in chunk):
+                continue
+            if backend is None:
+                backend = _sampling_backend(request, model_path, tokenizer, prompts)
+                if hasattr(backend, "__exit__"):
+                    stack.enter_context(backend)
+            graded = [grade_problem(i, problems[i], c, tokenizer)
+                      for i, c in zip(chunk, _sample_chunk(backend, request, prompts, chunk))]
+            partial.append(graded)
+            done.update((record["index"], record) for record in graded)
+    records = [done[i] for i in range(len(problems))]
     for record in records:
         print(format_problem_line(record, len(records)))
     report = {
@@ -562,7 +619,63 @@ def evaluate(request: EvalRequest, problems: list[dict]) -> dict:
         "problems": records,
     }
     write_json_atomic(request.output_path, report)
+    partial.remove()
     return report
+
+
+class PartialResults:
+    """`<report>.partial.jsonl`: the graded problems of an evaluation in progress.
+
+    The first line records the arguments; each finished chunk appends its problems,
+    flushed to disk. A re-run with the same arguments skips them; a file of other
+    arguments is ignored and replaced. Removed once the report is written.
+    """
+
+    def __init__(self, request: EvalRequest, num_problems: int):
+        self.path = request.output_path.with_name(request.output_path.name + ".partial.jsonl")
+        self.header = {"settings": asdict(request.settings), "model": request.model,
+                       "checkpoint": request.checkpoint or "base", "dataset": request.dataset,
+                       "backend": request.backend, "batch_size": request.batch_size, "num_problems": num_problems}
+
+    def load(self) -> dict[int, dict]:
+        """{problem index: record} of a previous run with the same arguments."""
+        try:
+            lines = self.path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):
+            lines = []
+        records = {}
+        if lines and _json_or_none(lines[0]) == self.header:
+            for line in lines[1:]:  # a torn last line (killed mid-write) is skipped
+                record = _json_or_none(line)
+                if isinstance(record, dict) and isinstance(record.get("index"), int):
+                    records[record["index"]] = record
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self.path, json.dumps(self.header) + "\n")
+        return records
+
+    def append(self, records: list[dict]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _json_or_none(line: str):
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -27,7 +27,9 @@ rollout RNG), so arms are compared on paired seeds. A cell whose `eval.json`
 exists is skipped; a cell with a partial run resumes from its last checkpoint,
 so re-running the same command after an interruption finishes the grid. At the
 end: `results.md` (one table, the verdict of `run_stats compare` of each arm
-against the baseline) and `results.json` (every number) in the grid folder.
+against the baseline) and `results.json` (every number) in the grid folder, and
+`curves.png` beside them: each trained arm's training curves, the mean over its
+seeds with the lowest-to-highest band (`run_plots.py overlay --grid`).
 """
 from __future__ import annotations
 
@@ -282,6 +284,16 @@ def markdown(table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def draw_curves(grid: Grid, out: Path) -> Path | None:
+    """curves.png beside results.md, arms in the grid's order; None (one warning line) when it
+    cannot be drawn: the grid's results stand without it."""
+    import run_plots
+
+    arms = [arm.name for arm in grid.arms if arm.train]
+    drawn = run_plots.draw_or_warn("grid curves", run_plots.overlay_grid, out, arms=arms)
+    return None if drawn is None else out / run_plots.CURVES_FILE
+
+
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
@@ -328,7 +340,8 @@ def main(argv=None) -> int:
     write_atomic(out / "results.json", json.dumps(table, indent=1) + "\n")
     write_atomic(out / "results.md", markdown(table))
     print(markdown(table), end="")
-    log(f"results: {out / 'results.md'}")
+    curves = draw_curves(grid, out)
+    log(f"results: {out / 'results.md'}" + (f"; curves: {curves}" if curves else ""))
     return 1 if failed else 0
 
 

@@ -4,22 +4,43 @@
         --recipe recipe.env --max_steps 100 --per_device_train_batch_size 4 \
         --gradient_accumulation_steps 8
 
-Precedence, lowest to highest: dataclass defaults < YAML / command line <
-`--recipe` file (docs/SPEC.md §6 keys) < `OPSD_*` environment switches that are set.
-Everything is validated (recipe, switches, dataset) before a model is loaded;
-bad input exits with status 2 and a one-line `error:` message.
+Precedence, lowest to highest: defaults (and a YAML `--config`) < the tiny preset's
+values < `--recipe` file (docs/SPEC.md §6 keys) < `OPSD_*` variables that are set <
+command-line flags. Budget knobs in a recipe are warned about and ignored.
+Everything is validated (switches, recipe, model path, run folder, dataset) before a
+model is loaded; bad input exits with status 2 and a one-line `error:` message.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
-import json
 import os
+import re
+import signal
 import sys
+import time
 from dataclasses import dataclass, field
 
-from opsd_config import SWITCH_VARIABLES, ConfigError, Recipe, RecipeError, Switches, parse_recipe
+import run_folder
+
+from opsd_config import (
+    DATA_SELECTS,
+    REPORT_TO_VALUES,
+    REPORT_TO_VARIABLE,
+    SWITCH_VALUES,
+    SWITCH_VARIABLES,
+    TRACKERS,
+    ConfigError,
+    Recipe,
+    RecipeError,
+    Switches,
+    parse_recipe,
+    read_report_to,
+    recipe_field,
+    recipe_value_problem,
+)
 from opsd_data import DataError, load_train_dataset
 
 TINY_PRESET = {  # the embedded default: its worked solutions take ~50 tokens, its longest teacher prompt ~300
@@ -30,6 +51,8 @@ TINY_PRESET = {  # the embedded default: its worked solutions take ~50 tokens, i
     "compile_loss": False,
     "rollout_cache_implementation": "dynamic",
 }
+
+TINY_MODELS = ("tiny", "tiny-random")  # tiny_default.TINY, TINY_RANDOM: the embedded models
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -45,65 +68,105 @@ class ScriptArguments:
     )
     recipe: str | None = field(default=None, metadata={"help": "recipe.env of docs/SPEC.md §6 overrides."})
     preset: str | None = field(default=None, metadata={"help": "`tiny`: embedded model + data, CPU budget."})
-    lora_r: int = field(default=64)
-    lora_alpha: int = field(default=128)
+    lora_r: int = recipe_field("lora_r")
+    lora_alpha: int = recipe_field("lora_alpha")
     lora_dropout: float = field(default=0.0, metadata={"help": "0 keeps both roles on one deterministic network."})
     dtype: str = field(default="auto", metadata={"help": "auto: bfloat16 on GPU, float32 on CPU."})
     attn_implementation: str | None = field(default=None, metadata={"help": "e.g. sdpa, flash_attention_2."})
     resume: bool = field(default=True, metadata={"help": "Resume from the newest checkpoint in output_dir."})
+    data_select: str = field(
+        default=DATA_SELECTS[0], metadata={"help": "Training rows: none, hard or nomath (OPSD_DATA_SELECT)."}
+    )
+
+    def __post_init__(self):
+        for name in ("lora_r", "lora_alpha"):
+            problem = recipe_value_problem(name, getattr(self, name))
+            if problem:
+                raise ValueError(problem)
 
 
-RECIPE_TO_ARGS = (
-    "learning_rate",
-    "lr_scheduler_type",
-    "max_grad_norm",
-    "lora_r",
-    "lora_alpha",
-    "beta",
-    "jsd_token_clip",
-    "temperature",
-    "top_p",
-    "top_k",
-    "lmbda",
-    "max_completion_length",
-    "fixed_teacher",
-    "use_ema_teacher",
-    "ema_decay",
-    "reason_first",
-    "teacher_thinking",
-    "top_k_loss",
-    "use_tinker_loss",
-)
-# Switches that are trainer config fields (data_select is applied to the dataset instead).
-CONFIG_SWITCHES = {name: var for name, var in SWITCH_VARIABLES.items() if name != "data_select"}
+# Every recipe key is the config field of the same name (ScriptArguments for lora_r /
+# lora_alpha), except warmup_ratio, which transformers 5 folds into warmup_steps.
+RECIPE_TO_ARGS = tuple(f.name for f in dataclasses.fields(Recipe) if f.name != "warmup_ratio")
 
 
 def _flag(name: str, value) -> list[str]:
     return [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
 
 
-def overrides(preset: str | None, recipe: Recipe | None, max_steps: int, switches: Switches, env) -> list[str]:
-    """Extra command-line flags from the preset, the recipe and the set switches.
+def _given_flags(argv: list[str]) -> dict[str, str]:
+    """{flag name: raw value} of the flags given on the command line."""
+    given = {}
+    for i, token in enumerate(argv):
+        if token.startswith("--") and len(token) > 2:
+            name, eq, value = token[2:].partition("=")
+            if not eq:
+                following = argv[i + 1] if i + 1 < len(argv) else ""
+                value = "" if following.startswith("--") else following
+            given[name] = value
+    return given
 
-    Appended after the user's flags, so they win; going through the parser keeps
-    every type conversion and check of the config dataclasses in one path.
+
+def _same(a: str, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return a.strip().lower() == b.strip().lower()
+
+
+def overrides(preset: str | None, recipe: Recipe | None, max_steps: int,
+              given: dict[str, str] | None = None) -> list[str]:
+    """Flags from the tiny preset and the recipe, in rising precedence.
+
+    They go before the user's flags, and the last occurrence of a flag wins, so the
+    order is: default < tiny preset < recipe < command line (the OPSD_* variables
+    come between the last two: `apply_switches`). The preset's values are defaults:
+    a recipe key the recipe leaves at its released value does not undo them, one it
+    changes wins. Going through the parser keeps every type conversion and check in
+    one path. A command-line flag that overrides a different recipe value is reported.
     """
-    extra: list[str] = []
+    given = given or {}
+    layers: list[tuple[str, dict[str, object]]] = []
+    preset_values = dict(TINY_PRESET) if preset == "tiny" else {}
+    if preset_values:
+        layers.append(("the tiny preset", preset_values))
+    changed: set[str] = set()
     if recipe is not None:
-        for key in RECIPE_TO_ARGS:
-            extra += _flag(key, getattr(recipe, key))
+        values = {key: getattr(recipe, key) for key in RECIPE_TO_ARGS}
         # transformers 5 folds the ratio into `warmup_steps` (a float < 1 is a ratio).
         ratio = recipe.warmup_ratio
-        extra += _flag("warmup_steps", ratio if ratio < 1 else max_steps)
-    for name, var in CONFIG_SWITCHES.items():
-        if var in env:
-            extra += _flag(name, getattr(switches, name))
-    if preset == "tiny":
-        for key, value in TINY_PRESET.items():
-            if key == "max_completion_length" and recipe is not None:
-                value = min(value, recipe.max_completion_length)
+        values["warmup_steps"] = ratio if ratio < 1 else max_steps
+        released = Recipe()
+        changed = {k for k in RECIPE_TO_ARGS if getattr(recipe, k) != getattr(released, k)}
+        if recipe.warmup_ratio != released.warmup_ratio:
+            changed.add("warmup_steps")
+        values = {k: v for k, v in values.items() if k not in preset_values or k in changed}
+        layers.append(("the recipe", values))
+    extra: list[str] = []
+    for source, values in layers:
+        for key, value in values.items():
             extra += _flag(key, value)
+            if source == "the tiny preset" or key not in changed:
+                continue  # the preset's values and unset recipe keys are defaults, not choices that lost
+            flag_value = _flag(key, value)[1]
+            if key in given and not _same(given[key], flag_value):
+                print(f"note: --{key} {given[key]} (command line) wins over {key}={flag_value} from {source}",
+                      file=sys.stderr)
     return extra
+
+
+def apply_switches(switches: Switches, env, given: dict[str, str], script_args, config, quiet=False) -> None:
+    """Set the OPSD_* switches that are set in the environment on the parsed config
+    (data_select on the script arguments), unless the command line gave the flag."""
+    for name, var in SWITCH_VARIABLES.items():
+        if not env.get(var, "").strip():
+            continue
+        value = getattr(switches, name)
+        if name in given:
+            if not quiet and not _same(given[name], value):
+                print(f"note: --{name} {given[name]} (command line) wins over {var}={value}", file=sys.stderr)
+            continue
+        setattr(script_args if name == "data_select" else config, name, value)
 
 
 def _early_flags(argv: list[str]) -> argparse.Namespace:
@@ -115,21 +178,33 @@ def _early_flags(argv: list[str]) -> argparse.Namespace:
     return pre.parse_known_args(argv)[0]
 
 
-def parse(argv=None, env=os.environ):
+def _launcher_flags(argv: list[str]) -> tuple[list[str], bool, int | None]:
+    """Remove `--check_only` and `--world_size N` (flags of this script, not of the
+    config dataclasses): validate without training, for `train_capped.sh`, which
+    checks everything before it starts accelerate with N processes."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--check_only", action="store_true")
+    pre.add_argument("--world_size", type=int)
+    known, rest = pre.parse_known_args(argv)
+    return rest, known.check_only, known.world_size
+
+
+def parse(argv=None, env=os.environ, quiet: bool = False):
     """Parse and validate everything that can be checked without a model.
 
     Switches and the recipe are checked first (stdlib only, instant), then the
-    config dataclasses, then the dataset.
+    config dataclasses, then the dataset. `quiet` leaves recipe warnings unprinted.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     early = _early_flags(argv)
     if early.preset not in (None, "", "tiny"):
         raise ConfigError(f"--preset {early.preset!r}: expected tiny")
     switches = Switches.from_env(env)
+    report_to = read_report_to(env)
     recipe = None
     if early.recipe:
         recipe, warnings = parse_recipe(early.recipe)
-        for w in warnings:
+        for w in warnings if not quiet else ():
             print(f"warning: {w}", file=sys.stderr)
 
     from trl import TrlParser
@@ -139,14 +214,149 @@ def parse(argv=None, env=os.environ):
     parser = TrlParser((ScriptArguments, OPSDConfig))
     # The tiny preset's model and data come first, so explicit flags still win.
     defaults = ["--model_name_or_path", "tiny", "--dataset_name", "tiny"] if early.preset == "tiny" else []
-    extra = overrides(early.preset, recipe, early.max_steps, switches, env)
-    script_args, config = parser.parse_args_and_config(defaults + argv + extra)
+    given = _given_flags(argv)
+    extra = overrides(early.preset, recipe, early.max_steps, given if not quiet else {})
+    tracker = tracker_flags(report_to, given, quiet)
+    script_args, config = parser.parse_args_and_config(defaults + extra + tracker + argv)
+    apply_switches(switches, env, given, script_args, config, quiet)
+    config.check_combinations()
+    check_trackers(config.report_to)
     if config.use_vllm and importlib.util.find_spec("vllm") is None:
         raise ConfigError("--use_vllm true: vllm is not installed (pip install -r requirements-gpu.txt)")
+    check_model(script_args.model_name_or_path)
+    run_folder.check_writable(config.output_dir)
     dataset = load_train_dataset(
-        script_args.dataset_name, select=switches.data_select, teacher_context=config.teacher_context
+        script_args.dataset_name, select=script_args.data_select, teacher_context=config.teacher_context,
+        seed=config.seed,
     )
     return script_args, config, dataset
+
+
+def tracker_flags(report_to: str | None, given: dict[str, str], quiet: bool = False) -> list[str]:
+    """`--report_to` from OPSD_REPORT_TO, placed before the user's flags: through the parser,
+    transformers normalises it (`all`, `none`) as it does a flag; a flag given wins, and says so."""
+    if report_to is None:
+        return []
+    if not quiet and "report_to" in given and not _same(given["report_to"], report_to):
+        print(f"note: --report_to {given['report_to']} (command line) wins over {REPORT_TO_VARIABLE}={report_to}",
+              file=sys.stderr)
+    return ["--report_to", report_to]
+
+
+def check_trackers(report_to: list[str]) -> None:
+    """A chosen tracker whose package is missing is an error now, before the model loads
+    (transformers would raise only once the trainer is built)."""
+    from transformers import integrations
+
+    for name in report_to:
+        if name in TRACKERS and not getattr(integrations, f"is_{name}_available")():
+            raise ConfigError(f"report_to {name}: the {name} package is not installed (pip install {name})")
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def check_model(name: str) -> None:
+    """A local model folder must exist and hold config.json; a hub id must look like one.
+
+    Whether a hub id exists is only known when it loads (it may need the network)."""
+    if name in TINY_MODELS:
+        return
+    if os.path.exists(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise ConfigError(f"model {name}: not a model folder (no config.json in it)")
+        return
+    looks_local = name.startswith(("/", "./", "../", "~", ".")) or name.count("/") > 1 or "\\" in name
+    if looks_local:
+        raise ConfigError(f"model {name}: no such folder")
+    if not _HUB_ID.fullmatch(name):
+        raise ConfigError(f"model {name!r}: neither a local folder nor a hub id (org/name)")
+
+
+# --------------------------------------------------------------------------
+# Run identity: the resolved configuration, printed and stored with the run
+# --------------------------------------------------------------------------
+
+def recipe_values(script_args: ScriptArguments, config) -> dict:
+    """Every recipe key (docs/SPEC.md §6) as this run resolved it, whatever set it."""
+    values = {}
+    for f in dataclasses.fields(Recipe):
+        if f.name in ("lora_r", "lora_alpha"):
+            value = getattr(script_args, f.name)
+        elif f.name == "warmup_ratio":  # transformers 5 keeps the ratio in warmup_steps when < 1
+            steps = config.warmup_steps
+            value = steps if steps < 1 else steps / max(config.max_steps, 1)
+        elif f.name == "lr_scheduler_type":
+            value = getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type)
+        elif f.name == "jsd_token_clip":
+            value = config.jsd_token_clip or 0.0
+        else:
+            value = getattr(config, f.name)
+        values[f.name] = value if isinstance(f.default, bool) else type(f.default)(value)
+    return values
+
+
+def run_identity(script_args: ScriptArguments, config, dataset, world_size: int | None = None) -> dict:
+    """The run's configuration as one flat dict: what `run_config.json` holds and
+    what a resume compares (run_folder.NOT_COMPARED aside). Recipe keys appear
+    only where they differ from the released recipe."""
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    per_device, accumulation = config.per_device_train_batch_size, config.gradient_accumulation_steps
+    released = dataclasses.asdict(Recipe())
+    identity = {
+        # local paths absolute: the same relative path from another folder is another file
+        "model": _absolute_if_local(script_args.model_name_or_path),
+        "data": _absolute_if_local(script_args.dataset_name),
+        "data_select": script_args.data_select,
+        "train_rows": len(dataset),
+        "preset": script_args.preset or "none",
+        "report_to": ",".join(config.report_to) or "none",  # recorded, not compared (run_folder.NOT_COMPARED)
+    }
+    identity.update({var: getattr(script_args if name == "data_select" else config, name)
+                     for name, var in SWITCH_VARIABLES.items() if name != "data_select"})
+    identity.update({k: v for k, v in recipe_values(script_args, config).items() if v != released[k]})
+    identity.update({
+        "seed": config.seed,
+        "global_batch": per_device * accumulation * world,
+        "max_steps": config.max_steps,
+        "per_device_train_batch_size": per_device,
+        "gradient_accumulation_steps": accumulation,
+        "num_processes": world,
+        "output_dir": os.path.abspath(config.output_dir),
+    })
+    return identity
+
+
+def _absolute_if_local(name: str) -> str:
+    return os.path.abspath(name) if name not in TINY_MODELS and os.path.exists(name) else name
+
+
+def format_identity(identity: dict) -> str:
+    width = max(map(len, identity))
+    lines = [f"[OPSD] run configuration ({run_folder.CONFIG_FILE} in the run folder):"]
+    lines += [f"  {key:<{width}}  {value}" for key, value in identity.items()]
+    return "\n".join(lines)
+
+
+def resume_point(output_dir: str, identity: dict, resume: bool) -> tuple[int, str] | None:
+    """The checkpoint this run continues from (None: a fresh start).
+
+    Refuses (RunFolderError) when the folder records another configuration: a
+    resumed run must not mix two arms."""
+    last = run_folder.last_checkpoint(output_dir) if resume else None
+    if last is None:
+        return None
+    recorded = run_folder.read_config(output_dir)
+    if recorded is not None:
+        differing = run_folder.config_conflicts(recorded, identity)
+        if differing:
+            shown = ", ".join(f"{k} ({recorded.get(k)!r} -> {identity.get(k)!r})" for k in differing[:6])
+            more = f" and {len(differing) - 6} more" if len(differing) > 6 else ""
+            raise run_folder.RunFolderError(
+                f"{output_dir} holds a run of another configuration ({shown}{more}); to start fresh, "
+                "choose another OPSD_OUTPUT (--output_dir) or delete that folder"
+            )
+    return last
 
 
 def build_model_and_tokenizer(script_args: ScriptArguments):
@@ -180,9 +390,34 @@ def lora_config(script_args: ScriptArguments):
     )
 
 
-def train(script_args: ScriptArguments, config, dataset):
-    from transformers.trainer_utils import get_last_checkpoint
+class _StopRequest:
+    """SIGTERM / SIGINT (preemption, Ctrl-C) ask the run to stop at the next step
+    boundary with a checkpoint; a second signal acts as usual (stops at once)."""
 
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        for signum in self.SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        print(f"[OPSD] {signal.Signals(signum).name} received: stopping after this step with a checkpoint "
+              "(send it again to stop at once)", flush=True)
+
+    def __exit__(self, *exc):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def train(script_args: ScriptArguments, config, dataset, resume: tuple[int, str] | None = None, stop=None):
     from opsd_trainer import OPSDTrainer
 
     model, tokenizer = build_model_and_tokenizer(script_args)
@@ -192,40 +427,138 @@ def train(script_args: ScriptArguments, config, dataset):
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=lora_config(script_args),
+        stop_request=stop,
+        base_model_name=script_args.model_name_or_path,
     )
-    resume = None
-    if script_args.resume and os.path.isdir(config.output_dir):
-        resume = get_last_checkpoint(config.output_dir)
     if resume and trainer.accelerator.is_main_process:
-        print(f"[OPSD] resuming from {resume}", flush=True)
-    if resume and 0 < config.max_steps <= _checkpoint_step(resume):
-        # transformers would still run one step past max_steps when resuming at the end.
-        if trainer.accelerator.is_main_process:
-            print(f"[OPSD] {resume} already reached max_steps={config.max_steps}; nothing to train", flush=True)
-        return trainer
-    trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model(config.output_dir)  # final adapter + tokenizer at the top of the run folder
+        print(f"[OPSD] resuming from {resume[1]}", flush=True)
+    trainer.train(resume_from_checkpoint=resume[1] if resume else None)
+    if trainer.stopped_by_signal is None:
+        trainer.save_model(config.output_dir)  # final adapter + tokenizer at the top of the run folder
     return trainer
 
 
-def _checkpoint_step(checkpoint: str) -> int:
-    with open(os.path.join(checkpoint, "trainer_state.json"), encoding="utf-8") as f:
-        return int(json.load(f)["global_step"])
+def _summary_line(trainer, started: float) -> str:
+    last = run_folder.last_checkpoint(trainer.args.output_dir)
+    kl = next((r["opsd/true_kl"] for r in reversed(trainer.state.log_history) if "opsd/true_kl" in r), None)
+    return (
+        f"[OPSD] done: {trainer.state.global_step} steps in {time.time() - started:.1f} s | last checkpoint "
+        f"{last[1] if last else 'none'} | last true_kl {'n/a' if kl is None else f'{kl:.4g}'}"
+    )
+
+
+def draw_curves(out: str) -> str | None:
+    """The run's curves.png beside metrics.jsonl (run_plots.py); its path, or None with one
+    warning line: a finished run never fails for its figure."""
+    import run_plots  # stdlib at import; matplotlib only once it draws
+
+    drawn = run_plots.draw_or_warn("training curves", run_plots.plot_run_curves, out)
+    return None if drawn is None else os.path.join(os.path.abspath(out), run_plots.CURVES_FILE)  # as checkpoints
+
+
+def help_text() -> str:
+    """`--help`: this script's settings, the OPSD_* variables and the precedence first,
+    then the flags inherited from TRL / transformers."""
+    from trl import DistillationConfig, TrlParser
+
+    from opsd_trainer import OPSDConfig
+
+    recipe_keys = {f.name for f in dataclasses.fields(Recipe)}
+
+    def describe(f, default) -> str:
+        text = f.metadata.get("help", "") + (" [recipe key]" if f.name in recipe_keys else "")
+        return f"  --{f.name} (default {default!r}){': ' + text.strip() if text else ''}"
+
+    own = [f for f in dataclasses.fields(OPSDConfig) if f.name in vars(OPSDConfig).get("__annotations__", {})]
+    base = {f.name for f in dataclasses.fields(DistillationConfig)}
+    lines = [
+        "usage: python opsd_train.py [--preset tiny] [--recipe FILE] [FLAG VALUE ...]",
+        "",
+        "On-Policy Self-Distillation of a LoRA student against its own teacher role.",
+        "",
+        "Precedence, lowest to highest: defaults (and a YAML --config) < the tiny preset's values <",
+        "the --recipe file < OPSD_* variables that are set < command-line flags; a flag that overrides a",
+        "different recipe or variable value is reported. Budget knobs in a recipe are ignored (warned).",
+        "Everything is checked before a model loads: bad input is one `error:` line, exit 2.",
+        "",
+        "OPSD settings:",
+    ]
+    lines += [describe(f, f.default) for f in dataclasses.fields(ScriptArguments)]
+    lines += [describe(f, f.default) for f in own if f.name not in base]
+    lines += ["", "Inherited settings whose defaults are the released recipe's (docs/SPEC.md §6):"]
+    lines += [describe(f, f.default) for f in own if f.name in base]
+    lines += ["", "OPSD_* variables (the ablation switches; default first):"]
+    for name, var in SWITCH_VARIABLES.items():
+        allowed = ", ".join(SWITCH_VALUES[name])
+        lines.append(f"  {var:<22} {allowed}  (sets {name})")
+    lines.append(f"  {REPORT_TO_VARIABLE:<22} {', '.join(REPORT_TO_VALUES)}  (sets report_to; not a switch)")
+    lines += ["", "Inherited flags (TRL DistillationConfig, transformers TrainingArguments):", ""]
+    lines.append(TrlParser((DistillationConfig,), prog="opsd_train.py").format_help())
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
+    argv, check_only, world_size = _launcher_flags(list(sys.argv[1:] if argv is None else argv))
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        return 0
     try:
-        script_args, config, dataset = parse(argv)
-    except (ConfigError, RecipeError, DataError, ValueError) as e:
+        script_args, config, dataset = parse(argv, quiet=check_only)
+        if (world_size or 1) == 1 and config.n_gpu > 1:  # launched processes see n_gpu 1 each
+            raise ConfigError(
+                f"{config.n_gpu} GPUs are visible to one process, which transformers would run as nn.DataParallel "
+                "(not supported): make one visible (CUDA_VISIBLE_DEVICES=0) or start one process per GPU "
+                "(train_capped.sh, accelerate launch)")
+        identity = run_identity(script_args, config, dataset, world_size)
+        resume = resume_point(config.output_dir, identity, script_args.resume)
+        lock = run_folder.RunLock(config.output_dir)
+        if check_only:
+            lock.check()
+    except (ConfigError, RecipeError, DataError, run_folder.RunFolderError, ValueError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    out = config.output_dir
+    if resume and 0 < config.max_steps <= resume[0]:
+        # transformers would still run one step past max_steps when resuming at the end.
+        if int(os.environ.get("RANK", "0")) == 0 and not check_only:
+            print(f"[OPSD] {out} is finished: its last checkpoint {resume[1]} reached max_steps={config.max_steps}; "
+                  "nothing to train (for a new run choose another OPSD_OUTPUT or delete the folder)", flush=True)
+        return 0
+    if check_only:
+        return 0
+    from opsd_trainer import CheckpointWriteError, NonFiniteLossError
+
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    started = time.time()
+    try:
+        if main_process:
+            lock.acquire()  # other ranks write nothing outside the trainer's own barriers
+            print(format_identity(identity), flush=True)
+            if run_folder.remove_staging(out):
+                print(f"[OPSD] removed the partial checkpoint a killed save left in {out}/{run_folder.STAGING_DIR}")
+            run_folder.write_config(out, identity)
+            run_folder.truncate_metrics(out, resume[0] if resume else 0)
+        with _StopRequest() as stop:
+            trainer = train(script_args, config, dataset, resume, stop)
+    except run_folder.RunFolderError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from opsd_trainer import NonFiniteLossError
-
-    try:
-        train(script_args, config, dataset)
-    except NonFiniteLossError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (NonFiniteLossError, CheckpointWriteError) as e:
+        print(f"\nerror: {e}", file=sys.stderr)  # the progress bar's line has no newline yet
         return 1
+    finally:
+        lock.release()
+    if trainer.stopped_by_signal is not None:
+        last = run_folder.last_checkpoint(out)
+        if main_process:
+            print(f"[OPSD] stopped by {signal.Signals(trainer.stopped_by_signal).name} at step "
+                  f"{trainer.state.global_step}; checkpoint {last[1] if last else 'none'}; re-run the same "
+                  "command to resume", flush=True)
+        return 128 + trainer.stopped_by_signal
+    if main_process:
+        summary = _summary_line(trainer, started)
+        curves = draw_curves(out)
+        print(summary + (f" | curves {curves}" if curves else ""), flush=True)
     return 0
 
 

@@ -20,32 +20,63 @@ loss (per-entry clip, which TRL's fused divergence cannot express).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import random
 import shutil
+import sys
+import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from accelerate.utils import is_peft_model
+from torch.distributed.tensor import DTensor
+from tqdm.auto import tqdm
 from transformers import TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints
+from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_utils import rotate_checkpoints
 from trl import DistillationConfig, DistillationTrainer
 from trl.models.utils import unwrap_model_for_generation
 
+import run_folder
 from compiled_layers import CompiledLayers
-from data_collator import OPSDCollator, build_scoring_batch, check_alignment, gather_completion_positions
+from data_collator import (
+    OPSDCollator,
+    ScoringBatch,
+    build_scoring_batch,
+    check_alignment,
+    gather_completion_positions,
+)
 from ema_teacher import AdapterEMA
+from model_utils import causal_lm
 from opsd_chunked_loss import chunked_divergence_loss, chunked_nll_loss, chunked_tinker_loss
-from opsd_config import CLIP_MODES, PAD_SIDES, STUDENT_PROMPTS, TEACHER_CONTEXTS, VLLM_TEMPERATURE_RANGE, Recipe
+from opsd_config import (
+    CLIP_MODES,
+    PAD_SIDES,
+    REPORT_TO_VALUES,
+    STUDENT_PROMPTS,
+    TEACHER_CONTEXT_HELP,
+    TEACHER_CONTEXTS,
+    VLLM_TEMPERATURE_RANGE,
+    Recipe,
+    recipe_field,
+    recipe_value_problem,
+)
 from opsd_logging import append_metrics, kl_line
 from opsd_loss import divergence_loss, nll_loss, tinker_loss
-from rollout import SamplingSettings, TransformersBackend, to_completion
+from rollout import TransformersBackend
+from sampling import ROLLOUT_STREAMS, SamplingSettings, rollout_seed, to_completion
 from vllm_weights import merged_named_parameters
 
 EMA_FILE = "ema_adapter.pt"
-STAGING_DIR = ".staging"  # checkpoints are written here, then renamed into place
-RELEASED = Recipe()  # docs/SPEC.md §6 defaults: the one source of the released recipe's values
+STAGING_DIR = run_folder.STAGING_DIR  # checkpoints are written here, then renamed into place
+# Fault injection for the tests: seconds to sleep inside each checkpoint save, after the
+# staged files are written and before the rename, so a test can kill -9 the run there.
+SAVE_PAUSE_VARIABLE = "OPSD_TEST_PAUSE_IN_SAVE"
+RECIPE_KEYS = tuple(f.name for f in dataclasses.fields(Recipe))
 LOSS_TYPES = ("opsd", "sft")
 # Without it, sequence lengths that are not a multiple of 8 made the compiled layers
 # recompile (about 10 s each) in the first steps of a run on the H200 (BENCHMARKS.md).
@@ -62,50 +93,49 @@ class OPSDConfig(DistillationConfig):
     a recipe file is the released configuration.
     """
 
-    # Base-class fields whose defaults differ in the released recipe.
-    learning_rate: float = field(default=RELEASED.learning_rate)
-    lr_scheduler_type: str = field(default=RELEASED.lr_scheduler_type)
-    max_grad_norm: float = field(default=RELEASED.max_grad_norm)
-    beta: float = field(default=RELEASED.beta)
-    temperature: float = field(default=RELEASED.temperature)
-    top_p: float = field(default=RELEASED.top_p)
-    top_k: int = field(default=RELEASED.top_k)
-    max_completion_length: int | None = field(default=RELEASED.max_completion_length)
+    # Recipe keys (docs/SPEC.md §6): default, help and range are declared once, in opsd_config.Recipe.
+    # Some are base-class fields whose defaults differ in the released recipe.
+    learning_rate: float = recipe_field("learning_rate")
+    lr_scheduler_type: str = recipe_field("lr_scheduler_type")
+    max_grad_norm: float = recipe_field("max_grad_norm")
+    beta: float = recipe_field("beta")
+    temperature: float = recipe_field("temperature")
+    top_p: float = recipe_field("top_p")
+    top_k: int = recipe_field("top_k")
+    max_completion_length: int | None = recipe_field("max_completion_length")
+    jsd_token_clip: float | None = recipe_field("jsd_token_clip")
+    teacher_thinking: bool = recipe_field("teacher_thinking")
+    fixed_teacher: bool = recipe_field("fixed_teacher")
+    use_ema_teacher: bool = recipe_field("use_ema_teacher")
+    ema_decay: float = recipe_field("ema_decay")
+    reason_first: bool = recipe_field("reason_first")
+    top_k_loss: int = recipe_field("top_k_loss")
+    use_tinker_loss: bool = recipe_field("use_tinker_loss")
+    lmbda: float = recipe_field("lmbda")
+
     logging_steps: float = field(default=1)
+    # Declared here (opsd_config.REPORT_TO_VALUES) so that no tracker starts unless asked for,
+    # whatever transformers' own default is; OPSD_REPORT_TO or --report_to choose one.
+    report_to: None | str | list[str] = field(
+        default=REPORT_TO_VALUES[0],
+        metadata={"help": f"Where the logs also go, OPSD diagnostics included: {', '.join(REPORT_TO_VALUES)} "
+                          "(OPSD_REPORT_TO), or another transformers integration."},
+    )
     # TRL checkpoints activations by default; say it under transformers 5's name (the old one warns).
     gradient_checkpointing: bool | None = field(default=None)
     activation_checkpointing: bool | None = field(default=True)
 
-    jsd_token_clip: float | None = field(
-        default=RELEASED.jsd_token_clip, metadata={"help": "Clip tau; 0 or None disables."}
-    )
     clip_mode: str = field(
         default=CLIP_MODES[0], metadata={"help": "entry (released) or token (direction-preserving)."}
     )
     pad_side: str = field(default=PAD_SIDES[0], metadata={"help": "right (released, pad gap) or left (contiguous)."})
     student_prompt: str = field(default=STUDENT_PROMPTS[0], metadata={"help": "paper or eval."})
-    teacher_context: str = field(default=TEACHER_CONTEXTS[0], metadata={"help": "solution, cot or both."})
-    teacher_thinking: bool = field(
-        default=RELEASED.teacher_thinking, metadata={"help": "enable_thinking for the teacher prompt."}
+    teacher_context: str = field(
+        default=TEACHER_CONTEXTS[0],
+        metadata={"help": "The teacher's privileged context: " + "; ".join(
+            f"{value}: {what}" for value, what in TEACHER_CONTEXT_HELP.items()) + "."},
     )
-    fixed_teacher: bool = field(
-        default=RELEASED.fixed_teacher, metadata={"help": "Teacher = initial weights (adapter disabled)."}
-    )
-    use_ema_teacher: bool = field(default=RELEASED.use_ema_teacher, metadata={"help": "Teacher = EMA of the adapter."})
-    ema_decay: float = field(default=RELEASED.ema_decay, metadata={"help": "EMA decay per optimizer step."})
-    reason_first: bool = field(
-        default=RELEASED.reason_first, metadata={"help": "Teacher writes an analysis of the reference first."}
-    )
-    reason_first_max_tokens: int = field(default=512, metadata={"help": "Length limit of that analysis."})
-    top_k_loss: int = field(
-        default=RELEASED.top_k_loss, metadata={"help": "Restrict the divergence to the teacher's top-k (0 = off)."}
-    )
-    use_tinker_loss: bool = field(
-        default=RELEASED.use_tinker_loss, metadata={"help": "Sampled-token estimator instead of full vocab."}
-    )
-    lmbda: float = field(
-        default=RELEASED.lmbda, metadata={"help": "Share of on-policy batches; the rest use the solution."}
-    )
+    reason_first_max_tokens: int = field(default=512, metadata={"help": "Length limit of the reason_first analysis."})
     loss_type: str = field(
         default=LOSS_TYPES[0],
         metadata={
@@ -118,7 +148,11 @@ class OPSDConfig(DistillationConfig):
         default=None, metadata={"help": "Teacher prompt limit; the privileged context is truncated to fit."}
     )
     loss_implementation: str = field(
-        default="chunked", metadata={"help": "chunked (hidden states, low memory) or logits (full logits)."}
+        default="auto",
+        metadata={
+            "help": "chunked (hidden states, low memory), logits (full logits) or auto: chunked, except under "
+            "DeepSpeed ZeRO-3, which leaves the LM head's weight partitioned where the chunked loss reads it."
+        },
     )
     loss_chunk_size: int = field(default=1024, metadata={"help": "Tokens per chunk of the chunked loss."})
     pad_to_multiple_of: int | str | None = field(
@@ -148,12 +182,22 @@ class OPSDConfig(DistillationConfig):
             "graph_compiled, graph, static (generate + static cache) or dynamic / None (generate + dynamic cache)."
         },
     )
+    ddp_find_unused_parameters: bool | None = field(
+        default=False,
+        metadata={
+            "help": "DDP's find_unused_parameters. False: the student's forward uses every LoRA parameter at every "
+            "step, whatever the loss (tested), so DDP need not walk the autograd graph each step to find unused "
+            "ones (transformers would turn it on for a peft model)."
+        },
+    )
     disable_dropout: bool = field(default=True, metadata={"help": "Dropout off: both roles see one network."})
     remove_unused_columns: bool | None = field(default=False, metadata={"help": "Rows keep their privileged columns."})
 
     def __post_init__(self):
         if self.bf16 is None and not torch.cuda.is_available():
             self.bf16 = False  # the base default (bf16) fails on CPU-only machines
+        if not torch.cuda.is_available():
+            self.dataloader_pin_memory = False  # nothing to pin to; torch warns at every epoch otherwise
         if self.pad_to_multiple_of is None or str(self.pad_to_multiple_of).strip().lower() == "auto":
             self.pad_to_multiple_of = default_scoring_pad_multiple()
         # Compilation pays off on the GPU (BENCHMARKS.md); on CPU it only costs compile time.
@@ -162,6 +206,10 @@ class OPSDConfig(DistillationConfig):
         # compile_layers is resolved below; OPSDTrainer, which also sees sharding chosen in
         # accelerate's config, may switch a default (never an explicit) True off.
         self.compile_layers_is_default = self.compile_layers is None
+        # Likewise, OPSDTrainer may turn an automatic chunked loss into the full-logit one (ZeRO-3).
+        self.loss_implementation_is_default = self.loss_implementation == "auto"
+        if self.loss_implementation_is_default:
+            self.loss_implementation = "chunked"
         low, high = VLLM_TEMPERATURE_RANGE
         if self.use_vllm and not low <= self.temperature <= high:  # else vLLM fails at the first rollout
             raise ValueError(f"temperature={self.temperature}: vLLM rollouts need a temperature in [{low}, {high}]")
@@ -184,12 +232,24 @@ class OPSDConfig(DistillationConfig):
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
+        self.check_combinations()
+        for name in RECIPE_KEYS:  # the ranges a recipe file is held to hold for flags too
+            if name == "temperature" and not self.use_vllm:
+                continue  # the recipe's range is vLLM's (checked above); transformers samples any > 0
+            problem = recipe_value_problem(name, getattr(self, name, None))
+            if problem:
+                raise ValueError(problem)
+        if self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature} is out of range; must be > 0")
+
+
+    def check_combinations(self) -> None:
+        """Settings that exclude each other. Run again once the OPSD_* switches are applied
+        to a parsed config (opsd_train.apply_switches sets them after __post_init__)."""
         if self.fixed_teacher and self.use_ema_teacher:
             raise ValueError("fixed_teacher and use_ema_teacher are mutually exclusive")
-        if self.jsd_token_clip is not None and self.jsd_token_clip < 0:
-            raise ValueError(f"jsd_token_clip must be >= 0, got {self.jsd_token_clip}")
-        if not 0.0 <= self.lmbda <= 1.0:
-            raise ValueError(f"lmbda must be in [0, 1], got {self.lmbda}")
+        if self.reason_first and self.teacher_context == "none":
+            raise ValueError("reason_first needs a reference to analyse; teacher_context=none has none")
 
 
 def default_scoring_pad_multiple() -> int | None:
@@ -197,8 +257,22 @@ def default_scoring_pad_multiple() -> int | None:
     return SCORING_PAD_MULTIPLE if torch.cuda.is_available() else None
 
 
+class ScoringForwards(NamedTuple):
+    """One micro-batch scored by both roles: each role's ScoringBatch and its final hidden
+    states [B, C, H] at the positions that predict the completion tokens."""
+
+    student: ScoringBatch
+    teacher: ScoringBatch
+    student_hidden: torch.Tensor
+    teacher_hidden: torch.Tensor
+
+
 class NonFiniteLossError(RuntimeError):
     """Raised to stop the run when the loss is NaN or infinite."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, folder not writable); earlier ones are intact."""
 
 
 class _EMAUpdate(TrainerCallback):
@@ -210,18 +284,48 @@ class _EMAUpdate(TrainerCallback):
 
 
 class _RunLog(TrainerCallback):
-    """`[OPSD kl]` line and metrics.jsonl from the very dict that goes to report_to."""
+    """`[OPSD kl]` line and metrics.jsonl from the very dict that goes to report_to.
+
+    The end-of-training summary (train_runtime, ...) is left out of metrics.jsonl,
+    which holds one record per step; the console gets its own summary line."""
 
     def __init__(self, path: str):
         self.path = path
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs:
+        if not state.is_world_process_zero or not logs or "train_runtime" in logs:
             return
         line = kl_line(state.global_step, logs)
         if line:
-            print(line, flush=True)
+            tqdm.write(line, file=sys.stdout)  # above the progress bar, not glued to it
+            sys.stdout.flush()
         append_metrics(self.path, state.global_step, logs)
+
+
+class _ProgressBarOnly(ProgressCallback):
+    """The progress bar without its printed copy of every log dict (the `[OPSD kl]` line is the one line)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
+
+
+class _StopOnSignal(TrainerCallback):
+    """Ends training at a step boundary with a checkpoint once a signal was received
+    (opsd_train._StopRequest records it). With several processes the request is
+    shared, so every rank stops at the same step."""
+
+    def __init__(self, trainer: OPSDTrainer, request):
+        self.trainer, self.request = trainer, request
+
+    def on_step_end(self, args, state, control, **kwargs):
+        signum = self.request.signum or 0
+        accelerator = self.trainer.accelerator
+        if accelerator.num_processes > 1:
+            signum = int(accelerator.reduce(torch.tensor([signum], device=accelerator.device), "max").item())
+        if signum:
+            self.trainer.stopped_by_signal = signum
+            control.should_save = True
+            control.should_training_stop = True
 
 
 class OPSDTrainer(DistillationTrainer):
@@ -229,31 +333,36 @@ class OPSDTrainer(DistillationTrainer):
     # still divide by the number of accumulation steps.
     loss_is_scaled_for_ga = False
 
-    def __init__(self, model, args: OPSDConfig, train_dataset, processing_class, peft_config=None, callbacks=None):
-        super().__init__(
-            model=model,
-            teacher_model=None,  # the teacher is this same network
-            args=args,
-            train_dataset=train_dataset,
-            processing_class=processing_class,
-            peft_config=peft_config,
-            callbacks=callbacks,
-        )
+    def __init__(self, model, args: OPSDConfig, train_dataset, processing_class, peft_config=None, callbacks=None,
+                 stop_request=None, base_model_name: str | None = None):
+        with warnings.catch_warnings():
+            # peft reads the deprecated `is_gradient_checkpointing` while TRL wraps the model (not our call).
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            super().__init__(
+                model=model,
+                teacher_model=None,  # the teacher is this same network
+                args=args,
+                train_dataset=train_dataset,
+                processing_class=processing_class,
+                peft_config=peft_config,
+                callbacks=callbacks,
+            )
         if (args.fixed_teacher or args.use_ema_teacher) and not is_peft_model(self.model):
             raise ValueError(
                 "fixed_teacher / use_ema_teacher need a LoRA (peft) student: the teacher is the base weights "
                 "with the adapter disabled or swapped, never a second model copy"
             )
+        sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
+        zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
+        apply_engine_defaults(args, sharded, zero_stage)  # the engine is chosen in accelerate's config
         self.collator = make_collator(self._tokenizer, args)
+        self.objective = make_objective(args)
         self.sampling = SamplingSettings(
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
             max_new_tokens=args.max_completion_length,
         )
-        sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
-        if sharded and args.compile_layers and getattr(args, "compile_layers_is_default", False):
-            args.compile_layers = False  # sharding chosen in accelerate's config, not in the arguments
         if self.use_vllm and is_peft_model(self.model) and not sharded:
             # Merge LoRA out of place for vLLM: TRL's in-place merge/unmerge would perturb the bf16
             # base weights, i.e. the fixed teacher, a little at every sync. Sharded runs keep TRL's
@@ -262,7 +371,13 @@ class OPSDTrainer(DistillationTrainer):
         self.ema = AdapterEMA(self.model, args.ema_decay) if args.use_ema_teacher else None
         if self.ema is not None:
             self.add_callback(_EMAUpdate(self.ema))
-        self.add_callback(_RunLog(os.path.join(args.output_dir, "metrics.jsonl")))
+        self.add_callback(_RunLog(os.path.join(args.output_dir, run_folder.METRICS_FILE)))
+        if self.pop_callback(ProgressCallback) is not None:
+            self.add_callback(_ProgressBarOnly())
+        self.stopped_by_signal: int | None = None
+        if stop_request is not None:
+            self.add_callback(_StopOnSignal(self, stop_request))
+        self.base_model_name = base_model_name
         self._lmbda_rng = random.Random(args.seed)
         self._alignment_checked = False
         self._staging_root: str | None = None
@@ -296,25 +411,23 @@ class OPSDTrainer(DistillationTrainer):
             "completion_ids": completions,
         }
 
-    def _sample(self, prompt_ids: list[list[int]], max_new_tokens: int | None = None):
-        """Student rollouts: vLLM through TRL's helper, else our transformers backend."""
+    def _sample(self, prompt_ids: list[list[int]], stream: str = ROLLOUT_STREAMS[0]):
+        """Student rollouts (`stream` "student": vLLM through TRL's helper, else our transformers
+        backend) or reason_first's analyses (always transformers).
+
+        This process's rows, seeded per (seed, rank, step, stream) on the transformers backend.
+        vLLM seeds its own engine: by rank in colocate mode (TRL), by the server in server mode."""
         settings = self.sampling
-        if max_new_tokens is not None:
-            settings = dataclasses.replace(settings, max_new_tokens=max_new_tokens)
-        if self.use_vllm and max_new_tokens is None:
+        if stream == "reason_first":
+            settings = dataclasses.replace(settings, max_new_tokens=self.args.reason_first_max_tokens)
+        elif self.use_vllm:
             samples = [  # syncs the LoRA weights first
                 to_completion(ids, self.eos_token_ids) for ids in self._generate_single_turn(prompt_ids, None, {})
             ]
             return [s.ids for s in samples], [s.truncated for s in samples]
-        with (
-            unwrap_model_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-            ) as unwrapped,
-            torch.no_grad(),
-        ):
+        seed = rollout_seed(self.args.seed, self.accelerator.process_index, self.state.global_step, stream)
+        settings = dataclasses.replace(settings, seed=seed)
+        with self._unwrapped_for_generation() as unwrapped, torch.no_grad():
             backend = TransformersBackend(
                 unwrapped,
                 pad_token_id=self._tokenizer.pad_token_id,
@@ -324,6 +437,34 @@ class OPSDTrainer(DistillationTrainer):
             )
             samples = backend.generate(prompt_ids, settings, n=1)
         return [s[0].ids for s in samples], [s[0].truncated for s in samples]
+
+    @contextmanager
+    def _unwrapped_for_generation(self):
+        """The model without wrappers and with activation checkpointing off (it disables the KV cache).
+
+        TRL's `unwrap_model_for_generation` does the same through the deprecated
+        `gradient_checkpointing_*` names (a FutureWarning per call); it is kept for
+        ZeRO-3, which needs its parameter gathering."""
+        if self.is_deepspeed_enabled:
+            with unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped:
+                yield unwrapped
+            return
+        unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
+        checkpointing = getattr(unwrapped, "is_activation_checkpointing", False)
+        if checkpointing:
+            unwrapped.activation_checkpointing_disable()
+        try:
+            yield unwrapped
+        finally:
+            if checkpointing:
+                unwrapped.activation_checkpointing_enable(
+                    activation_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
+                )
 
     def _reference_completions(self, rows: list[dict]):
         limit = self.args.max_completion_length
@@ -339,7 +480,7 @@ class OPSDTrainer(DistillationTrainer):
         """reason_first: the teacher (its own weights) first analyses the reference."""
         prompt_ids = [self.collator.reason_first_prompt_ids(row) for row in rows]
         with self._teacher_weights(self.accelerator.unwrap_model(self.model)):
-            ids, _ = self._sample(prompt_ids, max_new_tokens=self.args.reason_first_max_tokens)
+            ids, _ = self._sample(prompt_ids, stream="reason_first")
         return self._tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     def _log_rollout(self, prompt_ids, lengths: torch.Tensor, truncated: torch.Tensor) -> None:
@@ -374,10 +515,10 @@ class OPSDTrainer(DistillationTrainer):
         # Through the DDP/FSDP wrapper so that its forward hooks fire before backward.
         loss, stats = self._forward_redirection(model, unwrapped, self._opsd_loss, unwrapped, inputs)
         if not torch.isfinite(loss):
-            last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+            last = run_folder.last_checkpoint(self.args.output_dir)
             raise NonFiniteLossError(
                 f"non-finite loss ({loss.item()}) at step {self.state.global_step + 1}; "
-                f"last good checkpoint: {last or 'none'}"
+                f"last good checkpoint: {last[1] if last else 'none'}"
             )
         mode = "train" if self.model.training else "eval"
         names = list(stats)
@@ -387,11 +528,20 @@ class OPSDTrainer(DistillationTrainer):
         return (loss, None) if return_outputs else loss
 
     def _opsd_loss(self, unwrapped, inputs):
+        scored = self.scoring_forwards(unwrapped, inputs)
+        mask = scored.student.completion_mask.bool()
+        return self.objective(scored.student_hidden, scored.teacher_hidden, mask, scored.student.completion_ids,
+                              lm_head(unwrapped))
+
+    def scoring_forwards(self, unwrapped, inputs, pad_side: str | None = None) -> ScoringForwards:
+        """Both roles' forwards of one micro-batch (per-row prompt and completion token lists),
+        as the loss sees them. `pad_side` overrides the run's geometry (the probe scores one set
+        of rollouts under several; opsd_probe)."""
         device = self.accelerator.device
         completions = inputs["completion_ids"]
         geometry = {
             "pad_id": self._tokenizer.pad_token_id,
-            "pad_side": self.args.pad_side,
+            "pad_side": pad_side or self.args.pad_side,
             "pad_to_multiple_of": self.args.pad_to_multiple_of,
         }
         student = _to_device(build_scoring_batch(inputs["student_prompt_ids"], completions, **geometry), device)
@@ -406,30 +556,7 @@ class OPSDTrainer(DistillationTrainer):
             with torch.no_grad(), self._teacher_weights(unwrapped):
                 teacher_hidden = completion_hidden_states(unwrapped, teacher)
             student_hidden = completion_hidden_states(unwrapped, student)
-
-        mask = student.completion_mask.bool()
-        head = _base_model(unwrapped).get_output_embeddings()
-        a = self.args
-        divergence = {
-            "beta": a.beta, "temperature": a.temperature, "clip": a.jsd_token_clip,
-            "clip_mode": a.clip_mode, "top_k": a.top_k_loss,
-        }  # fmt: skip
-        if a.loss_implementation == "chunked":  # logits formed chunk by chunk, never [B, C, V] at once
-            s, t = student_hidden[mask], teacher_hidden[mask]
-            chunking = {"chunk_size": a.loss_chunk_size, "lm_head_bias": head.bias}
-            if a.loss_type == "sft":
-                return chunked_nll_loss(s, t, head.weight, student.completion_ids[mask], **chunking)
-            if a.use_tinker_loss:
-                targets = student.completion_ids[mask]
-                return chunked_tinker_loss(s, t, head.weight, targets, temperature=a.temperature, **chunking)
-            return chunked_divergence_loss(s, t, head.weight, **divergence, **chunking, compile=a.compile_loss)
-        # "logits": full [B, C, V] logits for both roles (the released-style path).
-        student_logits, teacher_logits = head(student_hidden), head(teacher_hidden)
-        if a.loss_type == "sft":
-            return nll_loss(student_logits, teacher_logits, student.completion_ids, mask)
-        if a.use_tinker_loss:
-            return tinker_loss(student_logits, teacher_logits, student.completion_ids, mask, temperature=a.temperature)
-        return divergence_loss(student_logits, teacher_logits, mask, **divergence)
+        return ScoringForwards(student, teacher, student_hidden, teacher_hidden)
 
     def _scoring_layers(self, unwrapped):
         """Compiled decoder layers for the scoring forwards (`compile_layers`), else nothing."""
@@ -446,7 +573,7 @@ class OPSDTrainer(DistillationTrainer):
         if not torch.equal(student.completion_mask, teacher.completion_mask):
             raise AssertionError("[OPSD align] student and teacher supervise different completion spans")
         if self.accelerator.is_main_process:
-            print(f"[OPSD align] pad_side={self.args.pad_side} student: {student_msg} | teacher: {teacher_msg}")
+            print(f"[OPSD align] pad_side={student.pad_side} student: {student_msg} | teacher: {teacher_msg}")
         self._alignment_checked = True
 
     # ------------------------------------------------------------------ checkpoints
@@ -464,8 +591,10 @@ class OPSDTrainer(DistillationTrainer):
     def _save_checkpoint(self, model, trial):
         """Write `checkpoint-N` under a staging folder, then rename it into place.
 
-        A run killed mid-save leaves only the staging folder, which resume ignores,
-        so the newest `checkpoint-N` is always complete.
+        A run killed mid-save leaves only the staging folder, which resume ignores
+        (and the next run removes), so the newest `checkpoint-N` is always complete.
+        A failed write (disk full, not writable) removes its partial copy and stops
+        the run with CheckpointWriteError; earlier checkpoints are untouched.
         """
         run_dir = super()._get_output_dir(trial)
         self._staging_root = os.path.join(run_dir, STAGING_DIR)
@@ -473,8 +602,22 @@ class OPSDTrainer(DistillationTrainer):
         staged, final = os.path.join(self._staging_root, name), os.path.join(run_dir, name)
         try:
             super()._save_checkpoint(model, trial)
-            if self.ema is not None and self.args.should_save:
-                torch.save(self.ema.state_dict(), os.path.join(staged, EMA_FILE))
+            if self.args.should_save:
+                if self.ema is not None:
+                    torch.save(self.ema.state_dict(), os.path.join(staged, EMA_FILE))
+                config = os.path.join(run_dir, run_folder.CONFIG_FILE)
+                if os.path.isfile(config):  # the run's identity travels with each checkpoint
+                    shutil.copy2(config, os.path.join(staged, run_folder.CONFIG_FILE))
+                _test_pause_in_save(name)
+        except OSError as e:
+            shutil.rmtree(staged, ignore_errors=True)
+            _remove_if_empty(self._staging_root)
+            last = run_folder.last_checkpoint(run_dir)
+            reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+            raise CheckpointWriteError(
+                f"cannot write {name} in {run_dir} ({reason}); earlier checkpoints are intact "
+                f"(last: {last[1] if last else 'none'})"
+            ) from None
         finally:
             self._staging_root = None
         self.accelerator.wait_for_everyone()
@@ -482,10 +625,134 @@ class OPSDTrainer(DistillationTrainer):
             if os.path.exists(final):
                 shutil.rmtree(final)
             os.replace(staged, final)
+            _remove_if_empty(os.path.join(run_dir, STAGING_DIR))
             if self.state.best_model_checkpoint == staged:
                 self.state.best_model_checkpoint = final
             rotate_checkpoints(run_dir, save_total_limit=self.args.save_total_limit, use_mtime=False)
         self.accelerator.wait_for_everyone()
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's card names the base model only when it is a hub id read back from the
+        config, which is None for local folders (and the tiny default): name it from
+        what the user asked for instead."""
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        path = os.path.join(self.args.output_dir, "README.md")
+        if self.base_model_name and self.is_world_process_zero() and os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                card = f.read()
+            name = self.base_model_name
+            card = card.replace("[None](https://huggingface.co/None)", f"`{name}`" if os.path.isdir(name) or
+                                name == "tiny" else f"[{name}](https://huggingface.co/{name})")
+            card = card.replace('model="None"', f'model="{name}"')
+            if "base_model:" not in card:
+                card = card.replace("library_name:", f"base_model: {name}\nlibrary_name:", 1)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(card)
+
+
+def _remove_if_empty(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass  # absent, or still holds another rank's or another save's files
+
+
+def _test_pause_in_save(name: str) -> None:
+    seconds = float(os.environ.get(SAVE_PAUSE_VARIABLE) or 0)
+    if seconds > 0:
+        print(f"[OPSD test] pausing {seconds:g} s inside the save of {name}", flush=True)
+        sys.stdout.flush()
+        time.sleep(seconds)
+
+
+def apply_engine_defaults(args: OPSDConfig, sharded: bool, zero_stage: int | None) -> None:
+    """Adapt the defaults that assume whole parameters in every process (never an explicit
+    choice) to the engine of the run: `sharded` under FSDP or DeepSpeed, `zero_stage` DeepSpeed's
+    stage (None without it). OPSDTrainer calls it once, before the loss is chosen.
+
+    - compile_layers off: compiled decoder layers were never tried with an engine that wraps
+      the layers' parameters (FSDP gathers them in hooks around each layer, DeepSpeed owns the
+      forward and backward);
+    - transformers rollouts (vLLM off) on `generate` with the dynamic cache: the CUDA-graph
+      decode loop would record the hooks' gathers of sharded parameters into its graph;
+    - ZeRO-3, the full-logit loss: the chunked loss reads the LM head's weight outside the
+      head's forward, where ZeRO-3 leaves it partitioned to nothing; calling the head gathers it
+      (at the cost of the micro-batch's [B, C, V] logits). An explicit chunked loss is refused.
+
+    The EMA teacher is refused where parameters are sharded (FSDP, ZeRO-3): it keeps whole
+    copies of the adapter tensors, which the engine replaces by shards when it wraps the model.
+    """
+    if sharded and zero_stage in (None, 3) and args.use_ema_teacher:
+        raise ValueError("use_ema_teacher is not supported with sharded parameters (FSDP, DeepSpeed ZeRO-3): its "
+                         "whole copies of the adapter do not match the shards; use DDP or ZeRO-2")
+    if sharded and args.compile_layers and getattr(args, "compile_layers_is_default", False):
+        args.compile_layers = False
+    if sharded and args.rollout_cache_implementation == "auto":
+        args.rollout_cache_implementation = "dynamic"
+    if zero_stage == 3 and args.loss_implementation == "chunked":
+        if not getattr(args, "loss_implementation_is_default", False):
+            raise ValueError("loss_implementation=chunked cannot run under DeepSpeed ZeRO-3, which partitions the "
+                             "LM head's weight the chunked loss reads; use logits (or auto)")
+        args.loss_implementation = "logits"
+
+
+def make_objective(args: OPSDConfig):
+    """The run's loss, chosen once from the config when the trainer starts (docs/SPEC.md §2).
+
+    Returns objective(student_hidden, teacher_hidden, mask, completion_ids, head) ->
+    (loss, stats), where the hidden states are [B, C, H] at the completion positions,
+    `mask` marks real completion tokens and `head` is the LM head; the per-step code
+    calls it without looking at the config again.
+    """
+    divergence = divergence_settings(args)
+    temperature, chunk_size, compile_math = args.temperature, args.loss_chunk_size, args.compile_loss
+    if args.loss_implementation == "chunked":  # logits formed chunk by chunk, never [B, C, V] at once
+
+        def chunked_sft(student, teacher, mask, ids, head):  # cross-entropy on the reference solution
+            return chunked_nll_loss(student[mask], teacher[mask], _whole(head.weight), ids[mask],
+                                    chunk_size=chunk_size, lm_head_bias=_whole(head.bias))
+
+        def chunked_tinker(student, teacher, mask, ids, head):
+            return chunked_tinker_loss(student[mask], teacher[mask], _whole(head.weight), ids[mask],
+                                       temperature=temperature, chunk_size=chunk_size, lm_head_bias=_whole(head.bias))
+
+        def chunked_divergence(student, teacher, mask, ids, head):
+            return chunked_divergence_loss(student[mask], teacher[mask], _whole(head.weight), **divergence,
+                                           chunk_size=chunk_size, lm_head_bias=_whole(head.bias), compile=compile_math)
+
+        if args.loss_type == "sft":
+            return chunked_sft
+        return chunked_tinker if args.use_tinker_loss else chunked_divergence
+
+    # "logits": full [B, C, V] logits for both roles (the released-style path).
+    def full_sft(student, teacher, mask, ids, head):
+        return nll_loss(head(student), head(teacher), ids, mask)
+
+    def full_tinker(student, teacher, mask, ids, head):
+        return tinker_loss(head(student), head(teacher), ids, mask, temperature=temperature)
+
+    def full_divergence(student, teacher, mask, ids, head):
+        return divergence_loss(head(student), head(teacher), mask, **divergence)
+
+    if args.loss_type == "sft":
+        return full_sft
+    return full_tinker if args.use_tinker_loss else full_divergence
+
+
+def divergence_settings(args: OPSDConfig) -> dict:
+    """The divergence objective's options (opsd_loss.DivergenceConfig fields) from the config."""
+    return {
+        "beta": args.beta, "temperature": args.temperature, "clip": args.jsd_token_clip,
+        "clip_mode": args.clip_mode, "top_k": args.top_k_loss,
+    }  # fmt: skip
+
+
+def _whole(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The LM head's weight or bias as one ordinary tensor. Under FSDP2 it may be a DTensor (a
+    shard per GPU), which the chunked loss's matmuls cannot take: gathered here once per
+    micro-batch, not once per chunk. Frozen under LoRA; were it trained, the gather's backward
+    would hand each GPU its shard's gradient."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def make_collator(tokenizer, args: OPSDConfig) -> OPSDCollator:
@@ -525,7 +792,7 @@ def completion_hidden_states(model, batch) -> torch.Tensor:
 
     Only the backbone runs; logits are formed by the loss, never for prompt positions.
     """
-    decoder = _base_model(model).get_decoder()
+    decoder = causal_lm(model).get_decoder()
     out = decoder(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
@@ -535,9 +802,9 @@ def completion_hidden_states(model, batch) -> torch.Tensor:
     return gather_completion_positions(out.last_hidden_state, batch)
 
 
-def _base_model(model):
-    """The transformers CausalLM under a peft wrapper (LoRA layers are injected into it)."""
-    return model.get_base_model() if is_peft_model(model) else model
+def lm_head(model) -> torch.nn.Module:
+    """The output projection (LM head) that turns the hidden states into logits."""
+    return causal_lm(model).get_output_embeddings()
 
 
 def _to_device(batch, device):

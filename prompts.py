@@ -8,7 +8,9 @@ template and tokenizes. Wording is the project's own (docs/SPEC.md §3).
 - student prompt: `paper` = `Problem: {problem}` + blank line + INSTRUCTION with
   thinking off (Qwen3 pre-fills an empty think block); `eval` = the evaluation prompt;
 - teacher prompt: the problem, the privileged context between BEGIN/END markers,
-  a transition instruction, INSTRUCTION;
+  a transition instruction, INSTRUCTION; the context is chosen by OPSD_TEACHER_CONTEXT,
+  whose control arms keep this template (`shuffled`: another row's solution, `answer`:
+  `Final answer: ...` only) or drop it (`none`: the collator reuses the student prompt);
 - reason-first prompt: the teacher first analyses the reference; the analysis is
   then appended to its context with `with_rationale`.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from answers import reference_answer
 from opsd_config import STUDENT_PROMPTS, TEACHER_CONTEXTS
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -38,6 +41,12 @@ REASON_FIRST_REQUEST = (
     "why each step is valid, and how the steps lead to its final answer. "
     "Do not introduce a different method."
 )
+
+# OPSD_TEACHER_CONTEXT=answer: the whole privileged context is this label and the answer.
+ANSWER_LABEL = "Final answer:"
+# OPSD_TEACHER_CONTEXT=shuffled: the column the data loader fills with another row's
+# solution (opsd_data), so a row carries its own foreign reference.
+SHUFFLED_SOLUTION = "shuffled_solution"
 
 # Appended where the collator cut a privileged context to fit the teacher prompt.
 TRUNCATION_NOTE = "[... reference truncated ...]"
@@ -71,14 +80,27 @@ def student_enable_thinking(style: str) -> bool:
 
 
 def privileged_context(row: Mapping[str, object], mode: str) -> str:
-    """The teacher's privileged text for OPSD_TEACHER_CONTEXT=mode."""
+    """The teacher's privileged text for OPSD_TEACHER_CONTEXT=mode. `none` has none (its
+    teacher prompt is the student prompt), so asking for it is an error."""
     _check(mode, TEACHER_CONTEXTS, "teacher context")
     solution, trace = _text(row.get("solution")), _text(row.get("COT_Reason"))
     if mode == "solution":
         return solution
     if mode == "cot":
         return trace
-    return f"{SOLUTION_LABEL}\n{solution}\n\n{TRACE_LABEL}\n{trace}"
+    if mode == "both":
+        return f"{SOLUTION_LABEL}\n{solution}\n\n{TRACE_LABEL}\n{trace}"
+    if mode == "shuffled":
+        if SHUFFLED_SOLUTION not in row:
+            raise ValueError(f"teacher context shuffled: the row has no {SHUFFLED_SOLUTION!r} column "
+                             "(load the data with teacher_context='shuffled')")
+        return _text(row[SHUFFLED_SOLUTION])
+    if mode == "answer":
+        answer = reference_answer(row)
+        if answer is None:
+            raise ValueError("teacher context answer: the row has no 'Answer' and no \\boxed{} in its solution")
+        return f"{ANSWER_LABEL} {answer}"
+    raise ValueError("teacher context none: there is no privileged context; the teacher prompt is the student's")
 
 
 def _reference_block(problem: str, context: str) -> str:

@@ -21,24 +21,22 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 import importlib.util
 import json
 import logging
 import os
 import sys
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from model_utils import left_pad, model_device
+from sampling import Completion, SamplingSettings, derive_seed, to_completion
 from static_decode import (
     CACHE_IMPLEMENTATIONS,
     GRAPH_LOOPS,
     StaticDecoder,
-    _model_device,
-    left_pad,
     resolve_cache_implementation,
 )
 
@@ -59,44 +57,6 @@ VLLM_ENV_DEFAULTS = {
 
 class BackendUnavailable(RuntimeError):
     """A requested sampling engine cannot be used here (one-line message)."""
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    """How to sample. temperature == 0 means greedy; top_k <= 0 disables top-k;
-    seed None draws from the process-global RNG (not reproducible)."""
-    temperature: float
-    top_p: float
-    top_k: int
-    max_new_tokens: int
-    seed: int | None = None
-
-
-@dataclass
-class Completion:
-    """One sampled completion. `ids` end with the EOS token if one was sampled and
-    hold nothing after it (no pads). `truncated`: the sample hit max_new_tokens
-    without sampling EOS."""
-    ids: list[int]
-    truncated: bool
-
-
-def derive_seed(seed: int, *keys: int) -> int:
-    """A well-mixed 63-bit seed for a sub-stream (a batch, a prompt) of `seed`.
-    Hashing rather than `seed + key` keeps sub-streams of nearby seeds apart."""
-    text = ":".join(str(part) for part in (seed, *keys))
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
-
-
-def to_completion(ids: Iterable[int], eos_token_ids: Sequence[int]) -> Completion:
-    """Cut `ids` right after the first EOS; what follows it is padding. A sample
-    without EOS can only have stopped by running out of tokens: truncated."""
-    ids = list(ids)
-    eos = set(eos_token_ids)
-    for position, token in enumerate(ids):
-        if token in eos:
-            return Completion(ids=ids[: position + 1], truncated=False)
-    return Completion(ids=ids, truncated=True)
 
 
 def eos_token_ids_of(tokenizer, generation_config=None) -> list[int]:
@@ -168,7 +128,7 @@ class TransformersBackend:
 
     def _generate_batch(self, batch: list[list[int]], settings: SamplingSettings,
                         batch_index: int, shape_rows: int | None = None) -> list[Completion]:
-        device = _model_device(self.model)
+        device = model_device(self.model)
         if self.cache_implementation in GRAPH_LOOPS:
             # A short last batch is filled up with copies of its first row, so every
             # batch of a call has one shape (one recorded graph); the copies are dropped.

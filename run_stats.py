@@ -1,8 +1,13 @@
 """Statistics for comparing evaluation runs: is arm B better than arm A, or is it noise?
 
     python run_stats.py summary RUN.json [RUN2.json ...]            [--bootstrap N] [--seed S] [--json OUT]
+                                                                    [--plot FILE.png]
     python run_stats.py compare --a A1.json [A2.json ...] --b B1.json [B2.json ...]
-                                [--bootstrap N] [--seed S] [--run-sd SD] [--json OUT]
+                                [--bootstrap N] [--seed S] [--run-sd SD] [--json OUT] [--plot FILE.png]
+
+`--plot` draws the printed numbers (run_plots.py): each arm's run means with its mean and
+t interval, and the difference with each of its intervals (`compare`); each run with its
+problems CI, and the arm's mean with its t and bootstrap intervals (`summary`).
 
 Inputs are the reports `opsd_eval.py` writes (`eval_<name>.json`). One file is one
 training run of an arm (one training seed); give several per arm. All files must
@@ -61,7 +66,8 @@ run-level test gives p < 0.05; if only one does, it says "inconclusive". With 1 
 says the noise level was assumed).
 
 The statistics are pure functions on numbers and arrays (no files); the file
-handling and the command line sit at the bottom. Standard library and numpy only.
+handling and the command line sit at the bottom. Standard library and numpy only (with
+`--plot`, matplotlib through run_plots.py).
 """
 from __future__ import annotations
 
@@ -658,6 +664,58 @@ def format_compare(result: dict) -> str:
     return "\n".join(lines)
 
 
+def interval_panels(result: dict) -> tuple[list, str]:
+    """The numbers of a `summary` or `compare` result as run_plots interval panels, and the
+    figure's title: exactly the estimates and intervals the text prints."""
+    from run_plots import Interval, IntervalPanel
+
+    metric = result["metric"]
+    head = f"{metric} | {result['dataset']} | {result['num_problems']} problems x {result['samples_per_problem']} samples"
+    if result["command"] == "summary":
+        rows = [Interval(f"{Path(r['file']).name}: problems 95% CI", r["avg"], _pair(r["problems_ci"]))
+                for r in result["runs"]]
+        across = result["across_runs"]
+        if across:
+            means = tuple(r["avg"] for r in result["runs"])
+            rows += [Interval(f"across {across['n']} runs: t 95% CI", across["mean"], _pair(across["ci"]), means),
+                     Interval("runs + problems: bootstrap 95% CI", across["bootstrap"]["mean"],
+                              _pair(across["bootstrap"]["ci"]), means)]
+        return [IntervalPanel("each run, and the arm", f"{metric} (points)", tuple(rows))], f"summary {head}"
+    arms = [Interval(f"{label}: {arm['n']} run{'s' if arm['n'] > 1 else ''}, mean" + (", t 95% CI" if arm["ci"] else ""),
+                     arm["mean"], _pair(arm["ci"]), tuple(arm["per_run"]))
+            for label, arm in result["arms"].items()]
+    boot = result["bootstrap"]
+    differences = [Interval("bootstrap 95% CI", result["difference"], _pair(boot["ci"]))]
+    test = result["run_level_test"]
+    if test:
+        differences.append(Interval(f"{test['method'].split(' on ')[0].split(',')[0]}: 95% CI (p = {test['p']:.3g})",
+                                    test["diff"], _pair(test["ci"])))
+    if result["assumed_run_sd"]:
+        assumed = result["assumed_run_sd"]
+        differences.append(Interval(f"assumed per-run sd {assumed['run_sd']:g}: 95% interval",
+                                    result["difference"], _pair(assumed["ci"])))
+    panels = [IntervalPanel("arms (dots: run means)", f"{metric} (points)", tuple(arms)),
+              IntervalPanel("B - A", "points", tuple(differences), zero_line=True)]
+    return panels, f"compare {head}\nverdict: {result['verdict']}"
+
+
+def _plot_output(path: str, panels=None, title: str = "") -> None:
+    """Check the --plot path (no panels) or draw the panels into it; a problem is an InputError."""
+    import run_plots  # only with --plot: its figures need matplotlib
+
+    try:
+        if panels is None:
+            run_plots.check_output(path)
+        else:
+            run_plots.plot_intervals(panels, path, title)
+    except run_plots.PlotError as exc:
+        raise InputError(str(exc)) from None
+
+
+def _pair(ci) -> tuple[float, float] | None:
+    return None if ci is None else (float(ci[0]), float(ci[1]))
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Statistics over opsd_eval reports: one arm's spread "
                                                  "(summary) or arm B against arm A (compare).")
@@ -667,6 +725,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help=f"bootstrap resamples (default {DEFAULT_BOOTSTRAP})")
     common.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
     common.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
+    common.add_argument("--plot", metavar="FILE.png", help="also draw the printed estimates and intervals (PNG)")
     summary = commands.add_parser("summary", parents=[common], help="avg@k per run and across runs")
     summary.add_argument("runs", nargs="+", metavar="RUN.json")
     compare = commands.add_parser("compare", parents=[common], help="difference of means B - A")
@@ -686,6 +745,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise InputError(f"--bootstrap must be at least {MIN_BOOTSTRAP}, got {args.bootstrap}")
         if getattr(args, "run_sd", None) is not None and not (math.isfinite(args.run_sd) and args.run_sd > 0):
             raise InputError(f"--run-sd must be a positive number, got {args.run_sd}")
+        if args.plot:
+            _plot_output(args.plot)  # before the work: a bad path costs no bootstrap and writes no --json
         if args.command == "summary":
             runs = [load_run(p) for p in args.runs]
             result = summarize_runs(runs, check_comparable(runs), args.bootstrap, args.seed)
@@ -700,6 +761,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
             except OSError as exc:
                 raise ReportError(args.json, f"cannot write: {exc.strerror or exc}") from None
+        if args.plot:
+            panels, title = interval_panels(result)
+            _plot_output(args.plot, panels, title)
     except InputError as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2

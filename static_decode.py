@@ -28,12 +28,12 @@ import math
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
-if TYPE_CHECKING:
-    from rollout import SamplingSettings
+from model_utils import causal_lm, left_pad, model_device
+from sampling import SamplingSettings
 
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static", "graph", "graph_compiled", "auto")
 GRAPH_LOOPS = ("graph", "graph_compiled")
@@ -53,7 +53,7 @@ def resolve_cache_implementation(name: str | None, model) -> str | None:
     if name == "dynamic":
         return None
     if name == "auto":
-        if _model_device(model).type != "cuda":
+        if model_device(model).type != "cuda":
             return None  # CPU: generate() with the dynamic cache is the simple and fast enough path
         return AUTO_CUDA if StaticDecoder.supports(model) else "static"
     if name in GRAPH_LOOPS and not StaticDecoder.supports(model):
@@ -127,7 +127,7 @@ class StaticDecoder:
         caller cuts after the first EOS). RNG: torch's global generator (the caller seeds it)."""
         if settings.max_new_tokens < 1:
             return [[] for _ in rows]
-        device = _model_device(self.model)
+        device = model_device(self.model)
         width = bucket_width(max(len(row) for row in rows))
         input_ids, prompt_mask = left_pad(rows, pad_token_id, device, width=width)
         sampler = _Sampler(settings, self.model.config.vocab_size)
@@ -203,7 +203,7 @@ class _DecodeState:
     def __init__(self, model, key, batch: int, width: int, max_new_tokens: int, sampler: _Sampler,
                  eos_token_ids: list[int], pad_token_id: int, compiled: bool):
         config = model.config
-        device = _model_device(model)
+        device = model_device(model)
         dtype = model.get_input_embeddings().weight.dtype
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -385,11 +385,6 @@ def _static_attention(model):
         config._attn_implementation = previous
 
 
-def causal_lm(model):
-    """The transformers CausalLM under a peft wrapper (LoRA layers are injected into it)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def _cache_argument(model) -> str | None:
     """The forward argument that takes the KV cache (`cache` in transformers >= 5.2x)."""
     parameters = inspect.signature(model.forward).parameters
@@ -408,27 +403,3 @@ def _adapter_state(model) -> tuple:
 def _storage_fingerprint(model) -> int:
     """Changes when any parameter gets new storage (a recorded step reads fixed addresses)."""
     return hash(tuple(p.data_ptr() for p in model.parameters()))
-
-
-# --------------------------------------------------------------------------
-# Helpers shared with rollout.py
-# --------------------------------------------------------------------------
-
-def left_pad(rows: list[list[int]], pad_token_id: int, device,
-             width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack variable-length prompts, padded on the left (to `width`, default the
-    longest), with their attention mask."""
-    width = max(max(len(row) for row in rows), width or 0)
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            input_ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-            attention_mask[i, width - len(row):] = 1
-    return input_ids.to(device), attention_mask.to(device)
-
-
-
-def _model_device(model) -> torch.device:
-    # A PeftModel's `.device` is not reliable across versions; parameters are.
-    return next(model.parameters()).device

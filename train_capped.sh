@@ -7,44 +7,58 @@
 # Environment:
 #   OPSD_MODEL          model (hub id or local folder), default Qwen/Qwen3-1.7B
 #   OPSD_DATA           training data (HF name, .json/.jsonl/.parquet), default the released set
-#   OPSD_OUTPUT         run folder, default outputs/opsd-capped (tiny: outputs/opsd-tiny)
-#   OPSD_NUM_PROCESSES  processes for accelerate launch, default = visible GPUs (1 without GPUs)
+#   OPSD_OUTPUT         run folder, default <repo>/outputs/opsd-capped (tiny: <repo>/outputs/opsd-tiny)
+#   OPSD_NUM_PROCESSES  processes, one per GPU, default = visible GPUs (1 without GPUs); fewer than
+#                       the visible GPUs train on the first ones (CUDA_VISIBLE_DEVICES is narrowed)
+#   OPSD_ACCELERATE_CONFIG  the multi-GPU engine: ddp (default), fsdp2, zero2, zero3, or the path of
+#                       an accelerate config file (`python opsd_config.py accelerate-config -h`)
 #   OPSD_PER_DEVICE_BATCH  micro-batch per process, default 4; accumulation fills up to 32
 #   OPSD_USE_VLLM       1 = vLLM rollouts, default 1 when vllm is importable
 #   OPSD_VLLM_MODE      colocate (default: vLLM shares the training GPUs) or server (a separate
 #                       `trl vllm-serve --model $OPSD_MODEL` must already be running)
 #   OPSD_VLLM_SERVER_GPU  server mode: the GPU id(s) running the server, comma-separated, default 0;
 #                       training uses the other visible GPUs (none: the server runs elsewhere)
-#   OPSD_PRESET=tiny    embedded tiny model + generated data, CPU budget (8 steps x batch 4)
+#   OPSD_PRESET=tiny    embedded tiny model + generated data, CPU budget (8 steps x batch 4);
+#                       OPSD_MODEL / OPSD_DATA, when set, still win
+#   OPSD_REPORT_TO      where the logs also go, OPSD diagnostics included: none (default), tensorboard
+#                       (event files under OPSD_OUTPUT/runs/), wandb, trackio, or all installed ones
 #   OPSD_CLIP_MODE, OPSD_PAD_SIDE, OPSD_TEACHER_CONTEXT, OPSD_STUDENT_PROMPT, OPSD_DATA_SELECT: ablation switches
-# A run folder that already holds checkpoint-N resumes from the newest one.
+# Paths (RECIPE_FILE, OPSD_OUTPUT, OPSD_DATA, OPSD_MODEL) are relative to the folder you call from.
+# Everything is validated before accelerate starts: a bad input is one `error:` line, exit 2.
+# A run folder that already holds checkpoint-N of the same configuration resumes from the newest
+# one; a folder of another configuration is refused. SIGTERM / Ctrl-C stop at a step boundary
+# with a checkpoint (exit 143 / 130); re-running resumes.
 set -euo pipefail
-cd "$(dirname "$0")"
+repo="$(cd "$(dirname "$(realpath -- "${BASH_SOURCE[0]}")")" && pwd)"
 
-recipe="${1:-recipe.env}"
+recipe="${1:-$repo/recipe.env}"
 if [[ "$recipe" == "-h" || "$recipe" == "--help" ]]; then
-  sed -n '2,/^[^#]/p' "$0" | sed -n 's/^# \{0,1\}//p'  # the header comment
+  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"  # the header comment
   exit 0
 fi
-# Validate the recipe before anything heavy loads (prints warnings; exit 2 on error).
-python opsd_config.py check "$recipe" > /dev/null
+# The processes run in the caller's folder (scripts by absolute path), so every relative path
+# means what it means to the caller.
+if [[ -n "${OPSD_PRESET:-}" && "$OPSD_PRESET" != "tiny" ]]; then
+  echo "error: OPSD_PRESET='$OPSD_PRESET' is not a preset; the only one is tiny (or leave it unset)" >&2
+  exit 2
+fi
+
+# The multi-GPU engine, checked first (instant): its accelerate config file, or one error line.
+engine_config=$(python "$repo/opsd_config.py" accelerate-config "${OPSD_ACCELERATE_CONFIG:-}")
 
 if [[ "${OPSD_PRESET:-}" == "tiny" ]]; then
-  steps=8; global_batch=4; per_device=2; nproc=1; save_steps=4
-  output="${OPSD_OUTPUT:-outputs/opsd-tiny}"
+  steps=8; global_batch=4; per_device=2; save_steps=4
+  output="${OPSD_OUTPUT:-$repo/outputs/opsd-tiny}"
   model_args=(--preset tiny)
+  # Under the preset, explicitly set variables still win over its tiny model and data (as in dev_eval.sh).
+  if [[ -n "${OPSD_MODEL:-}" ]]; then model_args+=(--model_name_or_path "$OPSD_MODEL"); fi
+  if [[ -n "${OPSD_DATA:-}" ]]; then model_args+=(--dataset_name "$OPSD_DATA"); fi
   extra=(--logging_steps 1)
+  use_vllm=0
 else
   steps=100; global_batch=32; save_steps=25
-  if [[ -n "${OPSD_NUM_PROCESSES:-}" ]]; then
-    nproc="$OPSD_NUM_PROCESSES"
-  elif command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1; then
-    nproc=$(nvidia-smi -L | wc -l)
-  else
-    nproc=1
-  fi
   per_device="${OPSD_PER_DEVICE_BATCH:-4}"
-  output="${OPSD_OUTPUT:-outputs/opsd-capped}"
+  output="${OPSD_OUTPUT:-$repo/outputs/opsd-capped}"
   model_args=(--model_name_or_path "${OPSD_MODEL:-Qwen/Qwen3-1.7B}"
               --dataset_name "${OPSD_DATA:-siyanzhao/Openthoughts_math_30k_opsd}")
   extra=(--logging_steps 1)
@@ -52,32 +66,62 @@ else
   if [[ "$use_vllm" == "1" ]]; then
     extra+=(--use_vllm true --vllm_mode "${OPSD_VLLM_MODE:-colocate}")
   fi
-  server_gpus="${OPSD_VLLM_SERVER_GPU:-0}"
-  server_gpus="${server_gpus// /}"
-  if [[ "$use_vllm" == "1" && "${OPSD_VLLM_MODE:-colocate}" == "server" && "$server_gpus" != "none" ]]; then
-    # No training rank on the server's GPUs: train on the visible GPUs (CUDA_VISIBLE_DEVICES,
-    # else all that nvidia-smi lists) without them.
-    if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
-      IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
-    else
-      mapfile -t visible < <(nvidia-smi -L 2> /dev/null | sed -n 's/^GPU \([0-9]*\):.*/\1/p')
-    fi
-    train_gpus=()
-    for gpu in "${visible[@]}"; do
-      [[ ",$server_gpus," == *",$gpu,"* ]] || train_gpus+=("$gpu")
-    done
-    nproc="${OPSD_NUM_PROCESSES:-${#train_gpus[@]}}"
-    left="${#train_gpus[@]} GPUs left once OPSD_VLLM_SERVER_GPU=$server_gpus is excluded (visible: ${visible[*]:-none})"
-    if (( ${#train_gpus[@]} == 0 )); then
-      echo "error: OPSD_VLLM_MODE=server: no training GPU: $left" >&2
-      exit 2
-    elif (( nproc > ${#train_gpus[@]} )); then
-      echo "error: OPSD_VLLM_MODE=server: OPSD_NUM_PROCESSES=$nproc but $left" >&2
-      exit 2
-    fi
-    export CUDA_VISIBLE_DEVICES
-    CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${train_gpus[*]}")
+fi
+
+# GPUs: the visible ones (CUDA_VISIBLE_DEVICES, else all that nvidia-smi lists; none on a CPU machine).
+if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+  IFS=, read -ra visible <<< "${CUDA_VISIBLE_DEVICES// /}"
+elif command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1; then
+  mapfile -t visible < <(nvidia-smi -L | sed -n 's/^GPU \([0-9]*\):.*/\1/p')
+else
+  visible=()
+fi
+gpus=("${visible[@]}")
+server_gpus="${OPSD_VLLM_SERVER_GPU:-0}"
+server_gpus="${server_gpus// /}"
+server_mode=0
+if [[ "$use_vllm" == "1" && "${OPSD_VLLM_MODE:-colocate}" == "server" && "$server_gpus" != "none" ]]; then
+  # No training rank on the server's GPUs.
+  server_mode=1
+  gpus=()
+  for gpu in "${visible[@]}"; do
+    [[ ",$server_gpus," == *",$gpu,"* ]] || gpus+=("$gpu")
+  done
+fi
+if [[ "${OPSD_PRESET:-}" == "tiny" ]]; then
+  nproc=1
+else
+  nproc="${OPSD_NUM_PROCESSES:-${#gpus[@]}}"
+  (( ${#gpus[@]} > 0 )) || nproc="${OPSD_NUM_PROCESSES:-1}"
+fi
+for value in "$nproc" "$per_device"; do
+  if ! [[ "$value" =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: OPSD_NUM_PROCESSES and OPSD_PER_DEVICE_BATCH must be positive integers, got '$value'" >&2
+    exit 2
+  fi
+done
+if (( server_mode )); then
+  left="${#gpus[@]} GPUs left once OPSD_VLLM_SERVER_GPU=$server_gpus is excluded (visible: ${visible[*]:-none})"
+  if (( ${#gpus[@]} == 0 )); then
+    echo "error: OPSD_VLLM_MODE=server: no training GPU: $left" >&2
+    exit 2
+  elif (( nproc > ${#gpus[@]} )); then
+    echo "error: OPSD_VLLM_MODE=server: OPSD_NUM_PROCESSES=$nproc but $left" >&2
+    exit 2
+  fi
+elif (( ${#gpus[@]} > 0 && nproc > ${#gpus[@]} )); then
+  echo "error: OPSD_NUM_PROCESSES=$nproc but ${#gpus[@]} GPUs are visible (${visible[*]})" >&2
+  exit 2
+fi
+if (( server_mode || (${#gpus[@]} > 0 && nproc < ${#gpus[@]}) )); then
+  # One GPU per process, the first ones: a process never sees a GPU it does not train on (one
+  # process seeing several would fall into nn.DataParallel, which the trainer refuses).
+  export CUDA_VISIBLE_DEVICES
+  CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${gpus[*]:0:nproc}")
+  if (( server_mode )); then
     echo "[OPSD] vLLM server on GPU $server_gpus; training on GPUs $CUDA_VISIBLE_DEVICES"
+  else
+    echo "[OPSD] $nproc of ${#gpus[@]} visible GPUs: training on GPUs $CUDA_VISIBLE_DEVICES"
   fi
 fi
 
@@ -87,9 +131,23 @@ if (( global_batch % per_step != 0 )); then
   exit 2
 fi
 accum=$((global_batch / per_step))
-echo "[OPSD] budget: $steps steps x global batch $global_batch = $per_device per device x $accum accumulation x $nproc processes -> $output"
 
-exec accelerate launch --num_processes "$nproc" --num_machines 1 --mixed_precision no --dynamo_backend no \
-  opsd_train.py "${model_args[@]}" --recipe "$recipe" --output_dir "$output" \
-  --max_steps "$steps" --per_device_train_batch_size "$per_device" --gradient_accumulation_steps "$accum" \
-  --save_strategy steps --save_steps "$save_steps" --report_to none "${extra[@]}"
+args=("${model_args[@]}" --recipe "$recipe" --output_dir "$output"
+      --max_steps "$steps" --per_device_train_batch_size "$per_device" --gradient_accumulation_steps "$accum"
+      --save_strategy steps --save_steps "$save_steps" "${extra[@]}")
+# OPSD_REPORT_TO and the switches reach opsd_train.py through the environment, which checks them.
+# Switches, recipe, model path, data, run folder and lock, checked in one process before the
+# launch: accelerate would wrap a child's exit status 2 in its own traceback.
+python "$repo/opsd_train.py" --check_only --world_size "$nproc" "${args[@]}"
+
+echo "[OPSD] budget: $steps steps x global batch $global_batch = $per_device per device x $accum accumulation x $nproc processes -> $output"
+if (( nproc == 1 )) && [[ "$engine_config" == "$repo/configs/ddp.yaml" ]]; then
+  # One process needs no launcher: the trainer itself receives SIGTERM / Ctrl-C (accelerate's
+  # single-process launcher does not pass SIGTERM on) and its exit status is this script's.
+  export ACCELERATE_MIXED_PRECISION=no ACCELERATE_DYNAMO_BACKEND=NO
+  exec python "$repo/opsd_train.py" "${args[@]}"
+fi
+# Several processes, or a sharded engine chosen for one (it needs the launcher to set it up).
+echo "[OPSD] engine: accelerate launch --config_file $engine_config"
+exec accelerate launch --config_file "$engine_config" --num_processes "$nproc" --num_machines 1 \
+  "$repo/opsd_train.py" "${args[@]}"

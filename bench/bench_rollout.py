@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
 
-from rollout import SamplingSettings, TransformersBackend
+from rollout import TransformersBackend
+from sampling import SamplingSettings
 from static_decode import StaticDecoder
 
 PAD_ID, EOS_IDS = 151643, [151645, 151643]
@@ -90,7 +91,7 @@ def run_config(model, name: str, impl, rows, settings, repeats: int, log) -> dic
 
 
 def decoder_state(model):
-    from static_decode import causal_lm
+    from model_utils import causal_lm
 
     decoder = StaticDecoder._instances.get(causal_lm(model))
     return None if decoder is None else decoder.state

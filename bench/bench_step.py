@@ -76,6 +76,7 @@ def trainer_stand_in(args, dev, compiled_layers=None) -> types.SimpleNamespace:
         ema=None,
         _alignment_checked=False,
         _compiled_layers=compiled_layers,
+        objective=opsd_trainer.make_objective(args),
     )
     for method in ("_teacher_weights", "_report_alignment", "_scoring_layers"):
         setattr(shim, method, types.MethodType(getattr(OPSDTrainer, method), shim))

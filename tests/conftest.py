@@ -1,8 +1,16 @@
 """Shared test setup: the repository root is importable and the embedded default
-is cached in one place for the whole session (OPSD_CACHE)."""
+is cached in one place for the whole session (OPSD_CACHE).
+
+The suite runs on two pytest-xdist workers (pytest.ini). Each worker, and every
+process a test starts, uses one torch thread: two workers with two threads each on
+two cores spend their time waiting for each other. Tests that share an expensive
+module fixture (a training or evaluation run) are kept on one worker, so the run
+happens once."""
 import os
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -10,3 +18,21 @@ os.environ.setdefault("OPSD_CACHE", str(ROOT / ".cache" / "opsd"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+
+# Module fixtures that train or evaluate: the tests using one of them share a worker.
+SHARED_RUN_FIXTURES = ("base_run", "trained_run", "tiny_run", "probed")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for name in SHARED_RUN_FIXTURES:
+            if name in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{name}"))
+                break

@@ -82,6 +82,35 @@ def test_teacher_prompt(tok, mode, context, thinking):
     assert (ids[-4:] == THINK_OFF_IDS) is (not thinking)
 
 
+def test_shuffled_teacher_prompt_shows_the_foreign_solution(tok):
+    foreign = "First, $6 \\times 7 = 42$. The answer is \\boxed{42}."
+    row = dict(ROW, shuffled_solution=foreign)
+    ids = OPSDCollator(tok, teacher_context="shuffled").teacher_prompt_ids(row)
+    assert tok.decode(ids) == chat(teacher_user(foreign), think_off=True)
+    assert ids == OPSDCollator(tok).teacher_prompt_ids(dict(ROW, solution=foreign))  # same template
+    with pytest.raises(ValueError, match="shuffled_solution"):  # rows must come through the data loader
+        OPSDCollator(tok, teacher_context="shuffled").teacher_prompt_ids(ROW)
+
+
+@pytest.mark.parametrize("answer, shown", [("5", "5"), (5.0, "5"), (None, "5"), ("", "5"), (" 17 ", "17")])
+def test_answer_teacher_prompt_shows_only_the_final_answer(tok, answer, shown):
+    row = dict(ROW, Answer=answer)  # an empty Answer falls back to the solution's last box
+    ids = OPSDCollator(tok, teacher_context="answer").teacher_prompt_ids(row)
+    assert tok.decode(ids) == chat(teacher_user(f"Final answer: {shown}"), think_off=True)
+    assert "2+3=5" not in tok.decode(ids)  # none of the worked solution
+
+
+@pytest.mark.parametrize("style", ["paper", "eval"])
+@pytest.mark.parametrize("thinking", [False, True])
+def test_none_teacher_prompt_is_the_student_prompt_token_for_token(tok, style, thinking):
+    collator = OPSDCollator(tok, teacher_context="none", student_prompt=style, teacher_thinking=thinking,
+                            max_teacher_prompt_length=5)  # a teacher-only limit: not applied
+    assert collator.teacher_prompt_ids(ROW) == collator.student_prompt_ids(ROW)
+    assert collator.teacher_prompt_ids(ROW) == OPSDCollator(tok, student_prompt=style).student_prompt_ids(ROW)
+    with pytest.raises(ValueError, match="no privileged context"):
+        collator.reason_first_prompt_ids(ROW)
+
+
 def test_teacher_prompt_with_rationale(tok):
     rationale = "<think>\nscratch work\n</think>\n\nThe key idea is counting on."
     ids = OPSDCollator(tok).teacher_prompt_ids(ROW, rationale=rationale)

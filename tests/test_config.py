@@ -242,6 +242,21 @@ def test_cli_switches(tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error: OPSD_PAD_SIDE=")
 
 
+def test_report_to_variable():
+    from opsd_config import REPORT_TO_VALUES, read_report_to
+
+    assert read_report_to({}) is None and read_report_to({"OPSD_REPORT_TO": "  "}) is None  # the config's default
+    assert REPORT_TO_VALUES[0] == "none"
+    for value in REPORT_TO_VALUES:
+        assert read_report_to({"OPSD_REPORT_TO": f" {value.upper()} "}) == value
+    with pytest.raises(ConfigError, match="OPSD_REPORT_TO='comet_ml' is not allowed; expected one of: none, "):
+        read_report_to({"OPSD_REPORT_TO": "comet_ml"})
+    ok = run_cli("switches", env={"OPSD_REPORT_TO": "TensorBoard"})
+    assert ok.returncode == 0 and ok.stdout.splitlines()[-1] == "OPSD_REPORT_TO=tensorboard"
+    bad = run_cli("switches", env={"OPSD_REPORT_TO": "x"})
+    assert bad.returncode == 2 and bad.stderr.startswith("error: OPSD_REPORT_TO='x'")
+
+
 # -- switches ---------------------------------------------------------------------
 
 def test_switch_defaults():
@@ -251,7 +266,7 @@ def test_switch_defaults():
 @pytest.mark.parametrize("var, field, values", [
     ("OPSD_CLIP_MODE", "clip_mode", ["entry", "token"]),
     ("OPSD_PAD_SIDE", "pad_side", ["right", "left"]),
-    ("OPSD_TEACHER_CONTEXT", "teacher_context", ["solution", "cot", "both"]),
+    ("OPSD_TEACHER_CONTEXT", "teacher_context", ["solution", "cot", "both", "shuffled", "answer", "none"]),
     ("OPSD_STUDENT_PROMPT", "student_prompt", ["paper", "eval"]),
     ("OPSD_DATA_SELECT", "data_select", ["none", "nomath", "hard"]),
 ])
@@ -287,3 +302,21 @@ def test_bad_data_select_combination_is_one_line(raw):
 def test_switches_read_os_environ_by_default(monkeypatch):
     monkeypatch.setenv("OPSD_CLIP_MODE", "token")
     assert Switches.from_env().clip_mode == "token"
+
+
+def test_one_value_parsers_match_the_recipe_and_switch_rules():
+    from opsd_config import parse_recipe_value, parse_switch_value
+
+    assert parse_recipe_value("beta", " 0.5 ") == 0.5 and parse_recipe_value("jsd_token_clip", "none") == 0.0
+    assert parse_recipe_value("top_k_loss", "20") == 20 and parse_recipe_value("teacher_thinking", "true") is True
+    assert parse_switch_value("teacher_context", " Shuffled ") == "shuffled"
+    assert parse_switch_value("clip_mode", "") == "entry"  # empty = the default, as for the variable
+    for call, message in [
+        (lambda: parse_recipe_value("beta", "2"), "beta=2 is out of range; must be in [0, 1]"),
+        (lambda: parse_recipe_value("top_k_loss", "1.5"), "top_k_loss='1.5' is not an integer"),
+        (lambda: parse_recipe_value("bta", "0"), "unknown key 'bta' (did you mean beta?)"),
+        (lambda: parse_switch_value("pad_side", "middle"), "pad_side='middle' is not allowed; expected one of: right, left"),
+    ]:
+        with pytest.raises(ConfigError) as caught:
+            call()
+        assert str(caught.value) == message

@@ -10,6 +10,7 @@ import pytest
 import opsd_data
 import tiny_default
 from opsd_data import DataError, load_eval_dataset, load_train_dataset
+from prompts import SHUFFLED_SOLUTION
 
 # COT_Reason lengths 3, 10, 5, 10, 1, 5, 7; sources mix "math" with others.
 LENGTHS = [3, 10, 5, 10, 1, 5, 7]
@@ -92,7 +93,7 @@ def test_hub_failure_is_a_data_error_naming_the_dataset():
 
 
 def test_tiny_uses_the_embedded_default(monkeypatch, jsonl):
-    monkeypatch.setattr(tiny_default, "tiny_train_path", lambda name="tiny": jsonl, raising=False)
+    monkeypatch.setattr(tiny_default, "tiny_train_path", lambda name="tiny": jsonl)
     assert load_train_dataset("tiny").to_list() == ROWS
 
 
@@ -203,9 +204,62 @@ def test_combined_selection_with_only_math_rows_is_an_error(tmp_path):
     assert message == f"train file {path}: OPSD_DATA_SELECT=nomath,hard left no rows (every 'source' is 'math')"
 
 
-@pytest.mark.parametrize("context", ["solution", "cot", "both"])
+@pytest.mark.parametrize("context", ["solution", "cot", "both", "shuffled", "answer", "none"])
 def test_teacher_context_keeps_all_rows(jsonl, context):
-    assert len(load_train_dataset(str(jsonl), teacher_context=context)) == len(ROWS)
+    assert len(load_train_dataset(str(jsonl), teacher_context=context, seed=0)) == len(ROWS)
+
+
+# -- control arms of OPSD_TEACHER_CONTEXT ----------------------------------------------------
+
+def test_shuffled_pairs_every_row_with_another_rows_solution(jsonl):
+    data = load_train_dataset(str(jsonl), teacher_context="shuffled", seed=42)
+    solutions = [row["solution"] for row in ROWS]
+    foreign = data[SHUFFLED_SOLUTION]
+    assert sorted(foreign) == sorted(solutions)  # a permutation of the solutions
+    assert all(f != own for f, own in zip(foreign, solutions))  # never the row's own
+    assert data.remove_columns(SHUFFLED_SOLUTION).to_list() == ROWS  # nothing else changes
+
+
+def test_shuffled_pairing_is_fixed_by_the_seed_and_changes_with_it(jsonl):
+    def foreign(seed):
+        return load_train_dataset(str(jsonl), teacher_context="shuffled", seed=seed)[SHUFFLED_SOLUTION]
+
+    assert foreign(42) == foreign(42)
+    pairings = {tuple(opsd_data.shuffled_pairing(len(ROWS), seed)) for seed in range(20)}
+    assert len(pairings) > 10  # the seed draws the pairing (7 rows: 720 possible cycles)
+    assert foreign(42) != foreign(43)
+    for pairing in pairings:
+        assert all(partner != i for i, partner in enumerate(pairing))
+        assert sorted(pairing) == list(range(len(ROWS)))
+
+
+def test_shuffled_pairs_the_selected_rows(jsonl):
+    data = load_train_dataset(str(jsonl), select="nomath", teacher_context="shuffled", seed=1)
+    kept = {row["solution"] for row in data}
+    assert set(data[SHUFFLED_SOLUTION]) == kept  # partners come from the rows the run trains on
+
+
+@pytest.mark.parametrize("n", [2, 3, 50])
+def test_shuffled_pairing_has_no_fixed_point(n):
+    for seed in range(30):
+        pairing = opsd_data.shuffled_pairing(n, seed)
+        assert sorted(pairing) == list(range(n)) and all(p != i for i, p in enumerate(pairing))
+
+
+def test_shuffled_needs_two_rows(tmp_path):
+    path = write_jsonl(tmp_path / "one.jsonl", ROWS[:1])
+    message = message_of(load_train_dataset, str(path), teacher_context="shuffled", seed=0)
+    assert message == f"train file {path}: OPSD_TEACHER_CONTEXT=shuffled needs at least 2 rows, got 1"
+
+
+def test_answer_context_needs_an_answer_in_every_row(tmp_path):
+    rows = [dict(ROWS[0]), {"problem": "p", "solution": "no box here", "Answer": " "}]
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    message = message_of(load_train_dataset, str(path), teacher_context="answer")
+    assert message == (f"train file {path}: row 2 has no final answer (no 'Answer' and no \\boxed{{}} in its "
+                       "'solution'), needed by OPSD_TEACHER_CONTEXT=answer")
+    rows[1]["solution"] = "so \\boxed{7}."  # the solution's box stands in for a missing Answer
+    assert len(load_train_dataset(str(write_jsonl(path, rows)), teacher_context="answer")) == 2
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -298,7 +352,7 @@ def test_eval_rows_with_answers_as_text(tmp_path, monkeypatch):
     rows = [{"id": 1, "problem": "a", "answer": 204}, {"id": 2, "problem": "b", "answer": 5.0},
             {"id": 3, "problem": "c", "answer": 1.5}]
     path = write_jsonl(tmp_path / "aime.jsonl", rows)
-    monkeypatch.setattr(tiny_default, "tiny_eval_path", lambda name="tiny": path, raising=False)
+    monkeypatch.setattr(tiny_default, "tiny_eval_path", lambda name="tiny": path)
     expected = [{"id": 1, "problem": "a", "answer": "204"}, {"id": 2, "problem": "b", "answer": "5"},
                 {"id": 3, "problem": "c", "answer": "1.5"}]
     assert load_eval_dataset(str(path)) == expected
@@ -322,12 +376,3 @@ def test_eval_errors(tmp_path):
     assert message_of(load_eval_dataset, str(no_answer)).startswith(f"eval file {no_answer}: missing column 'answer'")
     null_answer = write_jsonl(tmp_path / "null_answer.jsonl", [{"problem": "a", "answer": "1"}, {"problem": "b", "answer": None}])
     assert message_of(load_eval_dataset, str(null_answer)) == f"eval file {null_answer}: row 2 has an empty 'answer'"
-
-
-def test_tiny_seed_names_load_and_bad_ones_are_one_line_errors():
-    rows = load_eval_dataset("tiny:123:5")
-    assert len(rows) == 5 and set(rows[0]) == {"problem", "answer"}
-    assert len(load_train_dataset("tiny:3:7")) == 7
-    for bad in ("tiny:x", "tiny:1:0", "tiny:"):
-        with pytest.raises(DataError, match="expected tiny, tiny:SEED or tiny:SEED:N"):
-            load_eval_dataset(bad)

@@ -36,6 +36,8 @@ def test_two_arms_two_seeds_end_to_end_and_resume(tmp_path):
     assert set(table["arms"]) == {"entry", "token"} and all(a["runs"] == 2 for a in table["arms"].values())
     assert "verdict" in table["arms"]["token"] and "verdict" not in table["arms"]["entry"]
     assert "| token | 2 |" in (out / "results.md").read_text()
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the arms' curves, beside results.md
+    assert f"; curves: {out / 'curves.png'}" in first.stdout
     for arm in ("entry", "token"):
         for seed in (0, 1):
             cell = out / arm / f"seed-{seed}"
@@ -43,7 +45,8 @@ def test_two_arms_two_seeds_end_to_end_and_resume(tmp_path):
             assert f"--seed {seed} " in log  # the same seed in both arms: paired
             assert (cell / "recipe.env").read_text() == "learning_rate=0.0002\n"
             assert json.loads((cell / "eval.json").read_text())["dataset"] == "tiny:5:2"
-    assert "OPSD_CLIP_MODE" not in (out / "entry" / "seed-0" / "train.log").read_text()
+    for arm in ("entry", "token"):  # each arm's variables reach only its own runs
+        assert json.loads((out / arm / "seed-0" / "run" / "run_config.json").read_text())["OPSD_CLIP_MODE"] == arm
     # Every cell is done: a re-run trains and evaluates nothing, and gives the same table.
     again = _run(grid_file, out)
     assert again.returncode == 0 and "4 cells, 4 already done, 0 to run" in again.stdout
@@ -72,3 +75,26 @@ def test_shipped_grids_load():
     for path in (REPO / "grids").glob("*.json"):
         grid = opsd_grid.load_grid(str(path))
         assert grid.arms and grid.baseline in {a.name for a in grid.arms}
+
+
+def test_grid_curves_follow_the_grid_and_never_fail_it(tmp_path, capsys):
+    """The arms' curves in the grid's order (untrained arms have none); a grid without a
+    trained cell gets one warning line instead of a figure."""
+    grid = opsd_grid.Grid(arms=(opsd_grid.Arm("base", train=False), opsd_grid.Arm("token"), opsd_grid.Arm("entry")),
+                          seeds=(0, 1), eval_data=None, preset="tiny", budget=opsd_grid.BUDGET_DEFAULT, recipe={},
+                          baseline="base")
+    out = tmp_path / "grid"
+    assert opsd_grid.draw_curves(grid, out) is None
+    assert capsys.readouterr().err.startswith(f"warning: grid curves not drawn: {out}: no such folder")
+    for cell in opsd_grid.cells(grid, out):
+        if cell.arm.train:
+            (cell.folder / "run").mkdir(parents=True)
+            (cell.folder / "run" / "metrics.jsonl").write_text(
+                "".join(f'{{"step": {s}, "loss": {s * (cell.seed + 1)}, "opsd/true_kl": 0.1}}\n' for s in (1, 2)))
+    assert opsd_grid.draw_curves(grid, out) == out / "curves.png"
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import run_plots
+
+    curves = run_plots.grid_curves(out, ["loss"], [arm.name for arm in grid.arms])["loss"]
+    assert [c.label for c in curves] == ["token (2 seeds)", "entry (2 seeds)"]
+    assert curves[0].values == (1.5, 3.0) and curves[0].low == (1.0, 2.0) and curves[0].high == (2.0, 4.0)

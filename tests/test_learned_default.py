@@ -52,8 +52,9 @@ def _argmax_follows_reference(model, tok, fmt, n=40):
     for item in tasks.draw(99, "eval", n):
         prompt, response = renderer.prompt(item, fmt), renderer.response(item, fmt)
         ids = torch.tensor([prompt + response])
-        with torch.no_grad():
-            predicted = model(ids).logits[0, len(prompt) - 1:-1].argmax(-1)
+        with torch.no_grad():  # logits at the response positions only (the vocabulary is large)
+            hidden = model.model(ids).last_hidden_state[0, len(prompt) - 1:-1]
+            predicted = model.lm_head(hidden).argmax(-1)
         hits += bool(torch.equal(predicted, ids[0, len(prompt):]))
     return hits / n
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import rollout
-from rollout import (BackendUnavailable, Completion, SamplingSettings, TransformersBackend, derive_seed, make_backend,
-                     resolve_backend_name, to_completion, vllm_lora_rank)
+from rollout import BackendUnavailable, TransformersBackend, make_backend, resolve_backend_name, vllm_lora_rank
+from sampling import ROLLOUT_STREAMS, Completion, SamplingSettings, derive_seed, rollout_seed, to_completion
 from static_decode import StaticDecoder, bucket_width, resolve_cache_implementation
 
 SAMPLE = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=123)
@@ -88,6 +88,19 @@ def test_derive_seed_is_stable_and_separates_streams():
     assert derive_seed(20260610, 0) == derive_seed(20260610, 0)
     seeds = {derive_seed(s, k) for s in range(5) for k in range(5)}
     assert len(seeds) == 25 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_rollout_seeds_differ_by_rank_step_and_stream_and_are_stable():
+    """Each training process samples on its own stream, the same one in every run."""
+    keys = [(rank, step, stream) for rank in range(8) for step in range(50) for stream in ROLLOUT_STREAMS]
+    seeds = {rollout_seed(0, *key) for key in keys}
+    assert len(seeds) == len(keys) and all(0 <= s < 2**63 for s in seeds)
+    # Paired seeds of a grid do not share streams across ranks, as `seed + rank` would.
+    assert rollout_seed(1, 0, 0) != rollout_seed(0, 1, 0)
+    # Apart from the evaluation's (seed, index) streams.
+    assert not seeds & {derive_seed(0, index) for index in range(1000)}
+    # A hash of the keys, not Python's salted hash(): fixed across processes and versions.
+    assert rollout_seed(0, 1, 2) == 525640092475644386
 
 
 def test_lora_rank_rounds_up_to_what_vllm_accepts(tmp_path):

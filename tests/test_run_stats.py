@@ -322,7 +322,7 @@ def test_bad_inputs_exit_2_with_one_line(arms, tmp_path, capsys, difficulty):
 
     fewer_samples = tmp_path / "eval_tiny.json"
     write_json_atomic(fewer_samples, report_from_flags([row[:TINY_SETTINGS.n_samples] for row in flags],
-                                                        settings=TINY_SETTINGS))
+                                                       settings=TINY_SETTINGS))
     one_error_line(*cli(capsys, "summary", paths_a[0], fewer_samples), f"{fewer_samples}: settings differ",
                    f"n_samples {TINY_SETTINGS.n_samples} vs 12")
 
@@ -458,3 +458,49 @@ def test_summary_end_to_end(arms, tmp_path, capsys):
     assert three["across_runs"]["ci"] == pytest.approx(describe(means)["ci"])
     assert "across runs: mean " in out and "(t, df 2)" in out
     assert "sampling se      re-evaluating the same checkpoint" in out
+
+
+# ---------------------------------------------------------------- --plot
+
+def test_plot_draws_the_printed_numbers(arms, tmp_path, capsys):
+    """--plot draws exactly the numbers of the result (the same dict --json writes)."""
+    import run_plots
+
+    _, _, paths_a, paths_b = arms
+    png, out_json = tmp_path / "cmp.png", tmp_path / "cmp.out.json"
+    status, out, err = cli(capsys, "compare", "--a", *paths_a, "--b", paths_b[0], "--bootstrap", "1000",
+                           "--run-sd", "1.48", "--json", out_json, "--plot", png)
+    assert status == 0 and err == "" and out.splitlines()[-1].startswith("verdict: ")
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000
+    result = json.loads(out_json.read_text())
+    (arm_panel, diff_panel), title = run_stats.interval_panels(result)
+    a, b = result["arms"]["A"], result["arms"]["B"]
+    assert [(r.estimate, r.ci, r.points) for r in arm_panel.rows] == [
+        (a["mean"], tuple(a["ci"]), tuple(a["per_run"])), (b["mean"], None, tuple(b["per_run"]))]  # B: 1 run
+    assert [(r.estimate, r.ci) for r in diff_panel.rows] == [
+        (result["difference"], tuple(result["bootstrap"]["ci"])),
+        (result["run_level_test"]["diff"], tuple(result["run_level_test"]["ci"])),
+        (result["difference"], tuple(result["assumed_run_sd"]["ci"]))]
+    assert diff_panel.zero_line and title.endswith(f"verdict: {result['verdict']}")
+    drawn = run_plots.plot_intervals([arm_panel, diff_panel], tmp_path / "again.png", title)
+    assert drawn == [r.label for r in (*arm_panel.rows, *diff_panel.rows)]
+
+    status, _, err = cli(capsys, "summary", *paths_a, "--bootstrap", "1000", "--json", tmp_path / "s.out.json",
+                         "--plot", tmp_path / "summary.png")
+    assert status == 0 and err == "" and (tmp_path / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((tmp_path / "s.out.json").read_text())
+    (panel,), _ = run_stats.interval_panels(summary)
+    across = summary["across_runs"]
+    assert [(r.estimate, r.ci) for r in panel.rows] == [
+        *((r["avg"], tuple(r["problems_ci"])) for r in summary["runs"]),
+        (across["mean"], tuple(across["ci"])), (across["bootstrap"]["mean"], tuple(across["bootstrap"]["ci"]))]
+
+
+def test_bad_plot_path_is_one_line_before_any_output(arms, tmp_path, capsys):
+    _, _, paths_a, paths_b = arms
+    for target, fragment in ((tmp_path / "cmp.jpg", "must be a .png file"),
+                             (tmp_path / "no" / "cmp.png", "no such folder")):
+        one_error_line(*cli(capsys, "compare", "--a", *paths_a, "--b", *paths_b, "--json", tmp_path / "c.out.json",
+                            "--plot", target), f"error: {target}: ", fragment)
+    assert not (tmp_path / "c.out.json").exists() and not list(tmp_path.rglob("*.png"))

@@ -364,3 +364,19 @@ def test_jsonl_files_are_sorted_key_utf8_lines():
         for line in path.read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
             assert line == json.dumps(row, sort_keys=True, ensure_ascii=False)
+
+
+def test_a_cold_cache_built_on_rank_1_holds_the_whole_model(monkeypatch, tmp_path):
+    """Several ranks of a launch can build the cache at once, and any of them may win the
+    rename: a rank other than 0 must write a complete model folder too (transformers'
+    save_pretrained writes nothing there once torch.distributed is initialised)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import mixin
+
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
+    monkeypatch.setenv("OPSD_CACHE", str(tmp_path))
+    for folder in (td.random_model_dir(0), td.learned_model_dir()):
+        assert tmp_path in folder.parents
+        assert {"config.json", "generation_config.json", "model.safetensors"} <= {p.name for p in folder.iterdir()}
+        assert AutoModelForCausalLM.from_pretrained(folder).config.model_type == "qwen3"

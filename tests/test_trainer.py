@@ -14,15 +14,22 @@ from transformers import AutoModelForCausalLM
 
 import opsd_train
 import opsd_trainer
-from data_collator import build_scoring_batch
+from data_collator import OPSDCollator, build_scoring_batch
 from opsd_trainer import SCORING_PAD_MULTIPLE, OPSDTrainer, completion_hidden_states, make_collator
 from tiny_default import build_qwen3_tokenizer, resolve_model
+
+
+# The sharp random tiny model: large divergences and clips that fire, so the numerical
+# comparisons below are meaningful (the learned `tiny` sits near clip thresholds).
+MODEL = "tiny-random"
 
 
 def tiny_argv(out, steps, *extra):
     return [
         "--preset",
         "tiny",
+        "--model_name_or_path",
+        MODEL,
         "--output_dir",
         str(out),
         "--max_steps",
@@ -60,7 +67,7 @@ def make_trainer(out, steps, *extra, env=None):
 
 
 def base_model():
-    return AutoModelForCausalLM.from_pretrained(resolve_model("tiny"), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(resolve_model(MODEL), dtype=torch.float32).eval()
 
 
 def read_metrics(run_dir):
@@ -81,7 +88,7 @@ def test_checkpoint_reloads_and_changes_logits(trained_run):
     ckpt = trained_run / "checkpoint-2"
     assert (ckpt / "adapter_model.safetensors").is_file()
     assert (trained_run / "checkpoint-1" / "adapter_model.safetensors").is_file()
-    assert not any((trained_run / opsd_trainer.STAGING_DIR).iterdir())  # every staged save was moved into place
+    assert not (trained_run / opsd_trainer.STAGING_DIR).exists()  # every staged save was moved into place
     with torch.no_grad():
         base_logits = base_model()(PROBE).logits
         tuned_logits = PeftModel.from_pretrained(base_model(), ckpt).eval()(PROBE).logits
@@ -113,6 +120,62 @@ def test_align_and_kl_lines_printed(tmp_path, capsys):
     assert out.count("[OPSD align]") == 1
     assert "pad_side=right" in out
     assert "[OPSD kl] step=1" in out and "true_kl=" in out
+    assert "{'loss'" not in out  # no second copy of the step as a dict
+    assert out.count("[OPSD] done: 1 steps in ") == 1 and f"last checkpoint {tmp_path / 'checkpoint-1'}" in out
+    # The run's curves are drawn at its end, and the summary line says where.
+    assert f" | curves {tmp_path / 'curves.png'}" in out
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_figure_that_cannot_be_drawn_is_one_warning_not_a_failure(tmp_path, monkeypatch, capsys):
+    """draw_curves runs after the last step: whatever fails there is one warning line."""
+    import run_plots
+
+    assert opsd_train.draw_curves(str(tmp_path)) is None  # no metrics.jsonl
+    err = capsys.readouterr().err
+    assert err == f"warning: training curves not drawn: {tmp_path / 'metrics.jsonl'}: no such file " \
+                  "(a run writes it from its first logged step)\n"
+
+    def broken(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(run_plots, "plot_run_curves", broken)
+    assert opsd_train.draw_curves(str(tmp_path)) is None
+    assert capsys.readouterr().err == "warning: training curves not drawn: No module named 'matplotlib'\n"
+
+
+def test_resumed_run_equals_the_uninterrupted_one(trained_run, tmp_path):
+    """Steps 1-2 in one go, or step 1, a stop, then step 2 resumed: the same adapter, bit for bit."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    shutil.rmtree(run / "checkpoint-2")
+    (run / "adapter_model.safetensors").unlink()
+    assert opsd_train.main(tiny_argv(run, 2, "--save_steps", "1")) == 0
+    resumed = load_file(run / "checkpoint-2" / "adapter_model.safetensors")
+    whole = load_file(trained_run / "checkpoint-2" / "adapter_model.safetensors")
+    assert resumed.keys() == whole.keys()
+    for key in whole:
+        assert torch.equal(resumed[key], whole[key]), key
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+
+
+def test_full_disk_stops_with_a_clear_error_and_keeps_earlier_checkpoints(tmp_path, monkeypatch, capsys):
+    import errno
+
+    def full_at_second_save(name):
+        if name == "checkpoint-2":
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(opsd_trainer, "_test_pause_in_save", full_at_second_save)
+    assert opsd_train.main(tiny_argv(tmp_path, 2, "--save_steps", "1")) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
+    assert err.startswith("error:") and "cannot write checkpoint-2" in err and "no space left on device" in err
+    assert f"last: {tmp_path / 'checkpoint-1'}" in err
+    assert (tmp_path / "checkpoint-1" / "adapter_model.safetensors").is_file()
+    assert not (tmp_path / "checkpoint-2").exists() and not (tmp_path / opsd_trainer.STAGING_DIR).exists()
+    assert not (tmp_path / ".lock").exists()
 
 
 def test_resume_continues_at_the_right_step(trained_run, tmp_path, capsys):
@@ -121,7 +184,9 @@ def test_resume_continues_at_the_right_step(trained_run, tmp_path, capsys):
     # A save interrupted mid-way leaves only a staging folder: resume must ignore it.
     (run / opsd_trainer.STAGING_DIR / "checkpoint-9").mkdir(parents=True)
     assert opsd_train.main(tiny_argv(run, 3, "--save_steps", "1")) == 0
-    assert f"resuming from {run / 'checkpoint-2'}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"resuming from {run / 'checkpoint-2'}" in out and "removed the partial checkpoint" in out
+    assert not (run / opsd_trainer.STAGING_DIR).exists()
     state = json.loads((run / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
     assert [r["step"] for r in read_metrics(run) if "opsd/true_kl" in r] == [1, 2, 3]
@@ -211,6 +276,8 @@ SWITCHES = [
     ("OPSD_CLIP_MODE", "token", "clip_mode"),
     ("OPSD_PAD_SIDE", "left", "pad_side"),
     ("OPSD_TEACHER_CONTEXT", "cot", "teacher_context"),
+    ("OPSD_TEACHER_CONTEXT", "answer", "teacher_context"),
+    ("OPSD_TEACHER_CONTEXT", "none", "teacher_context"),
     ("OPSD_STUDENT_PROMPT", "eval", "student_prompt"),
 ]
 
@@ -248,6 +315,34 @@ def test_prompt_switches_change_only_their_role(default_parse, tmp_path):
     assert teacher_cot.student_prompt_ids(row) == base.student_prompt_ids(row)
 
 
+def test_none_context_is_a_zero_loss_at_initialisation(tmp_path):
+    """OPSD_TEACHER_CONTEXT=none with the fixed teacher: both roles see the same tokens with the
+    same weights (LoRA B starts at zero), so the first step's loss and divergences are exactly
+    0; the arm can only pull the student back towards the base model."""
+    trainer = make_trainer(tmp_path, 1, "--max_completion_length", "8", env={"OPSD_TEACHER_CONTEXT": "none"})
+    lora_b = [p for name, p in trainer.model.named_parameters() if "lora_B" in name]
+    assert lora_b and all(not p.any() for p in lora_b)
+    rows = _rows(trainer)
+    inputs = trainer._generate_and_score_completions(rows)
+    assert inputs["teacher_prompt_ids"] == inputs["student_prompt_ids"]
+    with torch.no_grad():
+        loss, stats = trainer._opsd_loss(trainer.model, inputs)
+        assert loss.item() == 0.0
+        assert stats["true_kl"].item() == 0.0 and stats["loss_unclipped"].item() == 0.0
+        # the zero comes from the context: the reference solution's teacher on the same rollouts is not 0
+        with_solution = dict(inputs, teacher_prompt_ids=[OPSDCollator(trainer._tokenizer).teacher_prompt_ids(row)
+                                                         for row in rows])
+        assert trainer._opsd_loss(trainer.model, with_solution)[1]["true_kl"].item() > 1e-3
+
+
+def test_reason_first_without_a_context_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OPSD_TEACHER_CONTEXT", "none")
+    assert opsd_train.main(tiny_argv(tmp_path / "out", 1, "--reason_first", "true")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: reason_first needs a reference to analyse; teacher_context=none has none"
+    assert not (tmp_path / "out").exists()
+
+
 def test_data_select_switch_changes_only_the_data(default_parse, tmp_path):
     _, base_cfg, base_data = default_parse
     _, cfg, data = opsd_train.parse(tiny_argv(tmp_path, 1), env={"OPSD_DATA_SELECT": "nomath"})
@@ -256,11 +351,100 @@ def test_data_select_switch_changes_only_the_data(default_parse, tmp_path):
     assert "math" not in set(data["source"])
 
 
+def _without_report_to(argv):
+    i = argv.index("--report_to")
+    return argv[:i] + argv[i + 2:]
+
+
+def _fake_tracker(monkeypatch, name="tensorboard"):
+    """`name` counts as installed, and its transformers integration is a recorder of the
+    dicts it receives (the real one needs the package; the path to it is the same)."""
+    from transformers import TrainerCallback, integrations
+    from transformers.integrations import integration_utils
+
+    class Recorder(TrainerCallback):
+        received = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            Recorder.received.append(dict(logs))
+
+    monkeypatch.setattr(integrations, f"is_{name}_available", lambda: True)
+    monkeypatch.setitem(integration_utils.INTEGRATION_TO_CALLBACK, name, Recorder)
+    return Recorder
+
+
+def test_opsd_report_to_reaches_the_training_arguments(tmp_path, monkeypatch, capsys):
+    """OPSD_REPORT_TO (default none) sets report_to; a --report_to flag wins and says so;
+    the choice is recorded in the run configuration but not compared on resume."""
+    import run_folder
+
+    argv = _without_report_to(tiny_argv(tmp_path, 1))
+    script_args, cfg, data = opsd_train.parse(argv, env={})
+    assert cfg.report_to == [] and opsd_train.run_identity(script_args, cfg, data)["report_to"] == "none"
+    _fake_tracker(monkeypatch, "wandb")
+    script_args, cfg, data = opsd_train.parse(argv, env={"OPSD_REPORT_TO": " WandB "})
+    assert cfg.report_to == ["wandb"] and opsd_train.run_identity(script_args, cfg, data)["report_to"] == "wandb"
+    assert "report_to" in run_folder.NOT_COMPARED
+    _, cfg, _ = opsd_train.parse(argv + ["--report_to", "none"], env={"OPSD_REPORT_TO": "wandb"})
+    assert cfg.report_to == []
+    assert "note: --report_to none (command line) wins over OPSD_REPORT_TO=wandb" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"OPSD_REPORT_TO": "tensorbored"},
+     "error: OPSD_REPORT_TO='tensorbored' is not allowed; expected one of: none, tensorboard, wandb, trackio, all"),
+    ({"OPSD_REPORT_TO": "trackio"}, "error: report_to trackio: the trackio package is not installed (pip install trackio)"),
+], ids=["bad-value", "not-installed"])
+def test_bad_or_missing_tracker_is_one_line_before_loading(tmp_path, monkeypatch, capsys, env, message):
+    from transformers import integrations
+
+    monkeypatch.setattr(integrations, "is_trackio_available", lambda: False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert opsd_train.main(_without_report_to(tiny_argv(tmp_path / "out", 1))) == 2
+    assert capsys.readouterr().err == message + "\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_opsd_diagnostics_reach_the_report_to_trackers(tmp_path, monkeypatch):
+    """What the trainer computes per step (opsd/*, completions/*) is averaged into the dict
+    that Trainer.log hands to every report_to integration, the same dict as metrics.jsonl."""
+    recorder = _fake_tracker(monkeypatch, "tensorboard")
+    script_args, config, dataset = opsd_train.parse(_without_report_to(tiny_argv(tmp_path, 1)),
+                                                    env={"OPSD_REPORT_TO": "tensorboard"})
+    model, tokenizer = opsd_train.build_model_and_tokenizer(script_args)
+    trainer = OPSDTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                          peft_config=opsd_train.lora_config(script_args))
+    assert any(isinstance(cb, recorder) for cb in trainer.callback_handler.callbacks)
+    trainer.state.global_step = 1
+    trainer._metrics["train"]["opsd/true_kl"] += [0.2, 0.4]  # two micro-batches, as compute_loss appends them
+    trainer._metrics["train"]["opsd/clipped_teacher_mass"] += [0.1, 0.3]
+    trainer._metrics["train"]["completions/mean_length"] += [40.0]
+    trainer.log({"loss": 0.5})
+    (logs,) = recorder.received
+    assert logs["opsd/true_kl"] == pytest.approx(0.3) and logs["opsd/clipped_teacher_mass"] == pytest.approx(0.2)
+    assert logs["completions/mean_length"] == 40.0 and logs["loss"] == 0.5
+    assert read_metrics(tmp_path) == [{"step": 1, **logs}]
+
+
 def test_bad_switch_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OPSD_CLIP_MODE", "sideways")
     assert opsd_train.main(tiny_argv(tmp_path, 1)) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "OPSD_CLIP_MODE" in err and not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--top_k_loss", "-1", "top_k_loss=-1 is out of range; must be >= 0 (0 disables)"),
+    ("--ema_decay", "1.0", "ema_decay=1.0 is out of range; must be in [0, 1)"),
+    ("--lora_r", "0", "lora_r=0 is out of range; must be >= 1"),
+])
+def test_flags_are_held_to_the_recipe_ranges(tmp_path, capsys, flag, value, message):
+    """A range is declared once (opsd_config.Recipe) and checked for flags as for recipe lines."""
+    assert opsd_train.main(tiny_argv(tmp_path / "out", 1, flag, value)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {message}"
+    assert not (tmp_path / "out").exists()
 
 
 def test_recipe_values_reach_the_trainer_config(tmp_path, capsys):
@@ -272,15 +456,55 @@ def test_recipe_values_reach_the_trainer_config(tmp_path, capsys):
         "top_k_loss=7\nteacher_thinking=true\nmax_steps=999  # budget knob: warned, ignored\n"
     )
     script_args, cfg, _ = opsd_train.parse(tiny_argv(tmp_path, 1, "--recipe", str(recipe)), env={})
-    assert "max_steps" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "max_steps" in err
     assert cfg.max_steps == 1
-    assert cfg.learning_rate == 3e-4 and str(cfg.lr_scheduler_type.value) == "cosine"
+    # tiny_argv sets --learning_rate 1e-2: the command line wins over the recipe, and says so
+    assert "--learning_rate 1e-2 (command line) wins over learning_rate=0.0003 from the recipe" in err
+    assert cfg.learning_rate == 1e-2 and str(cfg.lr_scheduler_type.value) == "cosine"
     assert cfg.warmup_steps == 0.1 and cfg.max_grad_norm == 0.5  # transformers 5: a float < 1 is a ratio
     assert (cfg.beta, cfg.jsd_token_clip, cfg.temperature, cfg.top_p, cfg.top_k) == (0.5, 0.2, 0.7, 0.9, 5)
     assert cfg.max_completion_length == 16 and cfg.top_k_loss == 7 and cfg.teacher_thinking
     assert (cfg.fixed_teacher, cfg.use_ema_teacher, cfg.ema_decay) == (False, True, 0.9)
     lora = opsd_train.lora_config(script_args)
     assert (lora.r, lora.lora_alpha) == (8, 16)
+
+
+def test_precedence_command_line_over_variable_over_recipe(tmp_path, capsys):
+    recipe = tmp_path / "recipe.env"
+    recipe.write_text("beta=0.5\ntemperature=0.7\nmax_completion_length=16\n")
+    argv = tiny_argv(tmp_path, 1, "--recipe", str(recipe), "--beta", "0.25", "--clip_mode", "entry",
+                     "--max_completion_length", "8")
+    _, cfg, _ = opsd_train.parse(argv, env={"OPSD_CLIP_MODE": "token", "OPSD_PAD_SIDE": "left"})
+    err = capsys.readouterr().err
+    assert (cfg.beta, cfg.clip_mode, cfg.max_completion_length) == (0.25, "entry", 8)  # command line
+    assert cfg.pad_side == "left" and cfg.temperature == 0.7  # variable, recipe
+    assert "--beta 0.25 (command line) wins over beta=0.5 from the recipe" in err
+    assert "--clip_mode entry (command line) wins over OPSD_CLIP_MODE=token" in err
+    _, shorter, _ = opsd_train.parse(tiny_argv(tmp_path, 1, "--recipe", str(recipe)), env={})
+    assert shorter.max_completion_length == 16  # the recipe's value beats the tiny preset's 64
+
+
+def test_tiny_preset_values_are_defaults_the_user_overrides(tmp_path, capsys):
+    """The preset's values stand where nothing else sets the key; a recipe key, an OPSD_*
+    variable or a flag beats them."""
+    preset = opsd_train.TINY_PRESET
+    _, cfg, _ = opsd_train.parse(tiny_argv(tmp_path, 1), env={})
+    for key, value in preset.items():
+        assert getattr(cfg, key) == value, key
+    unchanged = tmp_path / "unchanged.env"
+    unchanged.write_text("beta=0.5\n")  # leaves max_completion_length at its released 1024
+    _, cfg, _ = opsd_train.parse(tiny_argv(tmp_path, 1, "--recipe", str(unchanged)), env={})
+    assert cfg.max_completion_length == preset["max_completion_length"]
+    longer = tmp_path / "longer.env"
+    longer.write_text("max_completion_length=128\n")
+    _, cfg, _ = opsd_train.parse(tiny_argv(tmp_path, 1, "--recipe", str(longer)), env={})
+    assert cfg.max_completion_length == 128
+    _, cfg, _ = opsd_train.parse(tiny_argv(tmp_path, 1, "--max_completion_length", "100",
+                                           "--max_teacher_prompt_length", "600", "--compile_loss", "true",
+                                           "--rollout_cache_implementation", "static"), env={})
+    assert (cfg.max_completion_length, cfg.max_teacher_prompt_length) == (100, 600)
+    assert cfg.compile_loss is True and cfg.rollout_cache_implementation == "static"
 
 
 def test_vllm_rollouts_refuse_a_temperature_vllm_rejects(tmp_path, capsys):
@@ -316,7 +540,8 @@ def test_token_clip_run_lowers_true_kl(tmp_path, monkeypatch, capsys):
     """The objective does what it says: an on-policy token-clip run lowers the logged true KL.
 
     Eight fixed rows in one batch per step keep the per-step KL comparable
-    (different problems have very different KL); lr 1e-3 is stable on the tiny model.
+    (different problems have very different KL); lr 1e-3 is stable on the tiny model;
+    24-token completions keep it cheap (the KL still halves within 12 steps).
     """
     from tiny_default import tiny_train_path
 
@@ -335,6 +560,8 @@ def test_token_clip_run_lowers_true_kl(tmp_path, monkeypatch, capsys):
         "1e-3",
         "--temperature",
         "1.0",
+        "--max_completion_length",
+        "24",
         "--save_strategy",
         "no",
     )
@@ -349,6 +576,25 @@ def test_token_clip_run_lowers_true_kl(tmp_path, monkeypatch, capsys):
 
 def _rows(trainer, n=2):
     return [trainer.train_dataset[i] for i in range(n)]
+
+
+def test_each_rank_samples_with_its_own_reproducible_seed(tmp_path, monkeypatch):
+    """The trainer seeds a process's rollouts from (seed, rank, step): the same rows give other
+    completions on another rank or at another step, and the same ones again on the same rank
+    and step (a resumed run samples what the uninterrupted one did)."""
+    trainer = make_trainer(tmp_path, 1, "--max_completion_length", "8")
+    prompts = [trainer.collator.student_prompt_ids(row) for row in _rows(trainer)]
+
+    def sample(rank, step, global_seed=0):
+        monkeypatch.setattr(type(trainer.accelerator), "process_index", property(lambda self: rank))
+        trainer.state.global_step = step
+        torch.manual_seed(global_seed)  # the process-global RNG must play no part
+        return trainer._sample(prompts)[0]
+
+    first = sample(0, 0)
+    assert sample(0, 0, global_seed=1) == first
+    assert sample(1, 0) != first
+    assert sample(0, 1) != first
 
 
 def test_reason_first_puts_the_teachers_analysis_into_its_context(tmp_path):
@@ -374,11 +620,25 @@ def test_lmbda_zero_uses_the_reference_solution_as_completion(tmp_path):
         assert completion == solution + [tok.eos_token_id]
 
 
-@pytest.mark.parametrize("tinker", [False, True])
-def test_chunked_and_full_logit_paths_agree_in_the_trainer(tmp_path, tinker):
+def test_sft_always_trains_on_the_reference_solution(tmp_path):
+    trainer = make_trainer(tmp_path, 1, "--loss_type", "sft")
+    rows = _rows(trainer)
+    batch = trainer._generate_and_score_completions(rows)
+    tok = trainer._tokenizer
+    for row, completion in zip(rows, batch["completion_ids"]):
+        solution = tok(row["solution"], add_special_tokens=False)["input_ids"][: trainer.args.max_completion_length - 1]
+        assert completion == solution + [tok.eos_token_id]
+    loss, stats = trainer._opsd_loss(trainer.model, batch)
+    assert "nll" in stats and torch.isfinite(loss)
+    torch.testing.assert_close(loss.detach(), stats["nll"].detach())  # the loss is the reference's NLL
+
+
+@pytest.mark.parametrize("objective", [[], ["--use_tinker_loss", "true"], ["--loss_type", "sft"]],
+                         ids=["divergence", "tinker", "sft"])
+def test_chunked_and_full_logit_paths_agree_in_the_trainer(tmp_path, objective):
     """The default chunked loss and the released-style full-logit loss give the same loss,
-    diagnostics and gradients on the same micro-batch."""
-    extra = ["--use_tinker_loss", "true"] if tinker else []
+    diagnostics and gradients on the same micro-batch, for every objective."""
+    extra = objective
     trainer = make_trainer(tmp_path, 1, *extra)
     inputs = trainer._generate_and_score_completions(_rows(trainer))
     # float64: the learned model's own fp32 forward is ~1e-3 off in the LoRA gradient
@@ -387,6 +647,7 @@ def test_chunked_and_full_logit_paths_agree_in_the_trainer(tmp_path, tinker):
     results = {}
     for impl in ("chunked", "logits"):
         trainer.args.loss_implementation = impl
+        trainer.objective = opsd_trainer.make_objective(trainer.args)  # the loss is chosen once, at start
         model.zero_grad()
         loss, stats = trainer._opsd_loss(model, inputs)
         loss.backward()
@@ -400,6 +661,39 @@ def test_chunked_and_full_logit_paths_agree_in_the_trainer(tmp_path, tinker):
     # sums in a different order: compare the gradient as a vector.
     assert grad_c.norm() > 0
     assert (grad_c - grad_l).norm() / grad_l.norm() < 1e-6
+
+
+@pytest.mark.parametrize("extra", [[], ["--use_tinker_loss", "true"], ["--loss_type", "sft"],
+                                   ["--fixed_teacher", "false", "--use_ema_teacher", "true"]],
+                         ids=["divergence", "tinker", "sft", "ema_teacher"])
+def test_every_lora_parameter_gets_a_gradient_at_every_step(tmp_path, extra):
+    """Why DDP runs with find_unused_parameters=False by default: the trainable parameters are
+    exactly the LoRA adapters, and one loss computation gives each of them a gradient, for
+    every objective and teacher (DDP would hang or fail on a parameter without one). The
+    reference solutions stand in for rollouts (lmbda 0): sampling is slow on CPU and does not
+    change which parameters the loss reaches."""
+    trainer = make_trainer(tmp_path, 1, "--lmbda", "0", *extra)
+    assert trainer.args.ddp_find_unused_parameters is False
+    assert trainer.accelerator.ddp_handler.find_unused_parameters is False  # what DDP is built with
+    trainable = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in name or ".lora_B." in name for name in trainable)
+    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    trainer.compute_loss(trainer.model, inputs).backward()
+    assert [name for name, p in trainable.items() if p.grad is None] == []
+    # lora_B starts at zero, so lora_A's first gradient is zero; lora_B's must not be.
+    assert all(p.grad.abs().sum() > 0 for name, p in trainable.items() if ".lora_B." in name)
+
+
+def test_one_process_seeing_several_gpus_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """Started without a launcher on a multi-GPU host (simulated), transformers would wrap the
+    model in nn.DataParallel: refused before any model loads, also in train_capped.sh's check."""
+    monkeypatch.setattr(opsd_trainer.OPSDConfig, "n_gpu", property(lambda self: 4))
+    for extra in ([], ["--check_only", "--world_size", "1"]):
+        assert opsd_train.main(tiny_argv(tmp_path / "out", 1) + extra) == 2
+        (err,) = capsys.readouterr().err.strip().splitlines()
+        assert err.startswith("error: 4 GPUs are visible to one process") and "CUDA_VISIBLE_DEVICES=0" in err
+    assert not (tmp_path / "out").exists()
+    assert opsd_train.main(tiny_argv(tmp_path / "out", 1) + ["--check_only", "--world_size", "4"]) == 0
 
 
 def test_use_vllm_without_vllm_is_a_one_line_error(tmp_path, capsys):
@@ -450,6 +744,72 @@ def test_gpu_defaults_with_cuda(tmp_path, monkeypatch, extra, layers):
     assert (explicit.compile_layers, explicit.compile_loss, explicit.pad_to_multiple_of) == (False, False, None)
 
 
+@pytest.mark.parametrize("sharded, zero_stage, expected", [
+    (False, None, (True, "auto", "chunked")),     # DDP / one process: the GPU defaults
+    (True, None, (False, "dynamic", "chunked")),  # FSDP
+    (True, 2, (False, "dynamic", "chunked")),
+    (True, 3, (False, "dynamic", "logits")),
+], ids=["ddp", "fsdp", "zero2", "zero3"])
+def test_engine_defaults(tmp_path, monkeypatch, sharded, zero_stage, expected):
+    """What the trainer makes of its defaults once it sees the engine accelerate's config chose
+    (on a simulated CUDA machine); explicit choices are kept, an impossible one is refused."""
+    monkeypatch.setattr(opsd_trainer.torch.cuda, "is_available", lambda: True)
+
+    def config(**explicit):
+        args = opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, **explicit)
+        opsd_trainer.apply_engine_defaults(args, sharded, zero_stage)
+        return args.compile_layers, args.rollout_cache_implementation, args.loss_implementation
+
+    assert config() == expected
+    assert config(compile_layers=True, rollout_cache_implementation="graph", loss_implementation="logits") == (
+        True, "graph", "logits")
+    if zero_stage == 3:
+        with pytest.raises(ValueError, match="loss_implementation=chunked cannot run under DeepSpeed ZeRO-3"):
+            config(loss_implementation="chunked")
+    else:
+        assert config(loss_implementation="chunked")[2] == "chunked"
+    ema = {"fixed_teacher": False, "use_ema_teacher": True}
+    if sharded and zero_stage != 2:  # parameters sharded: FSDP, ZeRO-3
+        with pytest.raises(ValueError, match="use_ema_teacher is not supported with sharded parameters"):
+            config(**ema)
+    else:
+        assert config(**ema) == expected
+
+
+def test_chunked_loss_takes_an_fsdp2_sharded_lm_head(tmp_path):
+    """Under FSDP2 the LM head's weight can be a DTensor; the chunked loss gathers it and gives
+    the loss and gradients of an ordinary head (a one-rank gloo group stands in for the GPUs)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    objective = opsd_trainer.make_objective(opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False))
+    gen = torch.Generator().manual_seed(0)
+    hidden, vocab = 8, 40
+    plain = torch.nn.Linear(hidden, vocab, bias=False).double()
+    student = torch.randn(2, 5, hidden, dtype=torch.float64, generator=gen, requires_grad=True)
+    teacher = torch.randn(2, 5, hidden, dtype=torch.float64, generator=gen)
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    ids = torch.randint(vocab, (2, 5), generator=gen)
+    results = []
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        sharded = torch.nn.Linear(hidden, vocab, bias=False)
+        sharded.weight = torch.nn.Parameter(
+            distribute_tensor(plain.weight.detach(), init_device_mesh("cpu", (1,)), [Shard(0)]), requires_grad=False)
+        assert isinstance(sharded.weight, DTensor)
+        for head in (plain, sharded):
+            student.grad = None
+            loss, _ = objective(student, teacher, mask, ids, head)
+            loss.backward()
+            results.append((loss.detach(), student.grad.clone()))
+    finally:
+        dist.destroy_process_group()
+    (loss_plain, grad_plain), (loss_sharded, grad_sharded) = results
+    torch.testing.assert_close(loss_sharded, loss_plain, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad_sharded, grad_plain, rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize("value, expected", [("auto", 16), (None, 16), ("none", None), (0, None), ("32", 32), (8, 8)])
 def test_pad_to_multiple_of_spellings(tmp_path, monkeypatch, value, expected):
     """TRL's spellings of the field keep working; "auto" is the OPSD default (16 with CUDA)."""
@@ -488,6 +848,7 @@ def _step_results(trainer, inputs, settings):
     results = []
     for layers, loss_math, checkpointing in settings:
         trainer.args.compile_layers, trainer.args.compile_loss = layers, loss_math
+        trainer.objective = opsd_trainer.make_objective(trainer.args)
         if checkpointing:
             model.get_base_model().activation_checkpointing_enable()
         else:
@@ -517,7 +878,6 @@ def test_compiled_step_matches_the_eager_step(tmp_path):
     eager step; each switch really compiles; the layers are eager again after the step."""
     trainer = make_trainer(tmp_path, 1)
     inputs = trainer._generate_and_score_completions(_rows(trainer))
-    trainer.model.double()  # see test_chunked_and_full_logit_paths_agree_in_the_trainer
     eager, layers_only, both = _step_results(
         trainer, inputs, [(False, False, True), (True, False, True), (True, True, True)]
     )

@@ -71,3 +71,28 @@ def cached_folder(path: Path, build: Callable[[Path], None]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def save_model_folder(model, folder: Path) -> None:
+    """The model's config, generation config and weights in `folder`, laid out as
+    `save_pretrained` lays them out, written by this process whatever its rank.
+
+    transformers' `save_pretrained` writes nothing on a rank other than 0 once
+    torch.distributed is initialised; when several ranks of a launch start with a cold
+    cache, the rank that renames its folder into place first may be one of those, and
+    the cache would hold a model folder without weights. Tensors that share storage
+    (tied embeddings) are stored once, under their first name, as `save_pretrained` does.
+    """
+    from safetensors.torch import save_file
+
+    model.config.architectures = [type(model).__name__]  # as save_pretrained records it
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    tensors, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        tensors[name] = tensor.detach().contiguous()
+    save_file(tensors, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})

@@ -17,7 +17,7 @@ import json
 import shutil
 from pathlib import Path
 
-from tiny_default.cache import cached_folder, cache_dir
+from tiny_default.cache import cache_dir, cached_folder, save_model_folder
 from tiny_default.tokenizer import EOS_ID, PAD_ID, tokenizer_folder
 
 WEIGHTS_FILE = Path(__file__).resolve().parent / "weights" / "learned.safetensors"
@@ -102,7 +102,7 @@ def learned_model_dir(path: Path = WEIGHTS_FILE) -> Path:
         raise FileNotFoundError(f"{path}: the learned tiny default is missing (python -m tiny_default.train_learned)")
 
     def build(folder: Path) -> None:
-        build_learned_model(path).save_pretrained(folder)
+        save_model_folder(build_learned_model(path), folder)
         for file in tokenizer_folder().iterdir():  # the cached files, not a re-saved tokenizer
             shutil.copyfile(file, folder / file.name)
 

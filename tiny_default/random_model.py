@@ -10,7 +10,7 @@ import math
 import shutil
 from pathlib import Path
 
-from tiny_default.cache import BUILD_VERSION, cached_folder, cache_dir
+from tiny_default.cache import BUILD_VERSION, cache_dir, cached_folder, save_model_folder
 from tiny_default.tokenizer import EOS_ID, N_TOKENIZER_IDS, PAD_ID, tokenizer_folder
 
 # A standard small init (std 0.02) gives near-uniform next-token distributions
@@ -118,7 +118,7 @@ def random_model_dir(seed: int = 0) -> Path:
     """An HF-format folder (weights, configs, tokenizer with chat template) that
     `from_pretrained` loads like a hub checkpoint. Built once, then reused."""
     def build(folder: Path) -> None:
-        build_tiny_model(seed).save_pretrained(folder)
+        save_model_folder(build_tiny_model(seed), folder)
         # Copy the cached files rather than re-saving a loaded tokenizer, which
         # would record load-time options (is_local, local_files_only...).
         for file in tokenizer_folder().iterdir():

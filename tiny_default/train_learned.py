@@ -315,7 +315,8 @@ def measure(model_path: str, problems: int, samples: int, seed: int = MEASURE_SE
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opsd_eval import extract_boxed, is_correct
-    from rollout import SamplingSettings, TransformersBackend
+    from rollout import TransformersBackend
+    from sampling import SamplingSettings
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()

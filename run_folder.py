@@ -1,0 +1,252 @@
+"""The run folder (OPSD_OUTPUT): what may be written there, by whom, and what a
+re-run into it does.
+
+Standard library only, so that every check here runs before torch or a model
+loads. Used by opsd_train.py (and, through `opsd_train.py --check_only`, by
+train_capped.sh before it launches accelerate).
+
+- `check_writable`: the folder is a folder (or can be created) and is writable.
+- `run_config.json`: the resolved configuration of the run (`write_config`);
+  a re-run compares its own with it (`config_conflicts`) and refuses to mix two
+  configurations in one folder.
+- `.lock`: the PID of the process training into the folder (`RunLock`); a second
+  run refuses, a lock left by a dead process is taken over.
+- `.staging/`: where checkpoints are written before their atomic rename; a
+  leftover from a killed save is removed (`remove_staging`).
+- `metrics.jsonl`: cut back to the resumed step (`truncate_metrics`), so no step
+  is recorded twice.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import socket
+import tempfile
+
+CONFIG_FILE = "run_config.json"
+LOCK_FILE = ".lock"
+STAGING_DIR = ".staging"  # checkpoints are written here, then renamed into place
+METRICS_FILE = "metrics.jsonl"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+# Recorded but not compared on resume: where the folder is, how far the run goes
+# (a longer max_steps extends a run), how the fixed global batch is split, and where the
+# logs also go (a tracker changes no number of the run).
+NOT_COMPARED = (
+    "output_dir", "max_steps", "num_processes", "per_device_train_batch_size", "gradient_accumulation_steps",
+    "report_to",
+)
+
+
+class RunFolderError(RuntimeError):
+    """A run folder that cannot be used; the message is one line."""
+
+
+def check_writable(path: str) -> None:
+    """The run folder exists as a writable folder, or can be created as one."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise RunFolderError(f"output folder {path} is a file, not a folder; choose another OPSD_OUTPUT")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise RunFolderError(f"output folder {path} is not writable")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise RunFolderError(f"output folder {path} cannot be created: {parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise RunFolderError(f"output folder {path} cannot be created: {parent} is not writable")
+
+
+def checkpoints(path: str) -> list[tuple[int, str]]:
+    """(step, absolute folder) of every complete `checkpoint-N` in the run folder, by step."""
+    if not os.path.isdir(path):
+        return []
+    found = []
+    for name in os.listdir(path):
+        match = _CHECKPOINT.match(name)
+        full = os.path.join(os.path.abspath(path), name)
+        if match and os.path.isfile(os.path.join(full, "trainer_state.json")):
+            found.append((int(match.group(1)), full))
+    return sorted(found)
+
+
+def last_checkpoint(path: str) -> tuple[int, str] | None:
+    found = checkpoints(path)
+    return found[-1] if found else None
+
+
+# --------------------------------------------------------------------------
+# run_config.json
+# --------------------------------------------------------------------------
+
+def read_config(path: str) -> dict | None:
+    """The recorded configuration of a run folder, None when there is none."""
+    file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            recorded = json.load(f)
+    except (OSError, ValueError) as e:
+        raise RunFolderError(f"{file} is unreadable ({e}); delete it or choose another OPSD_OUTPUT") from None
+    if not isinstance(recorded, dict):
+        raise RunFolderError(f"{file} does not hold a JSON object; delete it or choose another OPSD_OUTPUT")
+    return recorded
+
+
+def config_conflicts(recorded: dict, current: dict) -> list[str]:
+    """Keys whose values differ between two configurations (NOT_COMPARED aside)."""
+    keys = (set(recorded) | set(current)) - set(NOT_COMPARED)
+    return sorted(k for k in keys if recorded.get(k) != current.get(k))
+
+
+def write_config(folder: str, config: dict) -> None:
+    write_json_atomic(os.path.join(folder, CONFIG_FILE), config)
+
+
+def write_json_atomic(path: str, payload) -> None:
+    """Write to a temporary file in the same folder, then rename over `path`."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=1, sort_keys=False)
+            f.write("\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates it private
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# --------------------------------------------------------------------------
+# metrics.jsonl and the staging folder
+# --------------------------------------------------------------------------
+
+def truncate_metrics(folder: str, step: int) -> None:
+    """Keep only the records of steps <= `step` (the step a run resumes from).
+
+    Records of later steps were logged after the checkpoint the run resumes from
+    and will be logged again; a torn last line (a kill mid-write) is dropped too.
+    """
+    path = os.path.join(folder, METRICS_FILE)
+    if not os.path.isfile(path):
+        return
+    kept = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+def remove_staging(folder: str) -> bool:
+    """Remove `.staging/` (a save killed midway leaves it); True if anything was there."""
+    path = os.path.join(folder, STAGING_DIR)
+    if not os.path.isdir(path):
+        return False
+    had_content = bool(os.listdir(path))
+    shutil.rmtree(path, ignore_errors=True)
+    return had_content
+
+
+# --------------------------------------------------------------------------
+# The lock
+# --------------------------------------------------------------------------
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+class RunLock:
+    """`.lock` in the run folder, holding `PID HOST` of the training process.
+
+    Created with O_EXCL, so of two runs started at once exactly one gets it. A
+    lock whose process is gone (same host, PID not alive) is stale and taken over.
+    """
+
+    def __init__(self, folder: str):
+        self.path = os.path.join(folder, LOCK_FILE)
+        self.held = False
+
+    def acquire(self) -> None:
+        folder = os.path.dirname(self.path)
+        os.makedirs(folder, exist_ok=True)
+        # Written whole under a temporary name, then hard-linked into place: the link
+        # fails if the lock exists, and a lock file is never seen half-written.
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".lock.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()} {socket.gethostname()}\n")
+        try:
+            for _ in range(2):
+                try:
+                    os.link(tmp, self.path)
+                except FileExistsError:
+                    self.check()
+                    try:  # stale (its process is gone) or unreadable: take it over
+                        os.unlink(self.path)
+                    except FileNotFoundError:
+                        pass
+                    continue
+                self.held = True
+                return
+        finally:
+            os.unlink(tmp)
+        raise RunFolderError(f"cannot take the lock {self.path}; another run is starting into the same folder")
+
+    def check(self) -> None:
+        """Raise RunFolderError when another live process holds the lock (without taking it)."""
+        owner = self._owner()
+        if owner is not None and owner[0] != os.getpid() and (
+                owner[1] != socket.gethostname() or _pid_alive(owner[0])):
+            folder = os.path.dirname(self.path)
+            raise RunFolderError(
+                f"{folder} is in use by another run (PID {owner[0]} on {owner[1]}, lock file {self.path}); "
+                "wait for it to end or choose another OPSD_OUTPUT"
+            )
+
+    def _owner(self) -> tuple[int, str] | None:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                pid, host = f.read().split()[:2]
+            return int(pid), host
+        except (OSError, ValueError):
+            return None
+
+    def release(self) -> None:
+        if self.held:
+            try:
+                os.unlink(self.path)
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+            self.held = False
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()

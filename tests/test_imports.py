@@ -1,0 +1,69 @@
+"""The project's own modules import each other without cycles (lazy imports inside
+functions included): shared helpers live in leaf modules (model_utils, sampling,
+answers), not in one of the modules that use them."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def project_modules() -> dict[str, Path]:
+    modules = {path.stem: path for path in ROOT.glob("*.py")}
+    for package in ("tiny_default",):
+        for path in (ROOT / package).glob("*.py"):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            modules[name] = path
+    return modules
+
+
+def imports_of(path: Path, package: str | None, known: set[str]) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: inside the package
+                base = package or ""
+                names = [f"{base}.{node.module}" if node.module else base]
+                names += [f"{names[0]}.{alias.name}" for alias in node.names]
+            else:
+                names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found |= {name for name in names if name in known}
+    return found
+
+
+def test_no_import_cycles():
+    modules = project_modules()
+    known = set(modules)
+    graph = {}
+    for name, path in modules.items():
+        package = name.split(".")[0] if path.parent != ROOT else None
+        graph[name] = imports_of(path, package, known) - {name}
+    # A package's __init__ importing its own submodules is not a cycle.
+    graph = {name: {dep for dep in deps if not (name in known and dep.startswith(f"{name}."))}
+             for name, deps in graph.items()}
+
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name, path):
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            if state.get(dep) == 1:
+                cycle = path[path.index(dep):] + [dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert {"rollout", "static_decode", "model_utils", "sampling"} <= known
+
+
+def test_shared_helpers_live_in_leaf_modules():
+    modules = project_modules()
+    for leaf in ("model_utils", "sampling"):
+        assert not imports_of(modules[leaf], None, set(modules)), f"{leaf} should import no project module"
