@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install, then run the embedded default end to end on CPU (wall time on 2 cores not yet measured):
+# Install, then run the embedded default end to end on CPU (README: the measured wall time):
 #   1. evaluate the learned tiny model (base) on a held-out generated set,
 #   2. train it with OPSD (the tiny preset: 8 steps x batch 4),
 #   3. evaluate the checkpoint on the same set,
