@@ -562,5 +562,19 @@ def main(argv=None) -> int:
     return 0
 
 
+def close_process_group() -> None:
+    """Leave the process group before the interpreter exits: a gloo group left open can
+    abort a rank at teardown ("terminate called without an active exception", exit -6)
+    after its work is done, and the launcher then reports the whole run as failed."""
+    if "torch" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    close_process_group()
+    sys.exit(status)

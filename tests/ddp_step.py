@@ -79,3 +79,4 @@ def main(out: str, per_device: int, accumulation: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    opsd_train.close_process_group()
