@@ -182,6 +182,15 @@ class OPSDConfig(DistillationConfig):
             "graph_compiled, graph, static (generate + static cache) or dynamic / None (generate + dynamic cache)."
         },
     )
+    rollout_merge_lora: bool = field(
+        default=True,
+        metadata={
+            "help": "graph / graph_compiled rollouts sample the student from a copy of the adapted weights with the "
+            "LoRA delta merged in (rebuilt out of place after each optimizer step; the base weights, i.e. the "
+            "teacher, are only read): one matmul per projection instead of three. Costs one copy of the adapted "
+            "weights in memory; False samples through the unmerged adapters."
+        },
+    )
     ddp_find_unused_parameters: bool | None = field(
         default=False,
         metadata={
@@ -434,6 +443,7 @@ class OPSDTrainer(DistillationTrainer):
                 eos_token_ids=self.eos_token_ids,
                 batch_size=len(prompt_ids),
                 cache_implementation=self.args.rollout_cache_implementation,
+                merge_lora=self.args.rollout_merge_lora,
             )
             samples = backend.generate(prompt_ids, settings, n=1)
         return [s[0].ids for s in samples], [s[0].truncated for s in samples]

@@ -88,8 +88,10 @@ class TransformersBackend:
       torch.compiles the forward pass on its own;
     - "graph": the project's own decode loop (`static_decode.StaticDecoder`): a
       preallocated KV cache, every decode step (forward + sampling + EOS
-      bookkeeping) recorded once as a CUDA graph and replayed, LoRA adapters left
-      unmerged (the base weights, i.e. the fixed teacher, are never written);
+      bookkeeping) recorded once as a CUDA graph and replayed; with `merge_lora`
+      active LoRA adapters are sampled from a merged copy of the adapted weights
+      (`merged_student.py`), else unmerged; the base weights, i.e. the fixed
+      teacher, are never written;
     - "graph_compiled": the same loop with the step compiled by torch.compile
       before it is recorded (fewer, fused kernels; pays a compile per shape);
     - "auto": the fastest measured (BENCHMARKS.md): AUTO_CUDA ("graph_compiled")
@@ -101,7 +103,7 @@ class TransformersBackend:
     """
 
     def __init__(self, model, *, pad_token_id: int, eos_token_ids: Sequence[int] | int,
-                 batch_size: int = 16, cache_implementation: str | None = None):
+                 batch_size: int = 16, cache_implementation: str | None = None, merge_lora: bool = False):
         if cache_implementation not in CACHE_IMPLEMENTATIONS:
             raise ValueError(f"cache_implementation must be one of {CACHE_IMPLEMENTATIONS}, "
                              f"got {cache_implementation!r}")
@@ -112,6 +114,7 @@ class TransformersBackend:
         self.eos_token_ids = _as_id_list(eos_token_ids)
         self.batch_size = batch_size
         self.cache_implementation = resolve_cache_implementation(cache_implementation, model)
+        self.merge_lora = merge_lora  # graph loops only: generate() runs the model as it is
 
     def generate(self, prompt_ids: list[list[int]], settings: SamplingSettings, n: int = 1,
                  progress: bool = False) -> list[list[Completion]]:
@@ -134,7 +137,8 @@ class TransformersBackend:
             # batch of a call has one shape (one recorded graph); the copies are dropped.
             rows = len(batch)
             full = batch + [batch[0]] * max((shape_rows or rows) - rows, 0)
-            decoder = StaticDecoder.for_model(self.model, compiled=self.cache_implementation == "graph_compiled")
+            decoder = StaticDecoder.for_model(self.model, compiled=self.cache_implementation == "graph_compiled",
+                                              merge_lora=self.merge_lora)
             with _seeded_rng(settings.seed, batch_index, device):
                 new_tokens = decoder.generate(full, settings, pad_token_id=self.pad_token_id,
                                               eos_token_ids=self.eos_token_ids)

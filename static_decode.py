@@ -13,8 +13,9 @@ Why it exists: on-policy rollouts dominate a training step, and `model.generate`
 is slow for them. On an H200 (BENCHMARKS.md section 2, 32 prompts x 1024 new
 tokens, LoRA r=64 on a Qwen3-1.7B shape) generate reaches 370 tok/s with the
 dynamic cache and 1,477 with the static cache + transformers' torch.compile; this
-loop reaches 2,571 recorded eagerly and 4,349 compiled. LoRA adapters stay
-unmerged (their matmuls are part of the recorded step), so the frozen base
+loop reaches 2,571 recorded eagerly and 4,349 compiled. The student's LoRA
+adapters are either merged into a sampling copy (`merge_lora`, see
+`merged_student.py`) or run unmerged inside the step; either way the frozen base
 weights, which are the teacher, are only ever read.
 
 Supported: full-attention Qwen3 / Qwen2 / Llama models (`SUPPORTED_MODEL_TYPES`);
@@ -32,6 +33,7 @@ from typing import ClassVar
 
 import torch
 
+from merged_student import MergedStudent, MergeUnsupported, has_enabled_adapters
 from model_utils import causal_lm, left_pad, model_device
 from sampling import SamplingSettings
 
@@ -46,6 +48,10 @@ AUTO_CUDA = "graph_compiled"
 # ids and a duck-typed KV cache, and whose layers are all full attention.
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 _ATTENTION_NAME = "opsd_static_decode"
+# Decode attention reads the KV cache up to the end of the current window of this many
+# new-token columns (one recorded graph per window), not the whole preallocated cache:
+# on average about half of a long rollout's cache is not written yet. None: read it all.
+KV_WINDOW = 128
 
 
 def resolve_cache_implementation(name: str | None, model) -> str | None:
@@ -84,20 +90,27 @@ class StaticDecoder:
       step is recorded once as a CUDA graph (after a torch.compile when `compiled`)
       and replayed; elsewhere it simply runs.
 
-    LoRA adapters stay unmerged (their matmuls are part of the recorded step), so
-    the frozen base weights, which are the teacher, are only ever read. Adapter
-    updates made in place (optimizer steps, `load_state_dict`) are seen by the
-    replays; a change of adapter state (enabled/disabled, active adapter) or of any
-    parameter's storage records a new graph. One shape is kept per model (the last
-    one used): its KV cache (2 x layers x rows x kv heads x (prompt bucket +
-    new tokens) x head dim) stays allocated between calls; `release()` frees it.
+    LoRA: with `merge_lora` (the trainer's default) the student is sampled from a
+    `merged_student.MergedStudent` copy (adapted weights = base + B @ A, rebuilt out
+    of place when an adapter tensor changed, i.e. once per optimizer step); without
+    it, or when the adapters cannot be merged, the adapters run unmerged inside the
+    recorded step. Either way the frozen base weights, which are the teacher, are
+    only ever read. Adapter updates made in place (optimizer steps,
+    `load_state_dict`) are seen by the replays; a change of adapter state
+    (enabled/disabled, active adapter) or of any parameter's storage records a new
+    graph. One shape is kept per model (the last one used): its KV cache (2 x layers
+    x rows x kv heads x (prompt bucket + new tokens) x head dim) stays allocated
+    between calls; `release()` frees it and the merged copy.
     """
 
     _instances: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
 
-    def __init__(self, model, compiled: bool):
+    def __init__(self, model, compiled: bool, merge_lora: bool = False):
         self.model = model  # the transformers CausalLM (under any peft wrapper)
         self.compiled = compiled
+        self.merge_lora = merge_lora
+        self.merged: MergedStudent | None = None
+        self.merge_error: str | None = None  # why the adapters are sampled unmerged despite merge_lora
         self.state: _DecodeState | None = None
 
     @staticmethod
@@ -109,17 +122,32 @@ class StaticDecoder:
                 and _cache_argument(inner) is not None)
 
     @classmethod
-    def for_model(cls, model, compiled: bool = False) -> StaticDecoder:
+    def for_model(cls, model, compiled: bool = False, merge_lora: bool = False) -> StaticDecoder:
         inner = causal_lm(model)
         decoder = cls._instances.get(inner)
-        if decoder is None or decoder.compiled != compiled:
+        if decoder is None or decoder.compiled != compiled or decoder.merge_lora != merge_lora:
             if decoder is not None:
                 decoder.release()
-            decoder = cls._instances[inner] = cls(inner, compiled)
+            decoder = cls._instances[inner] = cls(inner, compiled, merge_lora)
         return decoder
 
     def release(self) -> None:
         self.state = None
+        self.merged = None
+
+    def network(self):
+        """What samples: the merged copy (refreshed) when adapters are active and can be merged, else the model."""
+        if not self.merge_lora or self.merge_error is not None or not has_enabled_adapters(self.model):
+            return self.model
+        if self.merged is None:
+            try:
+                self.merged = MergedStudent(self.model)
+            except MergeUnsupported as exc:
+                self.merge_error = str(exc)
+                warnings.warn(f"rollout: sampling through unmerged adapters ({exc})", RuntimeWarning, stacklevel=3)
+                return self.model
+        self.merged.refresh()
+        return self.merged.network
 
     def generate(self, rows: list[list[int]], settings: SamplingSettings, *, pad_token_id: int,
                  eos_token_ids: Sequence[int]) -> list[list[int]]:
@@ -127,18 +155,25 @@ class StaticDecoder:
         caller cuts after the first EOS). RNG: torch's global generator (the caller seeds it)."""
         if settings.max_new_tokens < 1:
             return [[] for _ in rows]
-        device = model_device(self.model)
+        network = self.network()
+        device = model_device(network)
         width = bucket_width(max(len(row) for row in rows))
         input_ids, prompt_mask = left_pad(rows, pad_token_id, device, width=width)
-        sampler = _Sampler(settings, self.model.config.vocab_size)
+        sampler = _Sampler(settings, network.config.vocab_size)
         key = (len(rows), width, settings.max_new_tokens, sampler.key, tuple(eos_token_ids), int(pad_token_id),
-               _adapter_state(self.model), _storage_fingerprint(self.model), device)
-        with _static_attention(self.model):
+               network is self.model, _adapter_state(self.model), _storage_fingerprint(network), device)
+        with _static_attention(network):
             if self.state is None or self.state.key != key:
                 self.state = None  # free the previous shape's cache and graph first
-                self.state = _DecodeState(self.model, key, len(rows), width, settings.max_new_tokens, sampler,
+                self.state = _DecodeState(network, key, len(rows), width, settings.max_new_tokens, sampler,
                                           list(eos_token_ids), int(pad_token_id), self.compiled)
             return self.state.run(input_ids, prompt_mask)
+
+
+    def sampled_logprobs(self, rows: int) -> torch.Tensor | None:
+        """[rows, max_new_tokens] log-probabilities (temperature 1, no filtering) of the tokens
+        the last `generate` sampled, under the engine's own logits; 0 after a row's EOS."""
+        return None if self.state is None else self.state.logprobs[:rows]
 
 
 class _Sampler:
@@ -221,10 +256,15 @@ class _DecodeState:
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
         self.out = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+        # log p(sampled token) under the engine's own (untempered) logits, for checks against the trainer
+        self.logprobs = torch.zeros(batch, max_new_tokens, dtype=torch.float32, device=device)
         self.noise = None if sampler.greedy else torch.zeros(batch, sampler.width, device=device)
         self.eos = torch.tensor(eos_token_ids or [-1], dtype=torch.long, device=device)
         self.step_fn = _compiled_decode_step() if compiled and device.type == "cuda" else _decode_step
-        self.graph, self.graph_error = None, None
+        # Decode step n feeds the token at cache column width + n - 1; each window's graph
+        # attends to columns [0, limit) (KV_WINDOW: the filled part, rounded up).
+        self.limits = decode_limits(width, max_new_tokens, KV_WINDOW)
+        self.graphs, self.graph_error = None, None
         if device.type == "cuda" and max_new_tokens > 3:
             self._record()
 
@@ -234,8 +274,8 @@ class _DecodeState:
 
     def _step(self) -> None:
         self.step_fn(self.model, self.cache, self.cache_argument, self.layer_types, self.sampler, self.tokens,
-                     self.positions, self.slot, self.column, self.valid, self.finished, self.out, self.noise,
-                     self.eos, self.pad_token_id)
+                     self.positions, self.slot, self.column, self.valid, self.finished, self.out, self.logprobs,
+                     self.noise, self.eos, self.pad_token_id)
 
     def _record(self) -> None:
         """Warm up (compiling, when asked) on a side stream, then record one step.
@@ -246,37 +286,42 @@ class _DecodeState:
         synchronises with the host, say), the loop runs the step without a graph.
         Either way it warns and says why in `graph_error`."""
         try:
-            self.graph = self._capture()
+            self.graphs = self._capture()
             return
         except Exception as exc:  # noqa: BLE001 - compiler and capture errors have no common base
             self.graph_error = f"{type(exc).__name__}: {exc}"
         if self.step_fn is not _decode_step:
             self.step_fn = _decode_step
             try:
-                self.graph = self._capture()
+                self.graphs = self._capture()
             except Exception as exc:  # noqa: BLE001
                 self.graph_error += f" | uncompiled: {type(exc).__name__}: {exc}"
         warnings.warn(f"rollout: the compiled / recorded decode step failed "
                       f"({self.graph_error.splitlines()[0][:300]}); using the "
-                      f"{'recorded eager step' if self.graph is not None else 'eager step without a graph'}",
+                      f"{'recorded eager step' if self.graphs is not None else 'eager step without a graph'}",
                       RuntimeWarning, stacklevel=2)
 
-    def _capture(self):
+    def _capture(self) -> list:
+        """One graph per attention window, sharing one memory pool (they never run at once)."""
         self.slot.fill_(self.width)
         self.column.fill_(1)
         device = self.slot.device
+        graphs = []
         with torch.random.fork_rng(devices=[device.index or 0]):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._draw_noise()
-                    self._step()
-            torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._step()
-        return graph
+            for limit in self.limits:
+                with attention_limit(limit):
+                    stream = torch.cuda.Stream()
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        for _ in range(2 if not graphs else 1):  # the first warm-up compiles
+                            self._draw_noise()
+                            self._step()
+                    torch.cuda.current_stream().wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=graphs[0].pool() if graphs else None):
+                        self._step()
+                graphs.append(graph)
+        return graphs
 
     def _draw_noise(self) -> None:
         if self.noise is not None:
@@ -288,6 +333,7 @@ class _DecodeState:
         self.valid[:, :width] = prompt_mask.bool()
         self.finished.zero_()
         self.out.fill_(self.pad_token_id)
+        self.logprobs.zero_()
         self.slot.zero_()
         self.column.zero_()
         # Prefill: causal and padding mask; a pad row attends to itself only (no all-masked rows).
@@ -297,19 +343,63 @@ class _DecodeState:
         position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         logits = self._forward(input_ids, position_ids, mask)
         self._draw_noise()
-        _emit(self.sampler(logits, self.noise), self.finished, self.eos, self.pad_token_id, self.out, self.column,
-              self.tokens)
+        _emit(logits, self.sampler(logits, self.noise), self.finished, self.eos, self.pad_token_id, self.out,
+              self.logprobs, self.column, self.tokens)
         self.positions.copy_(prompt_mask.sum(-1, keepdim=True))
         self.slot.fill_(width)
+        window = 0
         for step in range(1, self.max_new_tokens):
+            while self.limits[window] <= width + step - 1:  # the fed token's column must be inside
+                window += 1
             self._draw_noise()
-            if self.graph is not None:
-                self.graph.replay()
+            if self.graphs is not None:
+                self.graphs[window].replay()
             else:
-                self._step()
+                with attention_limit(self.limits[window]):
+                    self._step()
             if step % 32 == 0 and bool(self.finished.all()):
                 break
         return self.out.tolist()
+
+
+def decode_limits(width: int, max_new_tokens: int, window: int | None) -> list[int]:
+    """Cache columns each decode window attends to: width + window, width + 2 x window, ...,
+    the full length last (one entry when `window` is None)."""
+    length = width + max_new_tokens
+    if not window:
+        return [length]
+    return [min(width + end, length) for end in range(window, max_new_tokens + window, window)]
+
+
+class _AttentionLimit:
+    columns: int | None = None  # read by the decode attention op; set while a window's step runs or records
+
+
+@contextlib.contextmanager
+def attention_limit(columns: int):
+    """Decode attention inside the block reads cache columns [0, columns)."""
+    previous, _AttentionLimit.columns = _AttentionLimit.columns, columns
+    try:
+        yield
+    finally:
+        _AttentionLimit.columns = previous
+
+
+@torch.library.custom_op("opsd::decode_attention", mutates_args=())
+def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                      scale: float | None) -> torch.Tensor:
+    """sdpa of one query token (GQA heads packed as query rows) over the cache's first
+    `_AttentionLimit.columns` columns. An opaque op to torch.compile, so one compiled
+    step serves every window: the limit is read when a window's graph is recorded."""
+    limit = _AttentionLimit.columns or key.shape[-2]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key[:, :, :limit], value[:, :, :limit], attn_mask=mask[..., :limit], scale=scale)
+    return out.contiguous()
+
+
+@_decode_attention.register_fake
+def _(query, key, value, mask, scale):
+    return query.new_empty(query.shape)
 
 
 def _forward_logits(model, cache, cache_argument, layer_types, input_ids, position_ids, mask) -> torch.Tensor:
@@ -318,8 +408,12 @@ def _forward_logits(model, cache, cache_argument, layer_types, input_ids, positi
     return output.logits[:, -1]
 
 
-def _emit(next_tokens, finished, eos, pad_token_id, out, column, tokens) -> None:
-    """Record the sampled tokens (pads after a row's EOS) and feed them to the next step."""
+def _emit(logits, next_tokens, finished, eos, pad_token_id, out, logprobs, column, tokens) -> None:
+    """Record the sampled tokens (pads after a row's EOS) and their log-probabilities, and
+    feed the tokens to the next step."""
+    logits = logits.float()
+    chosen = logits.gather(-1, next_tokens[:, None]) - logits.logsumexp(-1, keepdim=True)
+    logprobs.index_copy_(1, column, torch.where(finished[:, None], 0.0, chosen))
     next_tokens = torch.where(finished, pad_token_id, next_tokens)
     finished |= (next_tokens[:, None] == eos[None, :]).any(-1)
     out.index_copy_(1, column, next_tokens[:, None])
@@ -328,11 +422,11 @@ def _emit(next_tokens, finished, eos, pad_token_id, out, column, tokens) -> None
 
 
 def _decode_step(model, cache, cache_argument, layer_types, sampler, tokens, positions, slot, column, valid,
-                 finished, out, noise, eos, pad_token_id) -> None:
+                 finished, out, logprobs, noise, eos, pad_token_id) -> None:
     """One decode step, entirely on the device: every buffer is updated in place."""
     valid.index_fill_(1, slot, True)
     logits = _forward_logits(model, cache, cache_argument, layer_types, tokens, positions, valid[:, None, None, :])
-    _emit(sampler(logits, noise), finished, eos, pad_token_id, out, column, tokens)
+    _emit(logits, sampler(logits, noise), finished, eos, pad_token_id, out, logprobs, column, tokens)
     positions.add_(1)
     slot.add_(1)
 
@@ -359,10 +453,9 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     the cache is read once); several (the prefill): K/V repeated per query head."""
     batch, heads, q_len, dim = query.shape
     groups = heads // key.shape[1]
-    if q_len == 1 and groups > 1:
+    if q_len == 1:
         packed = query.reshape(batch, key.shape[1], groups, dim)
-        out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask,
-                                                               scale=scaling)
+        out = _decode_attention(packed, key, value, attention_mask, scaling)
         return out.reshape(batch, heads, 1, dim).transpose(1, 2), None
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)

@@ -29,7 +29,9 @@ import torch
 
 from rollout import TransformersBackend
 from sampling import SamplingSettings
-from static_decode import StaticDecoder
+import static_decode
+from model_utils import causal_lm
+from static_decode import KV_WINDOW, StaticDecoder
 
 PAD_ID, EOS_IDS = 151643, [151645, 151643]
 
@@ -52,9 +54,10 @@ def base_fingerprint(model) -> str:
     return digest.hexdigest()
 
 
-def run_config(model, name: str, impl, rows, settings, repeats: int, log) -> dict:
+def run_config(model, name: str, impl, rows, settings, repeats: int, log, merge_lora: bool = False,
+               profile_steps: int = 0) -> dict:
     backend = TransformersBackend(model, pad_token_id=PAD_ID, eos_token_ids=EOS_IDS, batch_size=len(rows),
-                                  cache_implementation=impl)
+                                  cache_implementation=impl, merge_lora=merge_lora)
     common.free_memory()
     result = {"config": name, "cache_implementation": impl, "prompts": len(rows),
               "max_new_tokens": settings.max_new_tokens}
@@ -71,9 +74,15 @@ def run_config(model, name: str, impl, rows, settings, repeats: int, log) -> dic
                       peak_gib=common.peak_gib())
         result["tokens_per_s"] = result["tokens"] / med
         state = decoder_state(model) if impl in ("graph", "graph_compiled") else None
-        if state is not None:
-            result.update(graph_recorded=state.graph is not None, graph_error=state.graph_error)
         completions = [s[0].ids for s in samples]
+        if state is not None:
+            decoder = StaticDecoder._instances[causal_lm(model)]
+            result.update(graph_recorded=state.graphs is not None, graph_error=state.graph_error,
+                          merged=decoder.merged is not None, merge_error=decoder.merge_error)
+            result["logprob_vs_trainer_forward"] = logprob_agreement(
+                model, rows, completions, decoder.sampled_logprobs(len(rows)))
+            if profile_steps:
+                result["decode_step_profile"] = profile_decode_step(state, profile_steps, log)
         result["sampled_in_reference_top20"] = reference_consistency(model, rows, completions, k=20)
         log(f"[rollout] {name:22s} first={first:.1f}s timed={[f'{t:.2f}' for t in times]} "
             f"tokens={result['tokens']} tok/s={result['tokens_per_s']:,.0f} peak={result['peak_gib']:.1f}GiB "
@@ -85,9 +94,75 @@ def run_config(model, name: str, impl, rows, settings, repeats: int, log) -> dic
 
         traceback.print_exc()
     finally:
-        StaticDecoder.for_model(model).release()
+        decoder = StaticDecoder._instances.get(causal_lm(model))
+        if decoder is not None:
+            decoder.release()
         common.free_memory()
     return result
+
+
+@torch.no_grad()
+def logprob_agreement(model, rows, completions, engine_logprobs, chunk: int = 8) -> dict:
+    """|log p_engine - log p_trainer| over the sampled tokens: the engine's own log-probability
+    of each token it sampled (KV cache, merged or unmerged adapters) against one plain full
+    forward of the peft student over prompt + completion, as the trainer scores it (bf16)."""
+    was_training = model.training
+    model.eval()
+    diffs = []
+    dev = next(model.parameters()).device
+    try:
+        for start in range(0, len(rows), chunk):
+            pairs = [(i, rows[i], completions[i]) for i in range(start, min(start + chunk, len(rows)))
+                     if completions[i]]
+            width = max(len(p) + len(c) for _, p, c in pairs)
+            ids = torch.full((len(pairs), width), PAD_ID, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, (_, p, c) in enumerate(pairs):
+                ids[j, width - len(p) - len(c):] = torch.tensor(p + c)
+                mask[j, width - len(p) - len(c):] = 1
+            ids, mask = ids.to(dev), mask.to(dev)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+            for j, (i, p, c) in enumerate(pairs):
+                pred = logits[j, width - len(c) - 1:width - 1].float().log_softmax(-1)
+                trainer = pred.gather(-1, torch.tensor(c, device=dev)[:, None]).squeeze(-1)
+                diffs.append((engine_logprobs[i, :len(c)].float() - trainer).abs())
+    finally:
+        model.train(was_training)
+    d = torch.cat(diffs)
+    return {"tokens": d.numel(), "mean_abs": float(d.mean()), "max_abs": float(d.max()),
+            "p99_abs": float(d.float().quantile(0.99)) if d.numel() < 2 ** 24 else None}
+
+
+def profile_decode_step(state, steps: int, log) -> dict:
+    """CUDA time per kernel class for `steps` decode steps run without the recorded graph
+    (the same step function the graph replays; compiled when the engine compiles)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    state.slot.fill_(state.width)
+    state.column.fill_(1)
+    with torch.random.fork_rng(devices=[0]):
+        for _ in range(2):
+            state._draw_noise()
+            state._step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                state._draw_noise()
+                state._step()
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    total_us = sum(e.self_device_time_total for e in events)
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:15]
+    table = [{"kernel": e.key[:90], "calls_per_step": e.count / steps,
+              "us_per_step": e.self_device_time_total / steps,
+              "share": e.self_device_time_total / max(total_us, 1)} for e in top]
+    log(f"[profile] device time per decode step {total_us / steps / 1000:.3f} ms, kernels per step "
+        f"{sum(e.count for e in events) / steps:.0f}")
+    for row in table[:8]:
+        log(f"[profile]   {row['us_per_step']:8.1f} us {row['share']:6.1%} x{row['calls_per_step']:.0f} {row['kernel']}")
+    return {"device_ms_per_step": total_us / steps / 1000,
+            "kernels_per_step": sum(e.count for e in events) / steps, "top": table}
 
 
 def decoder_state(model):
@@ -159,7 +234,12 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=None, help="default 1024 (tiny: 32)")
     parser.add_argument("--dynamic-new-tokens", type=int, default=None,
                         help="the slow dynamic-cache baseline is timed on fewer new tokens (default 256; tiny: 32)")
-    parser.add_argument("--configs", default="graph,dynamic,static,graph_compiled")
+    parser.add_argument("--configs", default="graph,dynamic,static,graph_compiled",
+                        help="comma-separated engines; suffixes: '+merged' samples from the merged LoRA copy, "
+                        "'+fullkv' attends over the whole preallocated cache (no KV windows)")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="profile this many decode steps (CUDA time per kernel) of each graph engine")
+    parser.add_argument("--skip-checks", action="store_true", help="no greedy correctness checks first")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--budget-s", type=float, default=400)
     parser.add_argument("--json", default=None)
@@ -187,7 +267,7 @@ def main(argv=None) -> int:
     # Correctness on the device first (short greedy runs, no compilation).
     greedy = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=64 if not tiny else 16, seed=None)
     checks, outs = {}, {}
-    for impl in ("graph", None):
+    for impl in () if opts.skip_checks else ("graph", None):
         backend = TransformersBackend(model, pad_token_id=PAD_ID, eos_token_ids=EOS_IDS, batch_size=len(rows),
                                       cache_implementation=impl)
         try:
@@ -198,19 +278,20 @@ def main(argv=None) -> int:
             checks[f"greedy_{impl or 'dynamic'}"] = f"FAILED {type(exc).__name__}: {exc}"
         state = decoder_state(model)
         if impl == "graph" and state is not None:
-            checks["graph_recorded"] = state.graph is not None
+            checks["graph_recorded"] = state.graphs is not None
             checks["graph_error"] = state.graph_error
         StaticDecoder.for_model(model).release()
     if "graph" in outs and None in outs:
         checks["greedy_graph_vs_dynamic_generate"] = agreement(outs["graph"], outs[None])
-    with model.disable_adapter():  # reason_first samples with the teacher's weights: a second recorded graph
-        backend = TransformersBackend(model, pad_token_id=PAD_ID, eos_token_ids=EOS_IDS, batch_size=len(rows),
-                                      cache_implementation="graph")
-        base_graph = [s[0].ids for s in backend.generate(rows, greedy)]
-        checks["greedy_graph_adapter_disabled_argmax_of_plain_forward"] = reference_consistency(
-            model, rows, base_graph, k=1)
-    StaticDecoder.for_model(model).release()
-    checks["adapter_changes_samples"] = base_graph != outs.get("graph")
+    if not opts.skip_checks:
+        with model.disable_adapter():  # reason_first samples with the teacher's weights: a second recorded graph
+            backend = TransformersBackend(model, pad_token_id=PAD_ID, eos_token_ids=EOS_IDS, batch_size=len(rows),
+                                          cache_implementation="graph")
+            base_graph = [s[0].ids for s in backend.generate(rows, greedy)]
+            checks["greedy_graph_adapter_disabled_argmax_of_plain_forward"] = reference_consistency(
+                model, rows, base_graph, k=1)
+        StaticDecoder.for_model(model).release()
+        checks["adapter_changes_samples"] = base_graph != outs.get("graph")
     for key, value in checks.items():
         log(f"[check] {key}: {value}")
     results["checks"] = checks
@@ -218,18 +299,26 @@ def main(argv=None) -> int:
 
     configs = []
     for name in opts.configs.split(","):
-        impl = None if name == "dynamic" else name
-        tokens = dynamic_tokens if name == "dynamic" else new_tokens
-        configs.append((name if tokens == new_tokens else f"{name} ({tokens} new)", impl, tokens))
+        engine, *options = name.split("+")
+        unknown = set(options) - {"merged", "fullkv"}
+        if unknown:
+            parser.error(f"unknown configuration option(s) {sorted(unknown)} in {name!r} (merged, fullkv)")
+        impl = None if engine == "dynamic" else engine
+        tokens = dynamic_tokens if engine == "dynamic" else new_tokens
+        configs.append((name if tokens == new_tokens else f"{name} ({tokens} new)", impl, tokens,
+                        "merged" in options, "fullkv" in options))
     timings = []
-    for name, impl, tokens in configs:
+    for name, impl, tokens, merge_lora, full_kv in configs:
         if time.time() - start > opts.budget_s:
             log(f"[bench_rollout] budget reached, skipping {name}")
             timings.append({"config": name, "status": "skipped (time budget)"})
             continue
         settings = SamplingSettings(**{**sampling.__dict__, "max_new_tokens": tokens})
         repeats = 1 if impl in (None, "static") else opts.repeats
-        timings.append(run_config(model, name, impl, rows, settings, repeats, log))
+        static_decode.KV_WINDOW = None if full_kv else KV_WINDOW  # fullkv: attend over the whole cache
+        timings.append(run_config(model, name, impl, rows, settings, repeats, log, merge_lora,
+                                  opts.profile_steps if torch.cuda.is_available() else 0))
+        static_decode.KV_WINDOW = KV_WINDOW
         results["timings"] = timings
         common.write_json(opts.json, results)
     results["timings"] = timings
@@ -251,6 +340,15 @@ def summarize(results) -> str:
     table = common.markdown_table(["configuration", "prompts x new tokens", "first call (s)", "timed call (s)",
                                    "tokens", "tokens/s", "peak GiB", "sampled in top-20 of a plain forward"], rows)
     lines = [f"## Rollouts, {results['shape']}, LoRA r=64 peft model ({results['machine']})", "", table, ""]
+    for t in results["timings"]:
+        if "logprob_vs_trainer_forward" in t:
+            lines.append(f"check {t['config']}: log p of sampled tokens, engine vs trainer's forward: "
+                         f"{t['logprob_vs_trainer_forward']}")
+        if "decode_step_profile" in t:
+            prof = t["decode_step_profile"]
+            lines.append(f"profile {t['config']}: {prof['device_ms_per_step']:.3f} ms device time per decode step, "
+                         f"{prof['kernels_per_step']:.0f} kernels; top: " + "; ".join(
+                             f"{r['kernel'][:40]} {r['share']:.0%}" for r in prof["top"][:5]))
     for key, value in results["checks"].items():
         lines.append(f"check {key}: {value}")
     lines.append(f"check teacher (base) weights bit-identical after all rollouts: {results['teacher_weights_unchanged']}")

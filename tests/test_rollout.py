@@ -321,6 +321,125 @@ def test_graph_loop_sees_in_place_adapter_updates(tiny, prompts):
     assert all_ids(graph.generate(prompts, GREEDY)) != first
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_merged_student_samples_what_the_adapters_sample(tiny, prompts, dtype):
+    """The merged sampling copy: the same network as base + unmerged adapters (float64:
+    logits to rounding, greedy token for token; bf16: within bf16 rounding), the teacher
+    (adapter disabled) sampled from the untouched base, the base weights bit-identical."""
+    from merged_student import MergedStudent
+
+    model = lora_model(tiny, dtype)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    merged = MergedStudent(model)
+    merged.refresh()
+    ids = torch.tensor([prompts[1]])
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits.double()
+        got = merged.network(input_ids=ids).logits.double()
+        with model.disable_adapter():
+            teacher = model(input_ids=ids).logits.double()
+    error, adapter_effect = (got - expected).abs().max(), (teacher - expected).abs().max()
+    assert error <= (1e-10 if dtype == torch.float64 else 0.02) * expected.abs().max()
+    assert adapter_effect > 20 * error
+    unmerged = all_ids(backend_for(tiny, model=model, cache_implementation="graph").generate(prompts, GREEDY))
+    merging = backend_for(tiny, model=model, cache_implementation="graph", merge_lora=True)
+    student = all_ids(merging.generate(prompts, GREEDY))
+    decoder = StaticDecoder.for_model(model, merge_lora=True)
+    assert decoder.merged is not None and decoder.merge_error is None
+    if dtype == torch.float64:
+        assert student == unmerged
+    with model.disable_adapter():
+        assert all_ids(merging.generate(prompts, GREEDY)) == all_ids(backend_for(tiny, model=model).generate(
+            prompts, GREEDY))
+    after = model.state_dict()
+    assert set(after) == set(before) and all(torch.equal(before[name], after[name]) for name in before)
+    shared = {t.data_ptr() for t in model.parameters()}
+    copies = [p for n, p in merged.network.named_parameters() if p.data_ptr() not in shared]
+    assert copies and all(n.endswith("proj.weight") for n, p in merged.network.named_parameters()
+                          if p.data_ptr() not in shared)
+
+
+def test_merged_student_rebuilds_after_an_optimizer_step_only(tiny, prompts):
+    from merged_student import MergedStudent
+
+    model = lora_model(tiny)
+    merged = MergedStudent(model)
+    assert merged.refresh() and not merged.refresh()
+    graph = backend_for(tiny, model=model, cache_implementation="graph", merge_lora=True)
+    first = all_ids(graph.generate(prompts, GREEDY))
+    optimizer = torch.optim.SGD([p for n, p in model.named_parameters() if "lora_" in n], lr=1.0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.grad = 2 * param.detach()  # lora_B -> -lora_B: one in-place optimizer step
+    optimizer.step()
+    assert merged.refresh() and not merged.refresh()
+    reference = all_ids(backend_for(tiny, model=model).generate(prompts, GREEDY))
+    assert all_ids(graph.generate(prompts, GREEDY)) == reference != first
+
+
+@pytest.mark.parametrize("merge_lora", [False, True])
+def test_engine_logprobs_match_the_trainers_forward(tiny, prompts, merge_lora):
+    """The decode loop's log-probabilities of the tokens it sampled (KV cache, left-padded
+    prompt bucket, merged or unmerged adapters) equal those of one plain forward of the
+    student over prompt + completion, as the trainer scores it (float64: to rounding)."""
+    model = lora_model(tiny, torch.float64)
+    graph = backend_for(tiny, model=model, cache_implementation="graph", merge_lora=merge_lora)
+    sampled = graph.generate(prompts, SAMPLE)
+    engine = StaticDecoder.for_model(model, merge_lora=merge_lora).sampled_logprobs(len(prompts))
+    model.eval()
+    for row, (prompt, samples) in enumerate(zip(prompts, sampled)):
+        ids = samples[0].ids
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+        assert torch.allclose(engine[row, :len(ids)].double(), expected, atol=1e-5)  # float32 log-softmax
+        assert bool((engine[row, len(ids):] == 0).all())
+
+
+def test_kv_windows_cover_every_decode_column():
+    from static_decode import decode_limits
+
+    assert decode_limits(64, 300, 128) == [192, 320, 364]
+    assert decode_limits(64, 256, 128) == [192, 320]
+    assert decode_limits(96, 5, None) == [101]
+    for width, new, window in [(64, 300, 128), (64, 1, 128), (96, 129, 64)]:
+        limits = decode_limits(width, new, window)
+        assert limits == sorted(limits) and limits[-1] == width + new
+        # the token fed at decode step n sits at column width + n - 1: some window holds it
+        assert all(any(width + n - 1 < limit for limit in limits) for n in range(1, new))
+
+
+def test_kv_windows_sample_what_the_whole_cache_samples(tiny, prompts, monkeypatch):
+    """Attending to the filled windows only (KV_WINDOW) changes nothing: the mask hid the rest."""
+    import static_decode
+
+    settings = SamplingSettings(temperature=1.1, top_p=0.95, top_k=20, max_new_tokens=40, seed=5)
+    monkeypatch.setattr(static_decode, "KV_WINDOW", 16)
+    windowed = all_ids(backend_for(tiny, cache_implementation="graph").generate(prompts, settings))
+    monkeypatch.setattr(static_decode, "KV_WINDOW", None)
+    StaticDecoder.for_model(tiny[0]).release()
+    whole = all_ids(backend_for(tiny, cache_implementation="graph").generate(prompts, settings))
+    assert windowed == whole and any(len(ids) > 16 for samples in whole for ids in samples)
+
+
+def test_adapters_that_cannot_merge_are_sampled_unmerged(tiny, prompts):
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from merged_student import MergedStudent, MergeUnsupported
+
+    model, _ = tiny
+    dora = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, use_dora=True,
+                                                           target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(MergeUnsupported, match="DoRA"):
+        MergedStudent(dora)
+    with pytest.warns(RuntimeWarning, match="unmerged adapters"):
+        sampled = backend_for(tiny, model=dora, cache_implementation="graph", merge_lora=True).generate(
+            prompts, GREEDY)
+    assert all_ids(sampled) == all_ids(backend_for(tiny, model=dora).generate(prompts, GREEDY))
+
+
 def test_sampler_keeps_what_transformers_warpers_keep():
     """Temperature -> top-k -> top-p: the same candidates with the same probabilities."""
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper

@@ -1,0 +1,118 @@
+"""The student as one plain network for sampling: LoRA merged into a copy of each adapted weight.
+
+Why: with unmerged adapters every projection of a decode step runs three matmuls
+(base, A, B) plus casts and an add, in peft's float32 adapter dtype; at batch 32 a
+decode step is latency-bound, so these small kernels cost about as much as the
+base matmuls themselves. Sampling from W + scaling * B @ A runs one matmul per
+projection, as a model without adapters does.
+
+How, keeping the teacher exact: the copy is a second module tree over the same
+tensors (embeddings, norms, lm_head, buffers are shared, never written); only each
+LoRA-wrapped linear layer gets a new weight tensor, which `refresh` fills out of
+place as base + scaling * B @ A (float32 arithmetic, one rounding to the weight's
+dtype). The base weights, which are the teacher, are only read. `refresh` is cheap
+and skips work unless an adapter tensor changed (an optimizer step or a
+`load_state_dict` bumps its version counter), so calling it before every rollout
+rebuilds the copy once per optimizer step.
+
+A merged bf16 weight rounds W + BA once where the unmerged path rounds W x and BA x
+separately, so the two differ by bf16 rounding (BENCHMARKS.md gives the measured
+log-probability difference); in float32 / float64 they agree to rounding (tested).
+
+Supported: peft LoRA on `torch.nn.Linear` layers (any number of active adapters).
+DoRA, LoRA biases, embedding / convolution LoRA raise `MergeUnsupported`; the caller
+then samples through the adapters unmerged.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from model_utils import causal_lm
+
+
+class MergeUnsupported(ValueError):
+    """The adapters cannot be merged into a sampling copy (the reason is the message)."""
+
+
+def is_lora_layer(module) -> bool:
+    return all(hasattr(module, name) for name in ("base_layer", "lora_A", "lora_B", "scaling", "active_adapters"))
+
+
+def has_enabled_adapters(model) -> bool:
+    """True when a peft LoRA layer of `model` is active (adapters not disabled, not merged in place)."""
+    return any(is_lora_layer(m) and not m.disable_adapters and not m.merged and m.active_adapters
+               for m in causal_lm(model).modules())
+
+
+class MergedStudent:
+    """A plain copy of `model`'s CausalLM whose adapted weights hold base + LoRA delta."""
+
+    def __init__(self, model):
+        inner = causal_lm(model)
+        self.source = inner
+        layers = [(name, module) for name, module in inner.named_modules() if is_lora_layer(module)]
+        if not layers:
+            raise MergeUnsupported("no LoRA layer to merge")
+        for name, module in layers:
+            _check_mergeable(name, module)
+        # Share every tensor: deepcopy's memo returns the same object for each one listed.
+        memo = {id(t): t for t in [*inner.parameters(), *inner.buffers()]}
+        self.network = copy.deepcopy(inner, memo)
+        self.network.eval()
+        self._targets = []  # (weight of the copy, LoRA layer of the source)
+        for name, module in layers:
+            base = module.get_base_layer()
+            weight = torch.empty_like(base.weight, requires_grad=False)
+            plain = torch.nn.Linear(base.in_features, base.out_features, bias=False, device="meta")
+            plain.weight = torch.nn.Parameter(weight, requires_grad=False)
+            plain.bias = base.bias  # shared (None for Qwen3's projections)
+            parent, _, child = name.rpartition(".")
+            setattr(self.network.get_submodule(parent) if parent else self.network, child, plain)
+            self._targets.append((weight, module))
+        self._version = None
+
+    def refresh(self) -> bool:
+        """Rebuild the merged weights if any adapter tensor changed since the last call; True if it did."""
+        version = self._adapter_version()
+        if version == self._version:
+            return False
+        with torch.no_grad():
+            for weight, layer in self._targets:
+                base = layer.get_base_layer().weight
+                compute = torch.promote_types(base.dtype, torch.float32)
+                merged = base.to(compute, copy=True)
+                for adapter in _active(layer):
+                    a = layer.lora_A[adapter].weight.to(compute)
+                    b = layer.lora_B[adapter].weight.to(compute)
+                    merged.addmm_(b, a, alpha=layer.scaling[adapter])
+                weight.copy_(merged)
+        self._version = version
+        return True
+
+    def _adapter_version(self) -> tuple:
+        state = []
+        for _, layer in self._targets:
+            for adapter in _active(layer):
+                for tensor in (layer.lora_A[adapter].weight, layer.lora_B[adapter].weight):
+                    state.append((tensor.data_ptr(), tensor._version))
+                state.append(float(layer.scaling[adapter]))
+            state.append(tuple(_active(layer)))
+        return tuple(state)
+
+
+def _active(layer) -> list[str]:
+    return [a for a in layer.active_adapters if a in layer.lora_A]
+
+
+def _check_mergeable(name: str, layer) -> None:
+    if not isinstance(layer.get_base_layer(), torch.nn.Linear):
+        raise MergeUnsupported(f"{name}: LoRA on {type(layer.get_base_layer()).__name__}, not a Linear layer")
+    for adapter in _active(layer):
+        if getattr(layer, "use_dora", {}).get(adapter, False):
+            raise MergeUnsupported(f"{name}: DoRA adapter {adapter!r}")
+        if getattr(layer.lora_B[adapter], "bias", None) is not None:
+            raise MergeUnsupported(f"{name}: LoRA bias in adapter {adapter!r}")
+        if getattr(layer, "fan_in_fan_out", False):
+            raise MergeUnsupported(f"{name}: fan_in_fan_out weights")
