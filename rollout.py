@@ -144,19 +144,18 @@ class TransformersBackend:
                                               eos_token_ids=self.eos_token_ids)
             return [to_completion(row, self.eos_token_ids) for row in new_tokens[:rows]]
         input_ids, attention_mask = left_pad(batch, self.pad_token_id, device)
-        nucleus = settings.temperature > 0 and settings.top_p < 1.0
         # position_ids are derived by generate() from the attention mask, so
         # left padding does not shift the prompt's rotary positions.
         with _seeded_rng(settings.seed, batch_index, device):
             output = self.model.generate(
                 input_ids=input_ids, attention_mask=attention_mask,
-                generation_config=self._generation_config(settings, nucleus_by_generate=not nucleus),
-                logits_processor=[NucleusFilter(settings.top_p)] if nucleus else None,
+                generation_config=self._generation_config(settings),
+                logits_processor=sampling_processors(settings),
             )
         new_tokens = output[:, input_ids.shape[1]:].tolist()
         return [to_completion(row, self.eos_token_ids) for row in new_tokens]
 
-    def _generation_config(self, settings: SamplingSettings, nucleus_by_generate: bool = True):
+    def _generation_config(self, settings: SamplingSettings):
         from transformers import GenerationConfig
 
         # Every sampling knob is set explicitly: generate() fills unset (None)
@@ -166,9 +165,10 @@ class TransformersBackend:
         # checkpoint's sampling defaults from triggering "flag ignored" warnings.
         sampling = dict(do_sample=False, temperature=1.0, top_p=1.0, top_k=50)
         if settings.temperature > 0:
-            sampling = dict(do_sample=True, temperature=settings.temperature,
-                            top_p=settings.top_p if nucleus_by_generate else 1.0,  # else NucleusFilter, appended last
+            sampling = dict(do_sample=True, temperature=settings.temperature, top_p=settings.top_p,
                             top_k=max(settings.top_k, 0))  # 0 = no top-k filter
+            if sampling_processors(settings) is not None:  # they do all three, in this order
+                sampling.update(temperature=1.0, top_p=1.0, top_k=0)
         return GenerationConfig(
             max_new_tokens=settings.max_new_tokens,
             min_new_tokens=0,
@@ -186,8 +186,8 @@ class NucleusFilter:
     `candidates` most likely tokens when they already hold top_p of the mass, which
     then provably contains the nucleus. transformers' own filter sorts all 151,936
     entries at every step, most of a CPU rollout's time; rows the candidates do not
-    cover fall back to the full sort. Runs after temperature and top-k (generate()
-    appends custom processors to its own)."""
+    cover fall back to the full sort. Must run after temperature and top-k, which
+    `sampling_processors` sees to."""
 
     def __init__(self, top_p: float, candidates: int = 512):
         self.top_p, self.candidates = top_p, candidates
@@ -208,6 +208,24 @@ class NucleusFilter:
             keep_sorted[..., -1] = True
         keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, index, keep_sorted)
         return scores.masked_fill(~keep, -float("inf"))
+
+
+def sampling_processors(settings: SamplingSettings) -> list | None:
+    """generate()'s `logits_processor` for `settings`: None (generate's own warpers
+    do it all) unless top-p is on, then temperature -> top-k -> NucleusFilter, the
+    order of transformers' warpers, with generate's own warpers switched off
+    (`_generation_config`). All three are passed because generate() runs the
+    processors it is given *before* the warpers it builds (transformers 5.x
+    `_get_logits_processor`): a NucleusFilter given alone would cut the untempered,
+    untruncated distribution, which is another distribution."""
+    if not (settings.temperature > 0 and settings.top_p < 1.0):
+        return None
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper
+
+    processors = [TemperatureLogitsWarper(settings.temperature)]
+    if settings.top_k > 0:
+        processors.append(TopKLogitsWarper(settings.top_k))
+    return processors + [NucleusFilter(settings.top_p)]
 
 
 @contextlib.contextmanager
