@@ -10,13 +10,12 @@ torch.compile for "graph_compiled") and replayed. On CPU the same step simply
 runs, without recording or compiling, which is what the CPU tests check.
 
 Why it exists: on-policy rollouts dominate a training step, and `model.generate`
-is slow for them. On an H200 (BENCHMARKS.md section 2, 32 prompts x 1024 new
-tokens, LoRA r=64 on a Qwen3-1.7B shape) generate reaches 370 tok/s with the
-dynamic cache and 1,477 with the static cache + transformers' torch.compile; this
-loop reaches 2,571 recorded eagerly and 4,349 compiled. The student's LoRA
-adapters are either merged into a sampling copy (`merge_lora`, see
-`merged_student.py`) or run unmerged inside the step; either way the frozen base
-weights, which are the teacher, are only ever read.
+is several times slower for them (BENCHMARKS.md section 2 has every engine measured
+on an H200). What makes a step fast: no host synchronisation (one recorded graph
+replays the whole step), compiled kernels, the student's LoRA merged into a sampling
+copy (`merge_lora`, see `merged_student.py`; or run unmerged inside the step), and
+attention that reads only the filled part of the KV cache (`KV_WINDOW`). Either way
+the frozen base weights, which are the teacher, are only ever read.
 
 Supported: full-attention Qwen3 / Qwen2 / Llama models (`SUPPORTED_MODEL_TYPES`);
 `resolve_cache_implementation` falls back to transformers' static cache for others.
@@ -40,9 +39,7 @@ from sampling import SamplingSettings
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static", "graph", "graph_compiled", "auto")
 GRAPH_LOOPS = ("graph", "graph_compiled")
 # What "auto" picks on CUDA: the fastest correct engine measured on an H200
-# (BENCHMARKS.md, 32 prompts x 1024 new tokens, LoRA r=64 on a Qwen3-1.7B shape):
-# graph_compiled 4,349 tok/s, graph 2,571, generate + static cache 1,477, generate +
-# dynamic cache 370. graph_compiled pays about a minute of compilation per new shape.
+# (BENCHMARKS.md section 2); it pays a compilation (under a minute) per new shape.
 AUTO_CUDA = "graph_compiled"
 # Decoder families whose forward takes a prepared {layer type: mask} dict, position
 # ids and a duck-typed KV cache, and whose layers are all full attention.

@@ -139,24 +139,35 @@ def profile_decode_step(state, steps: int, log) -> dict:
     (the same step function the graph replays; compiled when the engine compiles)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from static_decode import _static_attention
+
     state.slot.fill_(state.width)
     state.column.fill_(1)
-    with torch.random.fork_rng(devices=[0]):
+    network, was_training = state.model, state.model.training
+    network.eval()  # as inside a rollout: no grad, eval mode, the decode attention routed
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with torch.random.fork_rng(devices=[0] if cuda else []), torch.no_grad(), _static_attention(network):
         for _ in range(2):
             state._draw_noise()
             state._step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 state._draw_noise()
                 state._step()
-            torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
-    total_us = sum(e.self_device_time_total for e in events)
-    top = sorted(events, key=lambda e: -e.self_device_time_total)[:15]
-    table = [{"kernel": e.key[:90], "calls_per_step": e.count / steps,
-              "us_per_step": e.self_device_time_total / steps,
-              "share": e.self_device_time_total / max(total_us, 1)} for e in top]
+            sync()
+    network.train(was_training)
+    kind = "CUDA" if cuda else "CPU"
+
+    def self_us(e):
+        return e.self_device_time_total if cuda else e.self_cpu_time_total
+
+    events = [e for e in prof.key_averages() if e.device_type.name == kind and self_us(e) > 0]
+    total_us = sum(self_us(e) for e in events)
+    top = sorted(events, key=lambda e: -self_us(e))[:15]
+    table = [{"kernel": e.key[:90], "calls_per_step": e.count / steps, "us_per_step": self_us(e) / steps,
+              "share": self_us(e) / max(total_us, 1)} for e in top]
     log(f"[profile] device time per decode step {total_us / steps / 1000:.3f} ms, kernels per step "
         f"{sum(e.count for e in events) / steps:.0f}")
     for row in table[:8]:
@@ -317,7 +328,7 @@ def main(argv=None) -> int:
         repeats = 1 if impl in (None, "static") else opts.repeats
         static_decode.KV_WINDOW = None if full_kv else KV_WINDOW  # fullkv: attend over the whole cache
         timings.append(run_config(model, name, impl, rows, settings, repeats, log, merge_lora,
-                                  opts.profile_steps if torch.cuda.is_available() else 0))
+                                  opts.profile_steps))
         static_decode.KV_WINDOW = KV_WINDOW
         results["timings"] = timings
         common.write_json(opts.json, results)
