@@ -355,8 +355,11 @@ def build_request(args: argparse.Namespace):
     except (DataError, BackendUnavailable) as exc:
         raise InputError(str(exc)) from None
     engine = resolve_engine(args.engine, backend)
-    batch_size = args.batch_size if args.batch_size is not None else (
-        PAGED_BATCH_SIZE if engine == "paged" else BATCH_SIZE)
+    batch_size = args.batch_size
+    if batch_size is None:
+        from paged_decode import DEFAULT_MAX_ROWS
+
+        batch_size = DEFAULT_MAX_ROWS if engine == "paged" else BATCH_SIZE
     if batch_size < 1:
         raise InputError(f"--batch-size must be at least 1, got {batch_size}")
     output_dir = Path(args.output_dir) if args.output_dir else Path("outputs") / "eval" / dataset_tag(dataset)
@@ -378,8 +381,7 @@ def build_request(args: argparse.Namespace):
 # pool whatever the number and length of the samples (BENCHMARKS.md, "Evaluation
 # engine"); on CPU generate() with the dynamic cache, the simple path the tests use.
 ENGINE_AUTO = {"cuda": "paged", "cpu": "dynamic"}
-BATCH_SIZE = 16         # rows per generate() call, every engine but paged
-PAGED_BATCH_SIZE = 64   # paged: rows per forward pass (about the rows in flight)
+BATCH_SIZE = 16  # rows per generate() call, every engine but paged (paged: paged_decode.DEFAULT_MAX_ROWS)
 
 
 def engine_names() -> tuple[str, ...]:
@@ -722,6 +724,8 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    from paged_decode import DEFAULT_MAX_ROWS
+
     parser = argparse.ArgumentParser(
         description="Evaluate a LoRA checkpoint (or the base model) with the frozen OPSD protocol.")
     parser.add_argument("checkpoint", help="LoRA checkpoint folder (with adapter_config.json), or 'base'")
@@ -740,8 +744,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "samples of the frozen settings), dynamic on CPU (generate() with the dynamic cache); "
                              "static, graph, graph_compiled: the trainer's rollout engines")
     parser.add_argument("--batch-size", type=int, default=None,
-                        help=f"transformers backend: rows per generate() call (default {BATCH_SIZE}); the paged engine: "
-                             f"rows per forward pass, about the rows in flight (default {PAGED_BATCH_SIZE})")
+                        help=f"transformers backend: rows per generate() call (default {BATCH_SIZE}); the paged "
+                             f"engine: rows per forward pass, about the rows in flight (default {DEFAULT_MAX_ROWS})")
     return parser.parse_args(argv)
 
 

@@ -5,9 +5,9 @@ Why it exists: the other transformers engines give every row of a batch a KV cac
 for its whole budget (the static cache and the graph loop preallocate
 prompt + max_new_tokens per row; the dynamic cache grows to it), so at the frozen
 evaluation settings (up to 38,912 new tokens; about 112 KiB of KV per token for
-Qwen3-1.7B in bf16, 4.4 GB per row) one H200 holds only a few dozen rows, and a batch
+Qwen3-1.7B in bf16, 4.4 GB per row) one H200 holds about 30 rows at most, and a batch
 runs until its longest row ends. Here the KV cache is one pool of fixed-size pages
-(`page_size` tokens of every layer): a row holds only the pages its tokens fill, a
+(PAGE_SIZE tokens of every layer): a row holds only the pages its tokens fill, a
 finished row's pages go to the next waiting row at once, and the pool's size, not
 the number of rows, bounds the memory.
 
@@ -28,15 +28,16 @@ processor, so top-p is transformers' full-vocabulary sort, not the other engines
 the EOS ids or at max_new_tokens; `to_completion` cuts and flags them as the other
 engines do (the manager reports no truncation flag: no EOS means the budget ran out).
 
-Seeding and reproducibility: torch's global RNG is seeded from the call's seed just
-before the generation thread starts, inside `torch.random.fork_rng` (the caller's RNG
-is left as it was). Since every request is queued before the thread starts, the
-scheduler sees the same requests in the same order each time, and with the same
-cache size (`cache_gib`, fixed from the device's total memory by default, never from
-what happens to be free) and `max_rows` it builds the same batches: the same seed gives
-the same samples (checked on CPU, `tests/test_paged.py`). Another cache size or
-`max_rows` regroups rows into other forward passes and draws, so gives other samples
-(still the same distribution); so does another engine.
+Seeding and reproducibility: torch's global RNG is seeded from (seed, 0) just before
+the generation thread starts, inside `torch.random.fork_rng` (the caller's RNG is left
+as it was; a seedless call draws its seed from it). Since every request is queued
+before the thread starts, the scheduler sees the same requests in the same order each
+time, and with the same pool (`cache_gib`, by default fixed from the device's total
+memory, never from what happens to be free) and `max_rows` it builds the same batches:
+the same seed gives the same samples (checked on CPU, tests/test_rollout.py; on CUDA
+as far as the kernels are deterministic for equal shapes, not checked here). Another
+pool size or `max_rows` regroups rows into other forward passes and draws, so gives
+other samples (from the same distribution); so does another engine.
 
 Attention: the manager needs sdpa, eager ("paged|eager") or flash attention; it
 switches the model to flash attention by itself when the flash-attn package is
@@ -44,8 +45,8 @@ installed (and back after). It runs on CPU with sdpa (what the tests use). Witho
 flash attention every forward gathers the cached keys and values of all its rows into
 one packed sequence under a block-diagonal mask, so its attention work grows with
 rows x total cached tokens: `max_rows` then trades per-forward overhead against that
-waste. With flash attention decoding reads each row's pages directly, and CUDA graphs
-are recorded.
+waste (BENCHMARKS.md, "Evaluation engine"). With flash attention decoding reads each
+row's pages directly, and CUDA graphs are recorded.
 """
 from __future__ import annotations
 
@@ -64,6 +65,10 @@ PAGED = "paged"
 # pool, hence the schedule and the seeded samples, depend only on the device type.
 CACHE_FRACTION = {"cuda": 0.5, "cpu": 0.25}
 PAGE_SIZE = 256  # tokens per page (transformers' default)
+# Rows per forward pass where the caller sets none (the evaluation's --batch-size). Without
+# flash attention a forward's attention work grows with rows x their cached tokens, so
+# more rows per forward stop paying off early; BENCHMARKS.md, "Evaluation engine".
+DEFAULT_MAX_ROWS = 64
 MAX_BATCH_TOKENS = 8192  # tokens per forward pass (prompt chunks + one per decoding row; transformers' default)
 # The library refuses to start (MemoryError, before any work) when the pool plus the
 # buffers that scale with it and with max_batch_tokens exceed this share of free memory.
@@ -160,14 +165,18 @@ def paged_generate(model, rows: list[list[int]], settings: SamplingSettings, gen
                     "page_size": PAGE_SIZE, "cache_tokens": num_blocks * PAGE_SIZE,
                     "cache_gib": num_blocks * PAGE_SIZE * kv_bytes_per_token(model) / 2**30,
                     "max_rows": max_rows, "max_batch_tokens": cb_config.max_batch_tokens}
-            manager.warmup()  # creates the cache; records CUDA graphs where they are used (may draw random numbers)
+            try:
+                manager.warmup()  # creates the cache; records CUDA graphs where they are used (may draw random numbers)
+            except MemoryError as exc:
+                raise MemoryError(f"the paged KV pool of {info['cache_gib']:.3g} GiB and its buffers do not fit in "
+                                  f"{MAX_MEMORY_SHARE:.0%} of the free memory ({exc}); lower paged_cache_gib") from exc
             torch.manual_seed(seed)  # sampling starts from the seed, whatever the warmup drew
             ids = [f"row{i}" for i in range(len(rows))]
             for request_id, row in zip(ids, rows):
                 manager.add_request(list(row), request_id=request_id, max_new_tokens=settings.max_new_tokens,
                                     eos_token_id=eos_token_ids)
             manager.start()  # every request is queued: the first batch sees them all
-            outputs = _collect(manager, set(ids), deadline, progress)
+            outputs, stopped = _collect(manager, set(ids), deadline, progress)
         finally:
             if manager.is_running():
                 manager.stop(block=True, hard_stop=True)  # ends the thread at once (nothing is left when done)
@@ -175,19 +184,22 @@ def paged_generate(model, rows: list[list[int]], settings: SamplingSettings, gen
             if inner.config._attn_implementation != attn_implementation:  # where stop() did not switch it back
                 inner.set_attn_implementation(attn_implementation)
     failed = [o.error for o in outputs.values() if o.error is not None and not o.error.startswith(_STOPPED)]
-    if failed or len(outputs) < len(rows):
+    if failed or (len(outputs) < len(rows) and not stopped):
         raise RuntimeError(f"the paged engine failed: {failed[0] if failed else 'rows are missing from its output'}")
-    finished = [outputs[i].error is None for i in ids]
-    return PagedRun([list(outputs[i].generated_tokens) for i in ids], finished, info)
+    # At a deadline, rows the engine had not taken in yet come back empty.
+    tokens = [list(outputs[i].generated_tokens) if i in outputs else [] for i in ids]
+    finished = [i in outputs and outputs[i].error is None for i in ids]
+    return PagedRun(tokens, finished, info)
 
 
 # The error transformers gives rows that a stop cut off (the deadline).
 _STOPPED = "Generation loop finished before this request completed"
 
 
-def _collect(manager, pending: set[str], deadline: float | None, progress) -> dict:
+def _collect(manager, pending: set[str], deadline: float | None, progress) -> tuple[dict, bool]:
     """Wait for every request's final output; at the deadline stop the engine, which
-    hands back what the unfinished rows have sampled so far."""
+    hands back what the unfinished rows have sampled so far. Returns the outputs by
+    request id and whether the deadline stopped the engine."""
     outputs = {}
     while pending:
         if deadline is not None and time.monotonic() > deadline:
@@ -196,7 +208,7 @@ def _collect(manager, pending: set[str], deadline: float | None, progress) -> di
                 if output.is_finished() and output.request_id in pending:
                     outputs[output.request_id] = output
                     pending.discard(output.request_id)
-            break
+            return outputs, True
         output = manager.get_result(timeout=0.5)
         if output is None:
             status = manager.background_thread_status
@@ -211,4 +223,4 @@ def _collect(manager, pending: set[str], deadline: float | None, progress) -> di
             pending.discard(output.request_id)
             if progress is not None:
                 progress.update(1)
-    return outputs
+    return outputs, False

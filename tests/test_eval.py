@@ -380,6 +380,8 @@ def test_engine_choice():
 def test_paged_engine_end_to_end(tmp_path, monkeypatch, capsys):
     """The tiny preset (2 samples of up to 96 tokens here) on 4 problems through the
     paged engine: every problem's samples in one call, graded, the engine in the report."""
+    from paged_decode import DEFAULT_MAX_ROWS
+
     monkeypatch.setattr(opsd_eval, "TINY_SETTINGS", opsd_eval.replace(TINY_SETTINGS, n_samples=2))
     calls = []
     real_chunk = opsd_eval._sample_chunk
@@ -389,10 +391,10 @@ def test_paged_engine_end_to_end(tmp_path, monkeypatch, capsys):
                                   "--output-dir", str(tmp_path))
     assert status == 0, err
     assert FINAL_RE.match(out.strip().splitlines()[-1])
-    assert "backend transformers (engine paged, batch size 64)" in out
-    assert calls == [("paged", opsd_eval.PAGED_BATCH_SIZE, range(0, 4))]
+    assert f"backend transformers (engine paged, batch size {DEFAULT_MAX_ROWS})" in out
+    assert calls == [("paged", DEFAULT_MAX_ROWS, range(0, 4))]
     report = json.loads((tmp_path / "eval_base.json").read_text())
-    assert (report["backend"], report["engine"], report["batch_size"]) == ("transformers", "paged", 64)
+    assert (report["backend"], report["engine"], report["batch_size"]) == ("transformers", "paged", DEFAULT_MAX_ROWS)
     samples = [s for p in report["problems"] for s in p["samples"]]
     assert len(samples) == 4 * 2
     assert all(0 < s["num_tokens"] <= TINY_SETTINGS.max_new_tokens for s in samples)

@@ -552,6 +552,26 @@ def test_paged_memory_is_bounded_by_its_pool(tiny, prompts):
         paged(tiny, paged_cache_gib=page_gib).generate(prompts, GREEDY)
 
 
+def test_paged_deadline_hands_back_partial_rows(tiny, prompts):
+    """The benchmark's time limit: the engine stops at once, every row comes back with
+    what it has sampled, marked unfinished; the next call runs normally."""
+    import time
+
+    from paged_decode import paged_generate
+
+    model, tokenizer = tiny
+    backend = paged(tiny, batch_size=2)
+    rows = [p for p in prompts for _ in range(4)]
+    run = paged_generate(model, rows, SAMPLE, backend._generation_config(SAMPLE), max_rows=2,
+                         deadline=time.monotonic())
+    assert len(run.tokens) == len(rows) and not all(run.finished)
+    assert all(len(t) <= SAMPLE.max_new_tokens for t in run.tokens)
+    assert all(len(t) == SAMPLE.max_new_tokens or t[-1:] == [tokenizer.eos_token_id]
+               for t, done in zip(run.tokens, run.finished) if done)
+    assert model.config._attn_implementation == "sdpa"
+    assert all_ids(backend.generate(prompts, GREEDY)) == all_ids(backend_for(tiny).generate(prompts, GREEDY))
+
+
 def test_paged_peft_model_samples_with_its_adapter_and_keeps_its_mode(tiny, prompts):
     peft_model = lora_model(tiny)
     peft_model.train()
