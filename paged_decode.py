@@ -5,7 +5,7 @@ Why it exists: the other transformers engines give every row of a batch a KV cac
 for its whole budget (the static cache and the graph loop preallocate
 prompt + max_new_tokens per row; the dynamic cache grows to it), so at the frozen
 evaluation settings (up to 38,912 new tokens; about 112 KiB of KV per token for
-Qwen3-1.7B in bf16, 4.4 GB per row) one H200 holds about 30 rows at most, and a batch
+Qwen3-1.7B in bf16, 4.5 GB per row) one H200 holds about 30 rows at most, and a batch
 runs until its longest row ends. Here the KV cache is one pool of fixed-size pages
 (PAGE_SIZE tokens of every layer): a row holds only the pages its tokens fill, a
 finished row's pages go to the next waiting row at once, and the pool's size, not
@@ -134,6 +134,7 @@ def paged_generate(model, rows: list[list[int]], settings: SamplingSettings, gen
     engine fails (out of memory, ...), after stopping it.
     """
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
 
     inner = causal_lm(model)
     device = model_device(model)
@@ -158,8 +159,11 @@ def paged_generate(model, rows: list[list[int]], settings: SamplingSettings, gen
     with torch.random.fork_rng(devices=cuda_devices):
         # The manager may switch the model's attention (to flash attention, or eager to
         # "paged|eager"); stop() switches it back.
+        # The hints size flash attention's decode block tables for the longest row (as generate_batch does).
+        hints = WorkloadHints(max_prompt_length=max(len(r) for r in rows),
+                              max_generated_length=settings.max_new_tokens, num_requests=len(rows))
         manager = inner.init_continuous_batching(generation_config=generation_config,
-                                                 continuous_batching_config=cb_config)
+                                                 continuous_batching_config=cb_config, workload_hints=hints)
         try:
             info = {"attn_implementation": inner.config._attn_implementation, "num_blocks": num_blocks,
                     "page_size": PAGE_SIZE, "cache_tokens": num_blocks * PAGE_SIZE,

@@ -20,7 +20,7 @@ vocabulary size, which no sample can draw), so every row runs to its budget.
   set-up (pool allocation; CUDA graph capture where flash attention is installed).
 - dynamic: generate() with the dynamic cache, one batch of `--dynamic-rows` rows
   (default: as many as the paged pool's memory holds at the frozen budget of 38,912 new
-  tokens, 4.4 GB of KV per row for Qwen3-1.7B), timed on `--dynamic-new-tokens` only.
+  tokens, 4.5 GB of KV per row for Qwen3-1.7B), timed on `--dynamic-new-tokens` only.
 
 On CPU the paged engine's top-p is transformers' full-vocabulary sort (slower than the
 other engines' `NucleusFilter`): the smoke run checks the code, not the speeds.
