@@ -1,7 +1,7 @@
 """Evaluate a LoRA checkpoint (or the base model) on a math benchmark (docs/SPEC.md §5).
 
     python opsd_eval.py CHECKPOINT|base [--model M] [--dataset D] [--output-dir O]
-                        [--backend transformers|vllm|auto] [--preset tiny]
+                        [--backend transformers|vllm|auto] [--engine E] [--preset tiny]
 
 Samples `n_samples` completions per problem under one frozen settings block,
 grades the last \\boxed{...} of each completion against the gold answer, writes
@@ -332,7 +332,8 @@ class EvalRequest:
     backend: str            # resolved: "transformers" or "vllm"
     settings: EvalSettings
     output_path: Path
-    batch_size: int
+    batch_size: int         # transformers: rows per generate() call (paged: per forward pass)
+    engine: str | None = None  # the transformers engine, resolved ("dynamic", "paged", ...); None with vLLM
 
 
 def build_request(args: argparse.Namespace):
@@ -353,6 +354,14 @@ def build_request(args: argparse.Namespace):
         backend = resolve_backend_name(args.backend)
     except (DataError, BackendUnavailable) as exc:
         raise InputError(str(exc)) from None
+    engine = resolve_engine(args.engine, backend)
+    batch_size = args.batch_size
+    if batch_size is None:
+        from paged_decode import DEFAULT_MAX_ROWS
+
+        batch_size = DEFAULT_MAX_ROWS if engine == "paged" else BATCH_SIZE
+    if batch_size < 1:
+        raise InputError(f"--batch-size must be at least 1, got {batch_size}")
     output_dir = Path(args.output_dir) if args.output_dir else Path("outputs") / "eval" / dataset_tag(dataset)
     request = EvalRequest(
         checkpoint=checkpoint,
@@ -361,9 +370,41 @@ def build_request(args: argparse.Namespace):
         backend=backend,
         settings=settings,
         output_path=output_dir / f"eval_{run_name(checkpoint)}.json",
-        batch_size=args.batch_size,
+        batch_size=batch_size,
+        engine=engine,
     )
     return request, problems
+
+
+# The transformers engines (rollout.TransformersBackend's cache_implementation), and
+# what --engine auto picks: on CUDA the paged engine, whose memory is bounded by its KV
+# pool whatever the number and length of the samples (BENCHMARKS.md, "Evaluation
+# engine"); on CPU generate() with the dynamic cache, the simple path the tests use.
+ENGINE_AUTO = {"cuda": "paged", "cpu": "dynamic"}
+BATCH_SIZE = 16  # rows per generate() call, every engine but paged (paged: paged_decode.DEFAULT_MAX_ROWS)
+
+
+def engine_names() -> tuple[str, ...]:
+    from static_decode import CACHE_IMPLEMENTATIONS
+
+    return tuple(name for name in CACHE_IMPLEMENTATIONS if name is not None)
+
+
+def resolve_engine(name: str, backend: str) -> str | None:
+    """The transformers engine `name` stands for here; None for vLLM, which has its own.
+    An explicit engine with the vLLM backend is an InputError: it would be ignored."""
+    if name not in engine_names():
+        raise InputError(f"unknown engine {name!r}; choose one of {', '.join(engine_names())}")
+    if backend == "vllm":
+        if name != "auto":
+            raise InputError(f"--engine {name} picks a transformers engine, but the backend is vllm; "
+                             "add --backend transformers")
+        return None
+    if name == "auto":
+        import torch
+
+        return ENGINE_AUTO["cuda" if torch.cuda.is_available() else "cpu"]
+    return name
 
 
 def check_checkpoint(path: Path) -> None:
@@ -413,8 +454,8 @@ def prompt_token_ids(tokenizer, problems: Sequence[dict], enable_thinking: bool)
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
 
 
-# Problems sampled per vLLM call: each finished call is saved, so a killed evaluation
-# resumes after it; fewer calls keep vLLM's batch full.
+# Problems sampled per call of vLLM or the paged engine: each finished call is saved,
+# so a killed evaluation resumes after it; fewer calls keep the running batch full.
 VLLM_CHUNK_PROBLEMS = 10
 
 
@@ -422,8 +463,9 @@ def problem_chunks(request: EvalRequest, num_problems: int) -> list[range]:
     """Problems are sampled in fixed chunks, each seeded from (seed, its first problem):
     a chunk's completions do not depend on what else ran, so an evaluation resumed
     after a kill gives the same report as an uninterrupted one. Transformers: the
-    problems whose samples fill one batch; vLLM: VLLM_CHUNK_PROBLEMS."""
-    if request.backend == "vllm":
+    problems whose samples fill one batch; vLLM and the paged engine, which keep
+    their batch full from a queue of rows: VLLM_CHUNK_PROBLEMS."""
+    if request.backend == "vllm" or request.engine == "paged":
         size = VLLM_CHUNK_PROBLEMS
     else:
         size = max(1, request.batch_size // request.settings.n_samples)
@@ -495,7 +537,7 @@ def _transformers_backend(request: EvalRequest, model_path: str, tokenizer):
     model.eval()
     return TransformersBackend(model, pad_token_id=_pad_token_id(tokenizer),
                                eos_token_ids=eos_token_ids_of(tokenizer, model.generation_config),
-                               batch_size=request.batch_size)
+                               batch_size=request.batch_size, cache_implementation=request.engine)
 
 
 def _vllm_backend(request: EvalRequest, model_path: str, prompts: list[list[int]], context: int | None):
@@ -614,6 +656,8 @@ def evaluate(request: EvalRequest, problems: list[dict]) -> dict:
         "checkpoint": request.checkpoint or "base",
         "dataset": request.dataset,
         "backend": request.backend,
+        "engine": request.engine,
+        "batch_size": request.batch_size,
         "metrics": summarize(records, request.settings.n_samples),
         "elapsed_s": round(time.time() - started, 1),
         "problems": records,
@@ -635,7 +679,8 @@ class PartialResults:
         self.path = request.output_path.with_name(request.output_path.name + ".partial.jsonl")
         self.header = {"settings": asdict(request.settings), "model": request.model,
                        "checkpoint": request.checkpoint or "base", "dataset": request.dataset,
-                       "backend": request.backend, "batch_size": request.batch_size, "num_problems": num_problems}
+                       "backend": request.backend, "engine": request.engine, "batch_size": request.batch_size,
+                       "num_problems": num_problems}
 
     def load(self) -> dict[int, dict]:
         """{problem index: record} of a previous run with the same arguments."""
@@ -679,6 +724,8 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    from paged_decode import DEFAULT_MAX_ROWS
+
     parser = argparse.ArgumentParser(
         description="Evaluate a LoRA checkpoint (or the base model) with the frozen OPSD protocol.")
     parser.add_argument("checkpoint", help="LoRA checkpoint folder (with adapter_config.json), or 'base'")
@@ -691,8 +738,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--preset", default=os.environ.get("OPSD_PRESET") or None, choices=(TINY,),
                         help="tiny: embedded tiny model and eval set, fewer and shorter samples "
                              "(default from OPSD_PRESET)")
-    parser.add_argument("--batch-size", type=int, default=16,
-                        help="sequences per generate() call for the transformers backend")
+    parser.add_argument("--engine", default="auto", metavar="|".join(engine_names()),
+                        help="the transformers backend's engine (rollout.TransformersBackend): auto = paged on CUDA "
+                             "(transformers' continuous batching over a KV cache of bounded size, for the long "
+                             "samples of the frozen settings), dynamic on CPU (generate() with the dynamic cache); "
+                             "static, graph, graph_compiled: the trainer's rollout engines")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help=f"transformers backend: rows per generate() call (default {BATCH_SIZE}); the paged "
+                             f"engine: rows per forward pass, about the rows in flight (default {DEFAULT_MAX_ROWS})")
     return parser.parse_args(argv)
 
 
@@ -707,8 +760,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(format_settings(request.settings))
     first = " (the preset's first)" if request.settings.max_problems else ""
+    engine = f" (engine {request.engine}, batch size {request.batch_size})" if request.engine else ""
     print(f"model {request.model} | checkpoint {request.checkpoint or 'base'} | dataset {request.dataset} "
-          f"({len(problems)} problems{first}) | backend {request.backend}", flush=True)
+          f"({len(problems)} problems{first}) | backend {request.backend}{engine}", flush=True)
     report = evaluate(request, problems)
     metrics = report["metrics"]
     print(format_metrics(metrics))

@@ -179,7 +179,9 @@ class OPSDConfig(DistillationConfig):
         metadata={
             "help": "transformers rollouts (when vLLM is off): auto (CUDA: graph_compiled, the compiled and "
             "recorded static-cache decode loop, measured fastest in BENCHMARKS.md; CPU: the dynamic cache), "
-            "graph_compiled, graph, static (generate + static cache) or dynamic / None (generate + dynamic cache)."
+            "graph_compiled, graph, static (generate + static cache), paged (transformers' continuous batching over a "
+            "bounded paged KV cache, paged_decode.py; meant for long evaluations) or dynamic / None (generate + "
+            "dynamic cache)."
         },
     )
     rollout_merge_lora: bool = field(

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from model_utils import left_pad, model_device
+from paged_decode import PAGED, paged_generate
 from sampling import Completion, SamplingSettings, derive_seed, to_completion
 from static_decode import (
     CACHE_IMPLEMENTATIONS,
@@ -78,7 +79,8 @@ class TransformersBackend:
     Rows are the prompts repeated n times (prompt-major) and are sampled in
     batches of `batch_size`. Each batch re-seeds torch's RNG from
     (seed, batch index) inside `torch.random.fork_rng`, so results depend only on
-    the call's arguments and the caller's RNG state is left untouched.
+    the call's arguments and the caller's RNG state is left untouched. The "paged"
+    engine instead takes all rows of a call at once (below).
 
     `cache_implementation` picks the decoding engine (see CACHE_IMPLEMENTATIONS):
 
@@ -94,6 +96,12 @@ class TransformersBackend:
       teacher, are never written;
     - "graph_compiled": the same loop with the step compiled by torch.compile
       before it is recorded (fewer, fused kernels; pays a compile per shape);
+    - "paged": transformers' continuous batching over a paged KV cache of bounded
+      size (`paged_decode.py`): every row of the call is one request, rows join
+      and leave the running batch as they start and finish, at most `batch_size`
+      rows per forward pass; the KV pool (`paged_cache_gib`, default a share of the
+      device's memory), not the number of rows, bounds the memory. For long
+      evaluations without vLLM; seeded once per call from (seed, 0);
     - "auto": the fastest measured (BENCHMARKS.md): AUTO_CUDA ("graph_compiled")
       on CUDA for the supported decoder families, "static" for others, the
       dynamic path on CPU.
@@ -103,7 +111,8 @@ class TransformersBackend:
     """
 
     def __init__(self, model, *, pad_token_id: int, eos_token_ids: Sequence[int] | int,
-                 batch_size: int = 16, cache_implementation: str | None = None, merge_lora: bool = False):
+                 batch_size: int = 16, cache_implementation: str | None = None, merge_lora: bool = False,
+                 paged_cache_gib: float | None = None):
         if cache_implementation not in CACHE_IMPLEMENTATIONS:
             raise ValueError(f"cache_implementation must be one of {CACHE_IMPLEMENTATIONS}, "
                              f"got {cache_implementation!r}")
@@ -115,11 +124,15 @@ class TransformersBackend:
         self.batch_size = batch_size
         self.cache_implementation = resolve_cache_implementation(cache_implementation, model)
         self.merge_lora = merge_lora  # graph loops only: generate() runs the model as it is
+        self.paged_cache_gib = paged_cache_gib  # paged only: the KV pool in GiB (None: paged_decode's default)
 
     def generate(self, prompt_ids: list[list[int]], settings: SamplingSettings, n: int = 1,
                  progress: bool = False) -> list[list[Completion]]:
         """n completions for each prompt: result[prompt][sample]."""
         rows = [list(prompt) for prompt in prompt_ids for _ in range(n)]
+        if self.cache_implementation == PAGED:
+            completions = self._generate_paged(rows, settings, progress)
+            return [completions[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
         completions: list[Completion] = []
         shape_rows = min(self.batch_size, len(rows))  # every batch of this call is run with this many rows
         with _progress_bar(len(rows), progress) as bar, _inference_mode(self.model), torch.no_grad():
@@ -128,6 +141,13 @@ class TransformersBackend:
                 completions += self._generate_batch(batch, settings, batch_index, shape_rows)
                 bar.update(len(batch))
         return [completions[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
+
+    def _generate_paged(self, rows: list[list[int]], settings: SamplingSettings, progress: bool) -> list[Completion]:
+        """All rows at once through transformers' continuous batching (paged_decode.py)."""
+        with _progress_bar(len(rows), progress) as bar, _inference_mode(self.model), torch.no_grad():
+            run = paged_generate(self.model, rows, settings, self._generation_config(settings),
+                                 max_rows=self.batch_size, cache_gib=self.paged_cache_gib, progress=bar)
+        return [to_completion(tokens, self.eos_token_ids) for tokens in run.tokens]
 
     def _generate_batch(self, batch: list[list[int]], settings: SamplingSettings,
                         batch_index: int, shape_rows: int | None = None) -> list[Completion]:

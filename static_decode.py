@@ -36,7 +36,8 @@ from merged_student import MergedStudent, MergeUnsupported, has_enabled_adapters
 from model_utils import causal_lm, left_pad, model_device
 from sampling import SamplingSettings
 
-CACHE_IMPLEMENTATIONS = (None, "dynamic", "static", "graph", "graph_compiled", "auto")
+# The engines of rollout.TransformersBackend (None = "dynamic"); "paged" is paged_decode.py.
+CACHE_IMPLEMENTATIONS = (None, "dynamic", "static", "graph", "graph_compiled", "paged", "auto")
 GRAPH_LOOPS = ("graph", "graph_compiled")
 # What "auto" picks on CUDA: the fastest correct engine measured on an H200
 # (BENCHMARKS.md section 2); it pays a compilation (under a minute) per new shape.
@@ -52,7 +53,9 @@ KV_WINDOW = 128
 
 
 def resolve_cache_implementation(name: str | None, model) -> str | None:
-    """The engine `name` stands for with this model: None (dynamic), static, graph, graph_compiled."""
+    """The engine `name` stands for with this model: None (dynamic), static, graph, graph_compiled, paged.
+    "auto" never picks "paged" (the trainer's rollouts keep the measured graph loop); the
+    evaluation chooses it for itself (opsd_eval.resolve_engine)."""
     if name == "dynamic":
         return None
     if name == "auto":

@@ -327,7 +327,7 @@ def write_jsonl(path: Path, rows) -> Path:
 
 
 @pytest.mark.parametrize("case", ["missing checkpoint", "not an adapter", "missing data", "no answer column",
-                                  "unknown preset"])
+                                  "unknown preset", "unknown engine"])
 def test_bad_inputs_exit_2_with_one_line_and_write_nothing(case, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     checkpoint, extra = "base", []
@@ -340,6 +340,8 @@ def test_bad_inputs_exit_2_with_one_line_and_write_nothing(case, tmp_path, capsy
         extra = ["--dataset", str(tmp_path / "missing.jsonl")]
     elif case == "no answer column":
         extra = ["--dataset", str(write_jsonl(tmp_path / "data.jsonl", [{"problem": "1+1?", "solution": "2"}]))]
+    elif case == "unknown engine":
+        extra = ["--engine", "pages"]
     if case == "unknown preset":
         monkeypatch.setenv("OPSD_PRESET", "huge")
         status = opsd_eval.main([checkpoint, "--output-dir", str(out)])
@@ -363,6 +365,40 @@ def test_dev_eval_bad_checkpoint_and_usage(tmp_path):
     usage = dev_eval()
     assert usage.returncode == 2 and usage.stderr.startswith("usage: dev_eval.sh")
     assert dev_eval("-h").returncode == 0
+
+
+def test_engine_choice():
+    assert opsd_eval.resolve_engine("auto", "transformers") == "dynamic"  # CPU; CUDA: paged
+    assert opsd_eval.resolve_engine("paged", "transformers") == "paged"
+    assert opsd_eval.resolve_engine("auto", "vllm") is None
+    with pytest.raises(opsd_eval.InputError, match="--backend transformers"):
+        opsd_eval.resolve_engine("paged", "vllm")
+    assert set(opsd_eval.ENGINE_AUTO.values()) <= set(opsd_eval.engine_names())
+    assert set(opsd_eval.engine_names()) == {"auto", "dynamic", "static", "graph", "graph_compiled", "paged"}
+
+
+def test_paged_engine_end_to_end(tmp_path, monkeypatch, capsys):
+    """The tiny preset (2 samples of up to 96 tokens here) on 4 problems through the
+    paged engine: every problem's samples in one call, graded, the engine in the report."""
+    from paged_decode import DEFAULT_MAX_ROWS
+
+    monkeypatch.setattr(opsd_eval, "TINY_SETTINGS", opsd_eval.replace(TINY_SETTINGS, n_samples=2))
+    calls = []
+    real_chunk = opsd_eval._sample_chunk
+    monkeypatch.setattr(opsd_eval, "_sample_chunk", lambda backend, request, prompts, chunk: calls.append(
+        (backend.cache_implementation, backend.batch_size, chunk)) or real_chunk(backend, request, prompts, chunk))
+    status, out, err = in_process(capsys, "base", "--engine", "paged", "--dataset", "tiny:7:4",
+                                  "--output-dir", str(tmp_path))
+    assert status == 0, err
+    assert FINAL_RE.match(out.strip().splitlines()[-1])
+    assert f"backend transformers (engine paged, batch size {DEFAULT_MAX_ROWS})" in out
+    assert calls == [("paged", DEFAULT_MAX_ROWS, range(0, 4))]
+    report = json.loads((tmp_path / "eval_base.json").read_text())
+    assert (report["backend"], report["engine"], report["batch_size"]) == ("transformers", "paged", DEFAULT_MAX_ROWS)
+    samples = [s for p in report["problems"] for s in p["samples"]]
+    assert len(samples) == 4 * 2
+    assert all(0 < s["num_tokens"] <= TINY_SETTINGS.max_new_tokens for s in samples)
+    assert any(not s["truncated"] for s in samples)  # the tiny model ends its solutions with EOS
 
 
 # ---------------------------------------------------------------- an evaluation killed midway

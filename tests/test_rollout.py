@@ -479,9 +479,106 @@ def test_bucket_widths_and_engine_choice(tiny):
     model, _ = tiny
     assert resolve_cache_implementation("auto", model) is None  # CPU: the dynamic cache
     assert resolve_cache_implementation("dynamic", model) is None
+    assert resolve_cache_implementation("paged", model) == "paged"
     assert StaticDecoder.supports(model)
     with pytest.raises(ValueError, match="cache_implementation"):
         backend_for(tiny, cache_implementation="graphs")
+
+
+# ---------------------------------------------------------------- the paged engine ("paged")
+# transformers' continuous batching over a paged KV cache (paged_decode.py), on CPU
+# with sdpa: every row of a call is one request of one running batch.
+
+def paged(tiny, **kwargs):
+    return backend_for(tiny, cache_implementation="paged", **kwargs)
+
+
+def test_paged_greedy_matches_dynamic_cache_and_gives_n_per_prompt(tiny, prompts):
+    dynamic = backend_for(tiny).generate(prompts, GREEDY, n=2)
+    result = paged(tiny, batch_size=4).generate(prompts, GREEDY, n=2)
+    assert len(result) == len(prompts) and all(len(samples) == 2 for samples in result)
+    assert all_ids(result) == all_ids(dynamic)
+    assert all(c.truncated and len(c.ids) == GREEDY.max_new_tokens for s in result for c in s)
+
+
+@pytest.mark.parametrize("p", [1.0, 0.0, 0.2])
+def test_paged_eos_cases(tiny, prompts, p):
+    model, tokenizer = tiny
+    eos = tokenizer.eos_token_id
+    with eos_probability(model, eos, p):
+        completions = [c for s in paged(tiny, batch_size=3).generate(prompts, SAMPLE, n=4) for c in s]
+    assert_cut_after_first_eos(completions, eos)
+    if p == 1.0:
+        assert all(c == Completion([eos], truncated=False) for c in completions)
+    elif p == 0.0:
+        assert all(c.truncated and len(c.ids) == SAMPLE.max_new_tokens for c in completions)
+    else:
+        assert {c.truncated for c in completions} == {True, False}
+
+
+def test_paged_applies_top_k_and_top_p(tiny, prompts):
+    """Sampling through transformers' warpers: top-k 1, or a nucleus of one token, is greedy."""
+    greedy = all_ids(backend_for(tiny).generate(prompts, GREEDY))
+    for top_k, top_p in ((1, 1.0), (0, 1e-6)):
+        settings = SamplingSettings(temperature=1.3, top_p=top_p, top_k=top_k, max_new_tokens=8, seed=3)
+        assert all_ids(paged(tiny).generate(prompts, settings)) == greedy
+
+
+def test_paged_same_seed_same_samples_and_the_caller_rng_untouched(tiny, prompts):
+    backend = paged(tiny, batch_size=4)
+    state = torch.get_rng_state()
+    first = all_ids(backend.generate(prompts, SAMPLE, n=3))
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(999)
+    torch.rand(1000)  # disturb the global RNG: it must not matter
+    assert all_ids(backend.generate(prompts, SAMPLE, n=3)) == first
+    other = SamplingSettings(**{**SAMPLE.__dict__, "seed": SAMPLE.seed + 1})
+    assert all_ids(backend.generate(prompts, other, n=3)) != first
+
+
+def test_paged_memory_is_bounded_by_its_pool(tiny, prompts):
+    """A pool of 2 pages (one row each) still samples every row, rows waiting for pages
+    (greedy: the same ids); a pool smaller than one row is refused."""
+    from paged_decode import PAGE_SIZE, cache_blocks, kv_bytes_per_token
+
+    model, _ = tiny
+    page_gib = PAGE_SIZE * kv_bytes_per_token(model) / 2**30
+    lengths = [len(p) + GREEDY.max_new_tokens for p in prompts for _ in range(4)]
+    assert cache_blocks(model, lengths, cache_gib=2 * page_gib) == 2
+    assert cache_blocks(model, lengths, cache_gib=None) == 2 * len(lengths)  # at most what the rows can fill
+    small = paged(tiny, batch_size=8, paged_cache_gib=2 * page_gib).generate(prompts, GREEDY, n=4)
+    assert all_ids(small) == all_ids(backend_for(tiny).generate(prompts, GREEDY, n=4))
+    with pytest.raises(ValueError, match="fewer than one row"):
+        paged(tiny, paged_cache_gib=page_gib).generate(prompts, GREEDY)
+
+
+def test_paged_deadline_hands_back_partial_rows(tiny, prompts):
+    """The benchmark's time limit: the engine stops at once, every row comes back with
+    what it has sampled, marked unfinished; the next call runs normally."""
+    import time
+
+    from paged_decode import paged_generate
+
+    model, tokenizer = tiny
+    backend = paged(tiny, batch_size=2)
+    rows = [p for p in prompts for _ in range(4)]
+    run = paged_generate(model, rows, SAMPLE, backend._generation_config(SAMPLE), max_rows=2,
+                         deadline=time.monotonic())
+    assert len(run.tokens) == len(rows) and not all(run.finished)
+    assert all(len(t) <= SAMPLE.max_new_tokens for t in run.tokens)
+    assert all(len(t) == SAMPLE.max_new_tokens or t[-1:] == [tokenizer.eos_token_id]
+               for t, done in zip(run.tokens, run.finished) if done)
+    assert model.config._attn_implementation == "sdpa"
+    assert all_ids(backend.generate(prompts, GREEDY)) == all_ids(backend_for(tiny).generate(prompts, GREEDY))
+
+
+def test_paged_peft_model_samples_with_its_adapter_and_keeps_its_mode(tiny, prompts):
+    peft_model = lora_model(tiny)
+    peft_model.train()
+    sampled = paged(tiny, model=peft_model).generate(prompts, GREEDY)
+    assert peft_model.training and peft_model.base_model.model.config._attn_implementation == "sdpa"
+    assert all_ids(sampled) == all_ids(backend_for(tiny, model=peft_model).generate(prompts, GREEDY))
+    assert all_ids(sampled) != all_ids(backend_for(tiny).generate(prompts, GREEDY))
 
 
 # ---------------------------------------------------------------- choosing a backend, vLLM
