@@ -145,7 +145,7 @@ class TransformersBackend:
     def _generate_paged(self, rows: list[list[int]], settings: SamplingSettings, progress: bool) -> list[Completion]:
         """All rows at once through transformers' continuous batching (paged_decode.py)."""
         with _progress_bar(len(rows), progress) as bar, _inference_mode(self.model), torch.no_grad():
-            run = paged_generate(self.model, rows, settings, self._generation_config(settings),
+            run = paged_generate(self.model, rows, settings, self._generation_config(settings, own_processors=False),
                                  max_rows=self.batch_size, cache_gib=self.paged_cache_gib, progress=bar)
         return [to_completion(tokens, self.eos_token_ids) for tokens in run.tokens]
 
@@ -175,7 +175,10 @@ class TransformersBackend:
         new_tokens = output[:, input_ids.shape[1]:].tolist()
         return [to_completion(row, self.eos_token_ids) for row in new_tokens]
 
-    def _generation_config(self, settings: SamplingSettings):
+    def _generation_config(self, settings: SamplingSettings, own_processors: bool = True):
+        """generate()'s config for `settings`. `own_processors`: the call passes
+        `sampling_processors(settings)`, so the config's warpers are switched off; the
+        paged engine takes no processors, so its config keeps every knob."""
         from transformers import GenerationConfig
 
         # Every sampling knob is set explicitly: generate() fills unset (None)
@@ -187,7 +190,7 @@ class TransformersBackend:
         if settings.temperature > 0:
             sampling = dict(do_sample=True, temperature=settings.temperature, top_p=settings.top_p,
                             top_k=max(settings.top_k, 0))  # 0 = no top-k filter
-            if sampling_processors(settings) is not None:  # they do all three, in this order
+            if own_processors and sampling_processors(settings) is not None:  # they do all three, in this order
                 sampling.update(temperature=1.0, top_p=1.0, top_k=0)
         return GenerationConfig(
             max_new_tokens=settings.max_new_tokens,
