@@ -354,7 +354,7 @@ def build_request(args: argparse.Namespace):
         backend = resolve_backend_name(args.backend)
     except (DataError, BackendUnavailable) as exc:
         raise InputError(str(exc)) from None
-    engine = resolve_engine(args.engine, backend)
+    engine = resolve_engine(args.engine, backend, tiny)
     batch_size = args.batch_size
     if batch_size is None:
         from paged_decode import DEFAULT_MAX_ROWS
@@ -377,10 +377,13 @@ def build_request(args: argparse.Namespace):
 
 
 # The transformers engines (rollout.TransformersBackend's cache_implementation), and
-# what --engine auto picks: generate() with the dynamic cache, the simple path the tests
-# use. The paged engine (memory bounded by its KV pool whatever the number and length of
-# the samples) is opt-in until its GPU rate is measured (BENCHMARKS.md section 5).
-ENGINE_AUTO = {"cuda": "dynamic", "cpu": "dynamic"}
+# what --engine auto picks: on CUDA the paged engine (memory bounded by its KV pool
+# whatever the number and length of the samples; several times generate()'s rate,
+# BENCHMARKS.md section 5), on CPU generate() with the dynamic cache, the simple path
+# the tests use. The tiny preset keeps generate() everywhere, so that its published
+# GPU results (OPSD_EXPERIMENTS.md) reproduce.
+ENGINE_AUTO = {"cuda": "paged", "cpu": "dynamic"}
+TINY_ENGINE = "dynamic"
 BATCH_SIZE = 16  # rows per generate() call, every engine but paged (paged: paged_decode.DEFAULT_MAX_ROWS)
 
 
@@ -390,9 +393,10 @@ def engine_names() -> tuple[str, ...]:
     return tuple(name for name in CACHE_IMPLEMENTATIONS if name is not None)
 
 
-def resolve_engine(name: str, backend: str) -> str | None:
-    """The transformers engine `name` stands for here; None for vLLM, which has its own.
-    An explicit engine with the vLLM backend is an InputError: it would be ignored."""
+def resolve_engine(name: str, backend: str, tiny: bool = False) -> str | None:
+    """The transformers engine `name` stands for here (`tiny`: the tiny preset's run);
+    None for vLLM, which has its own. An explicit engine with the vLLM backend is an
+    InputError: it would be ignored."""
     if name not in engine_names():
         raise InputError(f"unknown engine {name!r}; choose one of {', '.join(engine_names())}")
     if backend == "vllm":
@@ -403,7 +407,7 @@ def resolve_engine(name: str, backend: str) -> str | None:
     if name == "auto":
         import torch
 
-        return ENGINE_AUTO["cuda" if torch.cuda.is_available() else "cpu"]
+        return TINY_ENGINE if tiny else ENGINE_AUTO["cuda" if torch.cuda.is_available() else "cpu"]
     return name
 
 
@@ -739,10 +743,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="tiny: embedded tiny model and eval set, fewer and shorter samples "
                              "(default from OPSD_PRESET)")
     parser.add_argument("--engine", default="auto", metavar="|".join(engine_names()),
-                        help="the transformers backend's engine (rollout.TransformersBackend): auto = dynamic "
-                             "(generate() with the dynamic cache); paged: transformers' continuous batching over a "
-                             "KV cache of bounded size, for long samples; static, graph, graph_compiled: the "
-                             "trainer's rollout engines")
+                        help="the transformers backend's engine (rollout.TransformersBackend): auto = paged on CUDA "
+                             "(transformers' continuous batching over a KV cache of bounded size), dynamic on CPU "
+                             "and with the tiny preset (generate() with the dynamic cache); static, graph, "
+                             "graph_compiled: the trainer's rollout engines")
     parser.add_argument("--batch-size", type=int, default=None,
                         help=f"transformers backend: rows per generate() call (default {BATCH_SIZE}); the paged "
                              f"engine: rows per forward pass, about the rows in flight (default {DEFAULT_MAX_ROWS})")

@@ -65,10 +65,10 @@ PAGED = "paged"
 # pool, hence the schedule and the seeded samples, depend only on the device type.
 CACHE_FRACTION = {"cuda": 0.5, "cpu": 0.25}
 PAGE_SIZE = 256  # tokens per page (transformers' default)
-# Rows per forward pass where the caller sets none (the evaluation's --batch-size). Without
-# flash attention a forward's attention work grows with rows x their cached tokens, so
-# more rows per forward stop paying off early; BENCHMARKS.md, "Evaluation engine".
-DEFAULT_MAX_ROWS = 64
+# Rows per forward pass where the caller sets none (the evaluation's --batch-size): the
+# faster of the two settings measured on an H200 (BENCHMARKS.md section 5). Without flash
+# attention a forward's attention work grows with rows x their cached tokens.
+DEFAULT_MAX_ROWS = 256
 MAX_BATCH_TOKENS = 8192  # tokens per forward pass (prompt chunks + one per decoding row; transformers' default)
 # The library refuses to start (MemoryError, before any work) when the pool plus the
 # buffers that scale with it and with max_batch_tokens exceed this share of free memory.

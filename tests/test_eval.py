@@ -368,7 +368,9 @@ def test_dev_eval_bad_checkpoint_and_usage(tmp_path):
 
 
 def test_engine_choice():
-    assert opsd_eval.resolve_engine("auto", "transformers") == "dynamic"
+    assert opsd_eval.resolve_engine("auto", "transformers") == "dynamic"  # CPU
+    assert opsd_eval.resolve_engine("auto", "transformers", tiny=True) == opsd_eval.TINY_ENGINE == "dynamic"
+    assert opsd_eval.ENGINE_AUTO == {"cuda": "paged", "cpu": "dynamic"}
     assert opsd_eval.resolve_engine("paged", "transformers") == "paged"
     assert opsd_eval.resolve_engine("auto", "vllm") is None
     with pytest.raises(opsd_eval.InputError, match="--backend transformers"):
