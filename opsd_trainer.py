@@ -68,6 +68,7 @@ from opsd_config import (
 from opsd_logging import append_metrics, kl_line
 from opsd_loss import divergence_loss, nll_loss, tinker_loss
 from rollout import TransformersBackend
+from static_decode import GRAPH_LOOPS
 from sampling import ROLLOUT_STREAMS, SamplingSettings, rollout_seed, to_completion
 from vllm_weights import merged_named_parameters
 
@@ -686,7 +687,12 @@ def apply_engine_defaults(args: OPSDConfig, sharded: bool, zero_stage: int | Non
       the layers' parameters (FSDP gathers them in hooks around each layer, DeepSpeed owns the
       forward and backward);
     - transformers rollouts (vLLM off) on `generate` with the dynamic cache: the CUDA-graph
-      decode loop would record the hooks' gathers of sharded parameters into its graph;
+      decode loop would record the hooks' gathers of sharded parameters into its graph. Under
+      FSDP an explicit graph loop is refused (both failed on two FSDP2 CPU ranks): its merged
+      sampling copy deep-copies the model, which FSDP2 forbids, and unmerged it calls the layers
+      past the root module's hooks (sharded and whole tensors meet). `generate` keeps every rank
+      decoding until all are done (synced_gpus, as FSDP2 marks the modules), so that each
+      layer's all-gather has a partner on every rank; the loop's early stop does not;
     - ZeRO-3, the full-logit loss: the chunked loss reads the LM head's weight outside the
       head's forward, where ZeRO-3 leaves it partitioned to nothing; calling the head gathers it
       (at the cost of the micro-batch's [B, C, V] logits). An explicit chunked loss is refused.
@@ -701,6 +707,9 @@ def apply_engine_defaults(args: OPSDConfig, sharded: bool, zero_stage: int | Non
         args.compile_layers = False
     if sharded and args.rollout_cache_implementation == "auto":
         args.rollout_cache_implementation = "dynamic"
+    if sharded and zero_stage is None and args.rollout_cache_implementation in GRAPH_LOOPS:
+        raise ValueError(f"rollout_cache_implementation={args.rollout_cache_implementation} cannot run under FSDP: "
+                         "the decode loop bypasses FSDP's parameter gathering; use dynamic (generate, FSDP's default)")
     if zero_stage == 3 and args.loss_implementation == "chunked":
         if not getattr(args, "loss_implementation_is_default", False):
             raise ValueError("loss_implementation=chunked cannot run under DeepSpeed ZeRO-3, which partitions the "

@@ -26,7 +26,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 # Module fixtures that train or evaluate: the tests using one of them share a worker.
-SHARED_RUN_FIXTURES = ("base_run", "trained_run", "tiny_run", "probed")
+SHARED_RUN_FIXTURES = ("base_run", "trained_run", "tiny_run", "probed", "one_process_step")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups

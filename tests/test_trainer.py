@@ -761,8 +761,15 @@ def test_engine_defaults(tmp_path, monkeypatch, sharded, zero_stage, expected):
         return args.compile_layers, args.rollout_cache_implementation, args.loss_implementation
 
     assert config() == expected
-    assert config(compile_layers=True, rollout_cache_implementation="graph", loss_implementation="logits") == (
-        True, "graph", "logits")
+    if sharded and zero_stage is None:  # FSDP: the decode loop would bypass its gathers (tests/test_ddp.py)
+        for loop in ("graph", "graph_compiled"):
+            with pytest.raises(ValueError, match=f"rollout_cache_implementation={loop} cannot run under FSDP"):
+                config(rollout_cache_implementation=loop)
+        assert config(compile_layers=True, rollout_cache_implementation="static", loss_implementation="logits") == (
+            True, "static", "logits")
+    else:
+        assert config(compile_layers=True, rollout_cache_implementation="graph", loss_implementation="logits") == (
+            True, "graph", "logits")
     if zero_stage == 3:
         with pytest.raises(ValueError, match="loss_implementation=chunked cannot run under DeepSpeed ZeRO-3"):
             config(loss_implementation="chunked")
