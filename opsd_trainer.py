@@ -68,8 +68,8 @@ from opsd_config import (
 from opsd_logging import append_metrics, kl_line
 from opsd_loss import divergence_loss, nll_loss, tinker_loss
 from rollout import TransformersBackend
-from static_decode import GRAPH_LOOPS
 from sampling import ROLLOUT_STREAMS, SamplingSettings, rollout_seed, to_completion
+from static_decode import GRAPH_LOOPS
 from vllm_weights import merged_named_parameters
 
 EMA_FILE = "ema_adapter.pt"
