@@ -42,6 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from answers import answer_text, reference_answer
+from jsonl import parse_lines, read_text
 from opsd_config import TEACHER_CONTEXTS, ConfigError, parse_data_select
 from prompts import SHUFFLED_SOLUTION
 
@@ -150,31 +151,17 @@ def _read_parquet(path: Path, where: str) -> datasets.Dataset:
 
 def _read_json_rows(path: Path, where: str, *, allow_list: bool) -> list[dict]:
     """Rows of a JSON-lines file, or of a .json file holding one JSON list."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{where}: cannot read it as UTF-8 text ({_first_line(e)})") from e
+    text = read_text(path, DataError, where)
     if allow_list and text.lstrip().startswith("["):
         return _json_list_rows(text, where)
-    rows = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: line {number} is not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{where}: line {number} is not a JSON object")
-        rows.append(row)
-    return rows
+    return [row for _, row in parse_lines(text, DataError, where)]
 
 
 def _json_list_rows(text: str, where: str) -> list[dict]:
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(f"{where}: line {e.lineno} is not valid JSON ({e.msg})") from None
+        raise DataError(f"{where}:{e.lineno}: not valid JSON ({e.msg})") from None
     for number, row in enumerate(rows, start=1):
         if not isinstance(row, dict):
             raise DataError(f"{where}: item {number} of the JSON list is not an object")

@@ -44,6 +44,7 @@ from contextlib import redirect_stdout
 from dataclasses import dataclass, field
 
 from answers import reference_answer
+from jsonl import read_jsonl
 from opsd_attribution import format_summary, pre_box, summarize, token_groups
 from opsd_config import SWITCH_VALUES, ConfigError, parse_recipe_value, parse_switch_value
 from opsd_data import DataError, load_train_dataset
@@ -107,22 +108,9 @@ class Rollout:
 def read_rollouts(path: str) -> list[Rollout]:
     """Rollouts of a `--save-rollouts` file: one JSON object per line with `index`,
     `problem`, `completion_ids` (and `truncated`, `completion`, which are optional)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ProbeError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     rollouts = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
+    for number, record in read_jsonl(path, ProbeError):
         where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ProbeError(f"{where}: not valid JSON ({e.msg})") from None
-        if not isinstance(record, dict):
-            raise ProbeError(f"{where}: not a JSON object")
         for key in ("index", "problem", "completion_ids"):
             if key not in record:
                 raise ProbeError(f"{where}: missing {key!r}")

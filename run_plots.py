@@ -25,7 +25,6 @@ modules that import this one for its constants do not pay for matplotlib.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from jsonl import read_jsonl
 from opsd_logging import KL_LINE_FIELDS
 from run_folder import METRICS_FILE
 
@@ -86,19 +86,9 @@ def read_metrics(run_dir) -> list[dict]:
     path = folder / METRICS_FILE
     if not path.is_file():
         raise PlotError(f"{path}: no such file (a run writes it from its first logged step)")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PlotError(f"{path}: cannot read it ({exc})") from None
     records = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise PlotError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-        if not isinstance(record, dict) or type(record.get("step")) is not int:
+    for number, record in read_jsonl(path, PlotError):
+        if type(record.get("step")) is not int:
             raise PlotError(f"{path}:{number}: expected a JSON object with an integer 'step'")
         records.append(record)
     return records

@@ -274,19 +274,25 @@ def test_bad_json_line_names_file_and_line(tmp_path):
     lines = [json.dumps(ROWS[0]), json.dumps(ROWS[1]), '{"problem": "p", "solution": ', json.dumps(ROWS[2])]
     path.write_text("\n".join(lines) + "\n")
     message = message_of(load_train_dataset, str(path))
-    assert message.startswith(f"train file {path}: line 3 is not valid JSON")
+    assert message.startswith(f"train file {path}:3: not valid JSON (")
 
 
 def test_bad_json_list_names_file_and_line(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text('[\n  {"problem": "a", "solution": "b"},\n  {"problem": "c" "solution": "d"}\n]\n')
-    assert message_of(load_train_dataset, str(path)).startswith(f"train file {path}: line 3 is not valid JSON")
+    assert message_of(load_train_dataset, str(path)).startswith(f"train file {path}:3: not valid JSON (")
 
 
 def test_json_line_that_is_not_an_object(tmp_path):
     path = tmp_path / "list.jsonl"
     path.write_text(json.dumps(ROWS[0]) + "\n[1, 2]\n")
-    assert message_of(load_train_dataset, str(path)) == f"train file {path}: line 2 is not a JSON object"
+    assert message_of(load_train_dataset, str(path)) == f"train file {path}:2: not a JSON object"
+
+
+def test_file_that_is_not_utf8(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps(ROWS[0]).encode() + b"\n\xe9\n")
+    assert message_of(load_train_dataset, str(path)).startswith(f"train file {path}: cannot read it as UTF-8 text (")
 
 
 def test_corrupt_parquet(tmp_path):

@@ -145,8 +145,10 @@ def test_bad_input_is_one_line_exit_2_and_no_png(tmp_path, capsys):
     one_error_line(capsys, ["curves", broken], f"{broken / 'metrics.jsonl'}:8: not valid JSON")
     one_error_line(capsys, ["overlay", good, broken, "--out", tmp_path / "o.png"], "metrics.jsonl:8:")
     no_step = write_run(tmp_path / "no_step")
+    (no_step / "metrics.jsonl").write_text('{"step": 1, "loss": 1}\n\n{"step": "2", "loss": 1}\n')
+    one_error_line(capsys, ["curves", no_step], "metrics.jsonl:3: expected a JSON object with an integer 'step'")
     (no_step / "metrics.jsonl").write_text('{"step": 1, "loss": 1}\n[1, 2]\n')
-    one_error_line(capsys, ["curves", no_step], "metrics.jsonl:2: expected a JSON object with an integer 'step'")
+    one_error_line(capsys, ["curves", no_step], "metrics.jsonl:2: not a JSON object")
     other = write_run(tmp_path / "other", keys=["loss"])
     one_error_line(capsys, ["overlay", good, other, "--metric", "nope", "--out", tmp_path / "o.png"],
                    "metric 'nope' is not in the metrics.jsonl of any of the 2 runs")  # absent in every run

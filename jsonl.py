@@ -1,0 +1,58 @@
+"""JSON-lines files (one JSON object per line) read with one-line errors.
+
+Shared by the readers of training data (`opsd_data`), of saved rollouts (`opsd_probe`)
+and of `metrics.jsonl` (`run_plots`); each passes its own error class and keeps its own
+field checks. Blank lines are skipped; lines are numbered from 1 as an editor shows them.
+Every problem is `error(message)` with a one-line message naming the file (as `name`,
+the path unless given) and, for a bad line, its number:
+
+    NAME: cannot read it as UTF-8 text (REASON)
+    NAME:LINE: not valid JSON (REASON)
+    NAME:LINE: not a JSON object
+
+Standard library only: a leaf module that imports no project module.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+ErrorClass = Callable[[str], Exception]
+
+
+def read_text(path: str | os.PathLike, error: ErrorClass, name: str | None = None) -> str:
+    """The file's text, decoded as UTF-8; a missing, unreadable or undecodable file is
+    `error("NAME: cannot read it as UTF-8 text (REASON)")`."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise error(f"{_name(path, name)}: cannot read it as UTF-8 text ({reason})") from None
+
+
+def parse_lines(text: str, error: ErrorClass, name: str) -> list[tuple[int, dict]]:
+    """(line number, object) for each non-blank line of `text`, a JSON-lines file's
+    content; `name` names the file in messages."""
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise error(f"{name}:{number}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict):
+            raise error(f"{name}:{number}: not a JSON object")
+        records.append((number, record))
+    return records
+
+
+def read_jsonl(path: str | os.PathLike, error: ErrorClass, name: str | None = None) -> list[tuple[int, dict]]:
+    """(line number, object) for each non-blank line of the JSON-lines file at `path`."""
+    return parse_lines(read_text(path, error, name), error, _name(path, name))
+
+
+def _name(path: str | os.PathLike, name: str | None) -> str:
+    return os.fspath(path) if name is None else name
