@@ -43,6 +43,9 @@ def parse_lines(text: str, error: ErrorClass, name: str) -> list[tuple[int, dict
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise error(f"{name}:{number}: not valid JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:  # valid syntax json refuses: a 5,000-digit number, deep nesting
+            raise error(f"{name}:{number}: not valid JSON ({type(e).__name__}: "
+                        f"{(str(e).splitlines() or [''])[0][:120]})") from None
         if not isinstance(record, dict):
             raise error(f"{name}:{number}: not a JSON object")
         records.append((number, record))

@@ -76,3 +76,14 @@ def test_errors_are_the_callers_class_without_a_chained_cause(tmp_path):
         with pytest.raises(Bad) as info:
             read_jsonl(target, Bad)
         assert type(info.value) is Bad and info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_json_that_python_refuses_is_a_one_line_error(tmp_path):
+    path = tmp_path / "big.jsonl"
+    path.write_text('{"a": 1}\n{"n": ' + "9" * 5000 + "}\n" + "[" * 100_000 + "\n", encoding="utf-8")
+    with pytest.raises(Bad, match=r"big.jsonl:2: not valid JSON \(ValueError") as info:
+        read_jsonl(path, Bad)
+    assert "\n" not in str(info.value)
+    path.write_text("[" * 100_000 + "\n", encoding="utf-8")
+    with pytest.raises(Bad, match=r"big.jsonl:1: not valid JSON"):
+        read_jsonl(path, Bad)
