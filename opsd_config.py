@@ -70,14 +70,36 @@ STUDENT_PROMPTS = ("paper", "eval")
 DATA_FILTERS = ("nomath", "hard")
 DATA_SELECTS = ("none", *DATA_FILTERS)
 
-# Switches field -> (environment variable, allowed values)
-_SWITCHES = {
-    "clip_mode": ("OPSD_CLIP_MODE", CLIP_MODES),
-    "pad_side": ("OPSD_PAD_SIDE", PAD_SIDES),
-    "teacher_context": ("OPSD_TEACHER_CONTEXT", TEACHER_CONTEXTS),
-    "student_prompt": ("OPSD_STUDENT_PROMPT", STUDENT_PROMPTS),
-    "data_select": ("OPSD_DATA_SELECT", DATA_SELECTS),
-}
+
+def _switch(variable: str, allowed: tuple[str, ...]):
+    """A Switches field: read from `variable`, one of `allowed`, the first by default."""
+    return dataclasses.field(default=allowed[0], metadata={"variable": variable, "allowed": allowed})
+
+
+@dataclass(frozen=True)
+class Switches:
+    """The method switches of docs/SPEC.md §2-§4, read from the environment. Each is
+    declared once, here; the tables below are derived from these fields."""
+
+    clip_mode: str = _switch("OPSD_CLIP_MODE", CLIP_MODES)
+    pad_side: str = _switch("OPSD_PAD_SIDE", PAD_SIDES)
+    teacher_context: str = _switch("OPSD_TEACHER_CONTEXT", TEACHER_CONTEXTS)
+    student_prompt: str = _switch("OPSD_STUDENT_PROMPT", STUDENT_PROMPTS)
+    data_select: str = _switch("OPSD_DATA_SELECT", DATA_SELECTS)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Switches:
+        """Unset or empty variables take the default; values are matched after
+        stripping whitespace and lower-casing. A bad value is a ConfigError."""
+        return cls(**{name: _read_switch(env, var, allowed) for name, (var, allowed) in _SWITCHES.items()})
+
+    def as_env(self) -> dict[str, str]:
+        """{variable: value}, e.g. to log the run's switches or pass them on."""
+        return {var: getattr(self, name) for name, (var, _) in _SWITCHES.items()}
+
+
+# Switches field -> (environment variable, allowed values), from the fields' metadata.
+_SWITCHES = {f.name: (f.metadata["variable"], f.metadata["allowed"]) for f in dataclasses.fields(Switches)}
 
 
 # Where the run's logs also go: transformers' `report_to`, from OPSD_REPORT_TO; the first value
@@ -91,27 +113,6 @@ REPORT_TO_VALUES = ("none", *TRACKERS, "all")  # all: every tracker whose packag
 SWITCH_VARIABLES = {name: var for name, (var, _) in _SWITCHES.items()}
 # Switches field -> allowed values, the default first (derived; for help texts).
 SWITCH_VALUES = {name: allowed for name, (_, allowed) in _SWITCHES.items()}
-
-
-@dataclass(frozen=True)
-class Switches:
-    """The method switches of docs/SPEC.md §2-§4, read from the environment."""
-
-    clip_mode: str = CLIP_MODES[0]
-    pad_side: str = PAD_SIDES[0]
-    teacher_context: str = TEACHER_CONTEXTS[0]
-    student_prompt: str = STUDENT_PROMPTS[0]
-    data_select: str = DATA_SELECTS[0]
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> Switches:
-        """Unset or empty variables take the default; values are matched after
-        stripping whitespace and lower-casing. A bad value is a ConfigError."""
-        return cls(**{name: _read_switch(env, var, allowed) for name, (var, allowed) in _SWITCHES.items()})
-
-    def as_env(self) -> dict[str, str]:
-        """{variable: value}, e.g. to log the run's switches or pass them on."""
-        return {var: getattr(self, name) for name, (var, _) in _SWITCHES.items()}
 
 
 def read_report_to(env: Mapping[str, str] = os.environ) -> str | None:
