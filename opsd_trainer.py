@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
-import random
 import shutil
 import sys
 import time
@@ -68,7 +67,7 @@ from opsd_config import (
 from opsd_logging import append_metrics, kl_line
 from opsd_loss import divergence_loss, nll_loss, tinker_loss
 from rollout import TransformersBackend
-from sampling import ROLLOUT_STREAMS, SamplingSettings, rollout_seed, to_completion
+from sampling import ROLLOUT_STREAMS, SamplingSettings, on_policy_step, rollout_seed, to_completion
 from static_decode import GRAPH_LOOPS
 from vllm_weights import merged_named_parameters
 
@@ -390,7 +389,6 @@ class OPSDTrainer(DistillationTrainer):
         if stop_request is not None:
             self.add_callback(_StopOnSignal(self, stop_request))
         self.base_model_name = base_model_name
-        self._lmbda_rng = random.Random(args.seed)
         self._alignment_checked = False
         self._staging_root: str | None = None
         self._compiled_layers: CompiledLayers | None = None
@@ -407,7 +405,7 @@ class OPSDTrainer(DistillationTrainer):
         student_ids = [self.collator.student_prompt_ids(row) for row in rows]
         if self.args.loss_type == "sft":  # supervised baseline: always the reference solution
             completions, truncated = self._reference_completions(rows)
-        elif self.args.lmbda >= 1.0 or self._lmbda_rng.random() < self.args.lmbda:
+        elif on_policy_step(self.args.seed, self.state.global_step, self.args.lmbda):
             completions, truncated = self._sample(student_ids)
         else:  # off-policy batch (GKD's lmbda): the reference solution is the completion
             completions, truncated = self._reference_completions(rows)

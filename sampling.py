@@ -31,7 +31,7 @@ class Completion:
     truncated: bool
 
 
-def derive_seed(seed: int, *keys: int) -> int:
+def derive_seed(seed: int, *keys: int | str) -> int:
     """A well-mixed 63-bit seed for a sub-stream (a batch, a prompt) of `seed`.
     Hashing rather than `seed + key` keeps sub-streams of nearby seeds apart."""
     text = ":".join(str(part) for part in (seed, *keys))
@@ -50,6 +50,17 @@ def rollout_seed(seed: int, rank: int, step: int, stream: str = ROLLOUT_STREAMS[
     reproducible (no RNG state to restore on resume) and apart from the evaluation's
     (seed, index) streams, which hash fewer keys."""
     return derive_seed(seed, rank, step, ROLLOUT_STREAMS.index(stream))
+
+
+def on_policy_step(seed: int, step: int, lmbda: float) -> bool:
+    """Whether optimizer step `step` trains on student rollouts (else on the reference
+    solutions: GKD's lmbda, the share of on-policy steps). A function of (seed, step)
+    alone, like `rollout_seed`: every rank makes the same choice and a resumed run makes
+    the choices of the uninterrupted one, with no RNG state to save."""
+    if lmbda >= 1.0:
+        return True
+    draw = derive_seed(seed, step, "on-policy") / 2**63  # uniform in [0, 1)
+    return draw < lmbda
 
 
 def to_completion(ids: Iterable[int], eos_token_ids: Sequence[int]) -> Completion:

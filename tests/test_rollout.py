@@ -103,6 +103,23 @@ def test_rollout_seeds_differ_by_rank_step_and_stream_and_are_stable():
     assert rollout_seed(0, 1, 2) == 525640092475644386
 
 
+def test_on_policy_steps_depend_on_seed_and_step_only():
+    """GKD's lmbda: the share of on-policy steps, chosen per (seed, step) with no RNG state,
+    so a resumed run (or another rank) makes the uninterrupted run's choices."""
+    import random
+
+    from sampling import on_policy_step
+
+    choices = [on_policy_step(3, step, 0.3) for step in range(2000)]
+    random.seed(99)
+    torch.manual_seed(99)
+    assert [on_policy_step(3, step, 0.3) for step in range(1000, 2000)] == choices[1000:]
+    assert abs(sum(choices) / len(choices) - 0.3) < 0.04  # binomial sd 0.01
+    assert choices != [on_policy_step(4, step, 0.3) for step in range(2000)]
+    assert all(on_policy_step(3, step, 1.0) for step in range(50))
+    assert not any(on_policy_step(3, step, 0.0) for step in range(50))
+
+
 def test_lora_rank_rounds_up_to_what_vllm_accepts(tmp_path):
     import json
 
