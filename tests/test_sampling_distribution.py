@@ -22,9 +22,11 @@ Engines, driven as directly as is cheap:
 - static decoder: `static_decode._Sampler`, called the way its decode loop calls
   it (logits [B, V] and uniform noise [B, width] filled by `uniform_`);
 - transformers: `rollout.TransformersBackend.generate` on its `model.generate`
-  path (the CPU default), on a tiny model whose lm_head output is replaced by the
-  fixed logits; the first token of every completion is what generate sampled, with
-  the generation config and processors the backend gives it.
+  path (the CPU default) and on its paged path (transformers' continuous batching, the
+  evaluation's CUDA default), each running its own forward of a tiny Qwen3 built so
+  that its next-token logits after the prompt [r] are the fixed logits' row r
+  (`lookup_model`); the first token of every completion is what the engine sampled,
+  with the generation config and processors the backend gives it.
 
 For each row the draws must stay inside the kept tokens, and the chi-square of the
 token counts (a bin per token expected at least 5 times, the rest pooled into one
@@ -46,6 +48,7 @@ from static_decode import _Sampler
 VOCAB = 1000
 ROW_SCALES = (3.0, 1.5, 0.6)  # logits = scale * N(0, 1): peaked, medium, flat rows
 DRAWS = 15_000  # per row and setting; generate costs ~0.1 ms a draw on one core, the controls show the power
+PAGED_DRAWS = 2_000  # the paged engine: one request per draw
 SEED = 0
 PASS_P = 1e-3  # a correct sampler fails one row's check with this probability
 CONTROL_P = 1e-6  # a wrong sampler must be rejected this clearly
@@ -136,43 +139,80 @@ def static_decoder_draws(logits: torch.Tensor, temperature: float, top_p: float,
     return torch.stack(rows)
 
 
-def fixed_logits_model(logits: torch.Tensor):
-    """A tiny random Qwen3 whose next-token logits after the one-token prompt [r]
-    are `logits[r]`, whatever its weights: a hook on the embedding notes each row's
-    last input token, a hook on lm_head returns that row of `logits`."""
+def lookup_model(logits: torch.Tensor):
+    """A real tiny Qwen3 whose next-token logits after the one-token prompt [r] are
+    `logits[r]` (to float32 rounding), for every engine's own forward: its one layer is
+    the identity (zero output projections), token r embeds as the unit vector e_(r+1),
+    the final RMSNorm scales it by 1 / sqrt(1/H + eps), and lm_head's column r+1 holds
+    `logits[r]` times that factor's inverse."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
-                         tie_word_embeddings=False)
+                         tie_word_embeddings=False, rms_norm_eps=1e-6)
     with torch.random.fork_rng(devices=[]):
         model = Qwen3ForCausalLM(config).eval()
-    last_tokens = {}
-
-    def note_tokens(module, inputs, output):
-        last_tokens["ids"] = inputs[0][:, -1]
-
-    def fixed_output(module, inputs, output):
-        return logits[last_tokens["ids"]][:, None, :].expand(output.shape)
-
-    model.get_input_embeddings().register_forward_hook(note_tokens)
-    model.get_output_embeddings().register_forward_hook(fixed_output)
+    scale = (1 / config.hidden_size + config.rms_norm_eps) ** 0.5
+    with torch.no_grad():
+        layer = model.model.layers[0]
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+        embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        embedding.zero_()
+        embedding[:, 0] = 1.0  # any other token (pads): a direction lm_head maps to 0
+        head.zero_()
+        for r in range(len(logits)):
+            embedding[r, 0] = 0.0
+            embedding[r, r + 1] = 1.0
+            head[:, r + 1] = logits[r].float() * scale
+        model.model.norm.weight.fill_(1.0)
     return model
 
 
-def generate_draws(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
-    """[rows, DRAWS] first tokens of TransformersBackend.generate (model.generate path)."""
-    backend = TransformersBackend(fixed_logits_model(logits), pad_token_id=VOCAB - 1, eos_token_ids=[VOCAB - 2],
-                                  batch_size=10_000, cache_implementation=None)
-    settings = SamplingSettings(temperature, top_p, top_k, max_new_tokens=1, seed=SEED)
-    result = backend.generate([[row] for row in range(len(logits))], settings, n=DRAWS)
-    return torch.tensor([[completion.ids[0] for completion in row] for row in result])
+def backend_draws(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, *, engine, draws: int,
+                  per_call: int, batch_size: int) -> torch.Tensor:
+    """[rows, draws] first tokens sampled by TransformersBackend.generate with `engine`
+    from `lookup_model(logits)`, `per_call` samples per prompt and call (seeds SEED, SEED+1, ...)."""
+    backend = TransformersBackend(lookup_model(logits), pad_token_id=VOCAB - 1, eos_token_ids=[VOCAB - 2],
+                                  batch_size=batch_size, cache_implementation=engine)
+    parts = []
+    for call in range(draws // per_call):
+        settings = SamplingSettings(temperature, top_p, top_k, max_new_tokens=1, seed=SEED + call)
+        result = backend.generate([[row] for row in range(len(logits))], settings, n=per_call)
+        parts.append(torch.tensor([[completion.ids[0] for completion in row] for row in result]))
+    return torch.cat(parts, dim=1)
 
 
-ENGINES = {"static decoder": static_decoder_draws, "transformers generate": generate_draws}
+def generate_draws(logits, temperature, top_p, top_k):
+    """model.generate (the CPU default and the tiny preset's engine), DRAWS per row."""
+    return backend_draws(logits, temperature, top_p, top_k, engine=None, draws=DRAWS, per_call=DRAWS,
+                         batch_size=10_000)
+
+
+def paged_draws(logits, temperature, top_p, top_k):
+    """transformers' continuous batching (the evaluation's CUDA default), PAGED_DRAWS per
+    row: each sample is a request, about 7 ms each on one core, so fewer draws; they
+    still see a filtered-out token or a wrong temperature (the controls' p ~ 1e-44 at
+    DRAWS scales down with the draws, not to chance)."""
+    return backend_draws(logits, temperature, top_p, top_k, engine="paged", draws=PAGED_DRAWS, per_call=500,
+                         batch_size=256)
+
+
+ENGINES = {"static decoder": static_decoder_draws, "transformers generate": generate_draws,
+           "transformers paged": paged_draws}
+# The paged engine is slow per sample on CPU: the recipe and the evaluation's kind of
+# setting (top-p over the whole vocabulary) only.
+CASES = [(engine, setting) for engine in ENGINES for setting in SETTINGS
+         if engine != "transformers paged" or setting in ("recipe", "top-p over the whole vocabulary")]
 
 
 # ---------------------------------------------------------------- tests
+
+def test_lookup_model_gives_the_fixed_logits():
+    logits = fixed_logits()
+    with torch.no_grad():
+        got = lookup_model(logits)(input_ids=torch.arange(len(logits))[:, None]).logits[:, -1]
+    assert (got - logits).abs().max() < 1e-5
 
 def test_fixed_logits_exercise_each_setting():
     """The settings do what their names say on these logits (else the tests below
@@ -186,13 +226,12 @@ def test_fixed_logits_exercise_each_setting():
     assert max(kept["top-p over the whole vocabulary"]) > 512  # more than NucleusFilter's candidates
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize(("engine", "setting"), CASES)
 def test_sampler_frequencies_match_the_target(engine, setting):
     logits = fixed_logits()
     target = target_distribution(logits, *SETTINGS[setting])
     draws = ENGINES[engine](logits, *SETTINGS[setting])
-    assert draws.shape == (len(ROW_SCALES), DRAWS)
+    assert draws.shape == (len(ROW_SCALES), PAGED_DRAWS if engine == "transformers paged" else DRAWS)
     results = row_checks(draws, target)
     assert all(outside == 0 for outside, _ in results), f"filtered-out tokens drawn (per row): {results}"
     assert all(p > PASS_P for _, p in results), f"(filtered-out draws, chi-square p) per row: {results}"
