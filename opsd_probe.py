@@ -3,7 +3,8 @@ configurations, without training (OPSD_EXPERIMENTS.md, "Probe on frozen rollouts
 
     python opsd_probe.py --preset tiny --rows 8 \\
         --variant clip_mode=token --variant teacher_context=shuffled,beta=0 \\
-        [--save-rollouts R.jsonl | --rollouts R.jsonl] [--out probe.json] [--attribution A.jsonl]
+        [--checkpoint RUN/checkpoint-N] [--save-rollouts R.jsonl | --rollouts R.jsonl] \\
+        [--out probe.json] [--attribution A.jsonl]
 
 1. The baseline configuration is resolved exactly as for training (`opsd_train.parse`: the
    tiny preset, `--recipe`, the OPSD_* switches, the flags given here).
@@ -14,7 +15,9 @@ configurations, without training (OPSD_EXPERIMENTS.md, "Probe on frozen rollouts
    the same rollouts: the trainer's scoring forwards (`OPSDTrainer.scoring_forwards`, both
    roles, its padding geometry, in micro-batches of `--batch-size`) and the loss's own
    per-token function (`opsd_loss.rows_divergence`). Nothing is trained; the student is
-   the model with a fresh LoRA adapter, i.e. the trainer's state at its first step.
+   the model with a fresh LoRA adapter, i.e. the trainer's state at its first step, or
+   with a run's adapter (`--checkpoint DIR`: checkpoint-N of a run, the trainer's state
+   after N steps; its LoRA shape must match, checked before the model loads).
 
 Per variant: the token means over all rollouts of the clipped divergence (`loss`) and of
 every diagnostic the trainer logs, under the same names, plus `lp_shift_student` /
@@ -191,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "recipe's per-device batch)")
     p.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                    help=f"a configuration to score next to the baseline; keys: {', '.join(VARIANT_KEYS)}")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="a run's LoRA checkpoint (checkpoint-N): the student is the model with this adapter "
+                        "(it samples the rollouts, unless --rollouts, and is scored); the fixed teacher stays the "
+                        "base weights. Its LoRA shape must be the probe's (pass the run's --recipe)")
     p.add_argument("--rollouts", metavar="FILE", help="score the rollouts of this file instead of sampling")
     p.add_argument("--save-rollouts", metavar="FILE", help="write the sampled rollouts here (JSON lines)")
     p.add_argument("--out", metavar="FILE", help="every number as JSON")
@@ -247,6 +254,9 @@ def prepare(argv: list[str], workdir: str, env=os.environ) -> Plan:
     if unsupported:
         raise ProbeError(f"the probe scores the divergence objective on fixed prompts; {unsupported[0]} is not supported")
 
+    if args.checkpoint:
+        check_checkpoint(args.checkpoint, script_args, config)
+
     datasets = {config.teacher_context: dataset}
     for variant in variants:
         context = variant.changes.get("teacher_context", config.teacher_context)
@@ -264,6 +274,50 @@ def prepare(argv: list[str], workdir: str, env=os.environ) -> Plan:
             raise ProbeError(f"--rows {rows}: the data has only {len(dataset)} rows")
         indices = list(range(rows))
     return Plan(args, script_args, config, variants, datasets, rollouts, indices)
+
+
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+
+
+def check_checkpoint(path: str, script_args, config) -> None:
+    """A LoRA checkpoint folder whose adapter has the probe's shape (rank, alpha, target
+    modules), else a ProbeError naming what differs; checked before any model loads."""
+    from opsd_train import LORA_TARGETS
+
+    where = f"--checkpoint {path}"
+    if not os.path.isdir(path):
+        raise ProbeError(f"{where}: no such folder")
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise ProbeError(f"{where}: no {name} (a LoRA checkpoint holds both {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+    if config.use_ema_teacher:
+        raise ProbeError(f"{where}: the EMA teacher's state is not restored from a checkpoint; "
+                         "probe it with fixed_teacher (the default)")
+    try:
+        with open(os.path.join(path, ADAPTER_CONFIG), encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ProbeError(f"{where}/{ADAPTER_CONFIG}: cannot read it as JSON ({e})") from None
+    expected = {"r": script_args.lora_r, "lora_alpha": script_args.lora_alpha,
+                "target_modules": sorted(LORA_TARGETS)}
+    found = {"r": saved.get("r"), "lora_alpha": saved.get("lora_alpha"),
+             "target_modules": sorted(saved.get("target_modules") or [])}
+    for key, value in expected.items():
+        if found[key] != value:
+            raise ProbeError(f"{where}/{ADAPTER_CONFIG}: {key} is {found[key]}, the probe's LoRA has {value} "
+                             "(pass the run's --recipe)")
+
+
+def load_adapter(model, path: str) -> None:
+    """Put the checkpoint's adapter weights into the probe's peft model (same shape, checked)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    result = set_peft_model_state_dict(model, load_file(os.path.join(path, ADAPTER_WEIGHTS)))
+    missing = [key for key in result.missing_keys if "lora_" in key]
+    if result.unexpected_keys or missing:
+        raise ProbeError(f"--checkpoint {path}/{ADAPTER_WEIGHTS}: does not fit the probe's adapter "
+                         f"({(result.unexpected_keys or missing)[0]} {'unexpected' if result.unexpected_keys else 'missing'})")
 
 
 def _vocab_size(model: str) -> int:
@@ -510,6 +564,8 @@ def run(plan: Plan) -> tuple[str, dict, list[dict]]:
     model, tokenizer = opsd_train.build_model_and_tokenizer(plan.script_args)
     trainer = OPSDTrainer(model=model, args=config, train_dataset=plan.datasets[config.teacher_context],
                           processing_class=tokenizer, peft_config=opsd_train.lora_config(plan.script_args))
+    if args.checkpoint:
+        load_adapter(trainer.model, args.checkpoint)
     rows_by_context = {ctx: [data[i] for i in plan.indices] for ctx, data in plan.datasets.items()}
     baseline_rows = rows_by_context[config.teacher_context]
     if plan.rollouts is None:
@@ -540,7 +596,8 @@ def run(plan: Plan) -> tuple[str, dict, list[dict]]:
     summary = summarize(records)
     lengths = [len(r.completion_ids) for r in rollouts]
     report = {
-        "model": plan.script_args.model_name_or_path, "data": plan.script_args.dataset_name,
+        "model": plan.script_args.model_name_or_path, "checkpoint": args.checkpoint,
+        "data": plan.script_args.dataset_name,
         "data_select": plan.script_args.data_select, "seed": config.seed, "batch_size": args.batch_size,
         "rollouts": {"source": args.rollouts or "sampled", "count": len(rollouts), "tokens": sum(lengths),
                      "mean_length": sum(lengths) / len(lengths), "max_length": max(lengths),

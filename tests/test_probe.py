@@ -38,15 +38,24 @@ def probed(tmp_path_factory):
     return tmp, {row["name"]: row for row in report["variants"]}, report, rollouts, records
 
 
-def trainer_step_loss(tmp, env, rollouts):
+def trainer_step_loss(tmp, env, rollouts, adapter_seed=None, save_adapter_to=None):
     """The training step's loss computation (OPSDTrainer._opsd_loss) on the saved rollouts,
-    with a trainer configured the way a training run would be (switches from `env`)."""
+    with a trainer configured the way a training run would be (switches from `env`);
+    `adapter_seed`: the adapter's lora_B drawn at random first (a trained adapter, in effect),
+    saved as a checkpoint folder to `save_adapter_to`."""
     argv = ["--preset", "tiny", "--output_dir", str(tmp), "--report_to", "none",
             "--max_completion_length", str(LENGTH), "--per_device_train_batch_size", str(ROWS)]
     script_args, config, data = opsd_train.parse(argv, env=env)
     model, tokenizer = opsd_train.build_model_and_tokenizer(script_args)
     trainer = OPSDTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
                           peft_config=opsd_train.lora_config(script_args))
+    if adapter_seed is not None:
+        gen = torch.Generator().manual_seed(adapter_seed)
+        with torch.no_grad():
+            for name, param in trainer.model.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+        trainer.model.save_pretrained(save_adapter_to)
     rows = [data[r["index"]] for r in rollouts]
     inputs = {"student_prompt_ids": [trainer.collator.student_prompt_ids(row) for row in rows],
               "teacher_prompt_ids": [trainer.collator.teacher_prompt_ids(row) for row in rows],
@@ -75,6 +84,23 @@ def test_variant_row_equals_the_training_steps_loss_under_those_switches(probed,
     _, rows, _, rollouts, _ = probed
     env = {"OPSD_PAD_SIDE": "left", "OPSD_TEACHER_CONTEXT": "shuffled"}
     assert_row_matches(rows["pad_side=left,teacher_context=shuffled"], *trainer_step_loss(tmp_path, env, rollouts))
+
+
+def test_a_checkpoints_adapter_is_the_student(probed, tmp_path):
+    """--checkpoint: the baseline row is the training step's loss with that adapter (a run's
+    state after N steps), on the same frozen rollouts; it differs from the fresh adapter's."""
+    tmp, rows, _, rollouts, _ = probed
+    checkpoint = tmp_path / "checkpoint-7"
+    loss, stats = trainer_step_loss(tmp_path / "run", {}, rollouts, adapter_seed=3, save_adapter_to=checkpoint)
+    out = tmp_path / "p.json"
+    argv = ["--preset", "tiny", "--max-completion-length", str(LENGTH), "--batch-size", str(ROWS),
+            "--rollouts", str(tmp / "r.jsonl"), "--checkpoint", str(checkpoint), "--out", str(out)]
+    assert opsd_probe.main(argv) == 0
+    report = json.loads(out.read_text())
+    baseline = report["variants"][0]
+    assert report["checkpoint"] == str(checkpoint) and baseline["name"] == "baseline"
+    assert_row_matches(baseline, loss, stats)
+    assert abs(baseline["loss"] - rows["baseline"]["loss"]) > 1e-4
 
 
 def test_variant_rows_differ_where_they_should(probed):
@@ -208,6 +234,10 @@ GOOD = json.dumps({"index": 0, "problem": "What is the sum of the digits of $98 
     (["--rollouts", "bad", '{"index": 1, "problem": "x", "completion_ids": [5]}'],
      "error: {tmp}/bad.jsonl: rollout 1 was sampled for another problem than row 1 of this data"),
     (["--rows", "0"], "error: argument --rows: must be >= 1, got 0"),
+    (["--checkpoint", "{tmp}/absent"], "error: --checkpoint {tmp}/absent: no such folder"),
+    (["--checkpoint", "{tmp}"], "error: --checkpoint {tmp}: no adapter_config.json (a LoRA checkpoint holds both"),
+    (["--checkpoint", "lora_r=8"], "error: --checkpoint {tmp}/ckpt/adapter_config.json: r is 8, the probe's LoRA "
+                                   "has 64 (pass the run's --recipe)"),
 ])
 def test_bad_input_is_one_line_before_any_model_loads(tmp_path, monkeypatch, capsys, extra, message):
     def no_model(*args, **kwargs):
@@ -216,6 +246,12 @@ def test_bad_input_is_one_line_before_any_model_loads(tmp_path, monkeypatch, cap
     monkeypatch.setattr(opsd_train, "build_model_and_tokenizer", no_model)
     if extra[:2] == ["--rollouts", "bad"]:
         extra = ["--rollouts", str(_bad_rollouts(tmp_path, extra[2:]))]
+    if extra == ["--checkpoint", "lora_r=8"]:  # a checkpoint of a run with another LoRA rank
+        (tmp_path / "ckpt").mkdir()
+        (tmp_path / "ckpt" / "adapter_model.safetensors").write_bytes(b"")
+        (tmp_path / "ckpt" / "adapter_config.json").write_text(json.dumps(
+            {"r": 8, "lora_alpha": 128, "target_modules": opsd_train.LORA_TARGETS}))
+        extra = ["--checkpoint", str(tmp_path / "ckpt")]
     extra = [e.replace("{tmp}", str(tmp_path)) for e in extra]
     out = tmp_path / "p.json"
     argv = ["--preset", "tiny", "--out", str(out), *extra]
