@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import threading
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -106,12 +107,18 @@ class StaticDecoder:
     _instances: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
 
     def __init__(self, model, compiled: bool, merge_lora: bool = False):
-        self.model = model  # the transformers CausalLM (under any peft wrapper)
+        # The transformers CausalLM (under any peft wrapper), held weakly: `_instances` maps the
+        # model to this decoder, and a strong reference back would keep both alive forever.
+        self._model = weakref.ref(model)
         self.compiled = compiled
         self.merge_lora = merge_lora
         self.merged: MergedStudent | None = None
         self.merge_error: str | None = None  # why the adapters are sampled unmerged despite merge_lora
         self.state: _DecodeState | None = None
+
+    @property
+    def model(self):
+        return self._model()
 
     @staticmethod
     def supports(model) -> bool:
@@ -242,7 +249,8 @@ class _DecodeState:
         dtype = model.get_input_embeddings().weight.dtype
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.model, self.key, self.sampler = model, key, sampler
+        self._model = weakref.ref(model)  # the network that samples (see StaticDecoder: held weakly)
+        self.key, self.sampler = key, sampler
         self.width, self.max_new_tokens, self.pad_token_id = width, max_new_tokens, pad_token_id
         self.length = width + max_new_tokens
         self.cache_argument = _cache_argument(model)
@@ -267,6 +275,10 @@ class _DecodeState:
         self.graphs, self.graph_error = None, None
         if device.type == "cuda" and max_new_tokens > 3:
             self._record()
+
+    @property
+    def model(self):
+        return self._model()
 
     def _forward(self, input_ids, position_ids, mask) -> torch.Tensor:
         return _forward_logits(self.model, self.cache, self.cache_argument, self.layer_types,
@@ -371,27 +383,29 @@ def decode_limits(width: int, max_new_tokens: int, window: int | None) -> list[i
     return [min(width + end, length) for end in range(window, max_new_tokens + window, window)]
 
 
-class _AttentionLimit:
-    columns: int | None = None  # read by the decode attention op; set while a window's step runs or records
+# Read by the decode attention op; set while a window's step runs or records. Per thread:
+# two threads decoding step by step must not cut each other's window.
+_ATTENTION_LIMIT = threading.local()
 
 
 @contextlib.contextmanager
 def attention_limit(columns: int):
-    """Decode attention inside the block reads cache columns [0, columns)."""
-    previous, _AttentionLimit.columns = _AttentionLimit.columns, columns
+    """Decode attention inside the block (this thread) reads cache columns [0, columns)."""
+    previous = getattr(_ATTENTION_LIMIT, "columns", None)
+    _ATTENTION_LIMIT.columns = columns
     try:
         yield
     finally:
-        _AttentionLimit.columns = previous
+        _ATTENTION_LIMIT.columns = previous
 
 
 @torch.library.custom_op("opsd::decode_attention", mutates_args=())
 def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                       scale: float | None) -> torch.Tensor:
     """sdpa of one query token (GQA heads packed as query rows) over the cache's first
-    `_AttentionLimit.columns` columns. An opaque op to torch.compile, so one compiled
-    step serves every window: the limit is read when a window's graph is recorded."""
-    limit = _AttentionLimit.columns or key.shape[-2]
+    `attention_limit` columns. An opaque op to torch.compile, so one compiled step
+    serves every window: the limit is read when a window's graph is recorded."""
+    limit = getattr(_ATTENTION_LIMIT, "columns", None) or key.shape[-2]
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key[:, :, :limit], value[:, :, :limit], attn_mask=mask[..., :limit], scale=scale)
     return out.contiguous()
