@@ -467,10 +467,14 @@ def problem_chunks(request: EvalRequest, num_problems: int) -> list[range]:
     """Problems are sampled in fixed chunks, each seeded from (seed, its first problem):
     a chunk's completions do not depend on what else ran, so an evaluation resumed
     after a kill gives the same report as an uninterrupted one. Transformers: the
-    problems whose samples fill one batch; vLLM and the paged engine, which keep
-    their batch full from a queue of rows: VLLM_CHUNK_PROBLEMS."""
-    if request.backend == "vllm" or request.engine == "paged":
+    problems whose samples fill one batch; vLLM: VLLM_CHUNK_PROBLEMS (it keeps its batch
+    full from a queue of rows); the paged engine likewise, but at least the problems
+    whose samples fill its rows per forward (`batch_size`), which a smaller call could
+    never reach."""
+    if request.backend == "vllm":
         size = VLLM_CHUNK_PROBLEMS
+    elif request.engine == "paged":
+        size = max(VLLM_CHUNK_PROBLEMS, -(-request.batch_size // request.settings.n_samples))
     else:
         size = max(1, request.batch_size // request.settings.n_samples)
     return [range(start, min(start + size, num_problems)) for start in range(0, num_problems, size)]

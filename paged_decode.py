@@ -127,7 +127,7 @@ def paged_generate(model, rows: list[list[int]], settings: SamplingSettings, gen
     """Sample one completion per row with transformers' continuous batching.
 
     `generation_config` carries the sampling knobs, EOS ids and max_new_tokens (as
-    `TransformersBackend._generation_config` builds it); `max_rows`: rows per forward
+    `TransformersBackend.generation_config(settings, processors_passed=False)` builds it); `max_rows`: rows per forward
     pass; `cache_gib`: the KV pool (see `cache_blocks`). `deadline` (time.monotonic()):
     stop there, returning what each row has so far, marked unfinished (benchmarks).
     `progress`: a tqdm-like bar, advanced per finished row. Raises RuntimeError when the

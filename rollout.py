@@ -145,8 +145,9 @@ class TransformersBackend:
     def _generate_paged(self, rows: list[list[int]], settings: SamplingSettings, progress: bool) -> list[Completion]:
         """All rows at once through transformers' continuous batching (paged_decode.py)."""
         with _progress_bar(len(rows), progress) as bar, _inference_mode(self.model), torch.no_grad():
-            run = paged_generate(self.model, rows, settings, self._generation_config(settings, own_processors=False),
-                                 max_rows=self.batch_size, cache_gib=self.paged_cache_gib, progress=bar)
+            config = self.generation_config(settings, processors_passed=False)
+            run = paged_generate(self.model, rows, settings, config, max_rows=self.batch_size,
+                                 cache_gib=self.paged_cache_gib, progress=bar)
         return [to_completion(tokens, self.eos_token_ids) for tokens in run.tokens]
 
     def _generate_batch(self, batch: list[list[int]], settings: SamplingSettings,
@@ -169,16 +170,18 @@ class TransformersBackend:
         with _seeded_rng(settings.seed, batch_index, device):
             output = self.model.generate(
                 input_ids=input_ids, attention_mask=attention_mask,
-                generation_config=self._generation_config(settings),
+                generation_config=self.generation_config(settings, processors_passed=True),
                 logits_processor=sampling_processors(settings),
             )
         new_tokens = output[:, input_ids.shape[1]:].tolist()
         return [to_completion(row, self.eos_token_ids) for row in new_tokens]
 
-    def _generation_config(self, settings: SamplingSettings, own_processors: bool = True):
-        """generate()'s config for `settings`. `own_processors`: the call passes
-        `sampling_processors(settings)`, so the config's warpers are switched off; the
-        paged engine takes no processors, so its config keeps every knob."""
+    def generation_config(self, settings: SamplingSettings, *, processors_passed: bool):
+        """The GenerationConfig for `settings`. `processors_passed`: the caller also passes
+        `sampling_processors(settings)` to generate(), so the config's own warpers are
+        switched off when those do the work (top-p on); False (the paged engine, which takes
+        no processors): the config keeps every knob. No default: either wrong choice
+        samples another distribution."""
         from transformers import GenerationConfig
 
         # Every sampling knob is set explicitly: generate() fills unset (None)
@@ -190,7 +193,7 @@ class TransformersBackend:
         if settings.temperature > 0:
             sampling = dict(do_sample=True, temperature=settings.temperature, top_p=settings.top_p,
                             top_k=max(settings.top_k, 0))  # 0 = no top-k filter
-            if own_processors and sampling_processors(settings) is not None:  # they do all three, in this order
+            if processors_passed and sampling_processors(settings) is not None:  # they do all three, in this order
                 sampling.update(temperature=1.0, top_p=1.0, top_k=0)
         return GenerationConfig(
             max_new_tokens=settings.max_new_tokens,
@@ -237,7 +240,7 @@ def sampling_processors(settings: SamplingSettings) -> list | None:
     """generate()'s `logits_processor` for `settings`: None (generate's own warpers
     do it all) unless top-p is on, then temperature -> top-k -> NucleusFilter, the
     order of transformers' warpers, with generate's own warpers switched off
-    (`_generation_config`). All three are passed because generate() runs the
+    (`generation_config`). All three are passed because generate() runs the
     processors it is given *before* the warpers it builds (transformers 5.x
     `_get_logits_processor`): a NucleusFilter given alone would cut the untempered,
     untruncated distribution, which is another distribution."""

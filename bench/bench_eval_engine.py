@@ -73,7 +73,7 @@ def run_paged(model, rows, settings, max_rows: int, cache_gib, deadline: float, 
     try:
         with torch.no_grad():
             seconds, run = common.timed(lambda: paged_decode.paged_generate(
-                model, rows, settings, backend._generation_config(settings), max_rows=max_rows,
+                model, rows, settings, backend.generation_config(settings, processors_passed=False), max_rows=max_rows,
                 cache_gib=cache_gib, deadline=deadline))
         tokens = sum(len(t) for t in run.tokens)
         finished = sum(run.finished)

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -365,6 +366,17 @@ def test_dev_eval_bad_checkpoint_and_usage(tmp_path):
     usage = dev_eval()
     assert usage.returncode == 2 and usage.stderr.startswith("usage: dev_eval.sh")
     assert dev_eval("-h").returncode == 0
+
+
+def test_paged_calls_hold_at_least_its_rows_per_forward():
+    """The paged engine keeps up to batch_size rows in one forward: a call must bring that many."""
+    frozen = opsd_eval.FROZEN_SETTINGS  # 12 samples per problem
+    request = types.SimpleNamespace(backend="transformers", engine="paged", batch_size=256, settings=frozen)
+    assert opsd_eval.problem_chunks(request, 30) == [range(0, 22), range(22, 30)]  # 22 x 12 = 264 >= 256
+    request.batch_size = 24
+    assert opsd_eval.problem_chunks(request, 30) == [range(0, 10), range(10, 20), range(20, 30)]
+    request.backend, request.engine = "vllm", None
+    assert opsd_eval.problem_chunks(request, 30) == [range(0, 10), range(10, 20), range(20, 30)]
 
 
 def test_engine_choice():

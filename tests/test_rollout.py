@@ -598,7 +598,7 @@ def test_paged_deadline_hands_back_partial_rows(tiny, prompts):
     model, tokenizer = tiny
     backend = paged(tiny, batch_size=2)
     rows = [p for p in prompts for _ in range(4)]
-    run = paged_generate(model, rows, SAMPLE, backend._generation_config(SAMPLE), max_rows=2,
+    run = paged_generate(model, rows, SAMPLE, backend.generation_config(SAMPLE, processors_passed=False), max_rows=2,
                          deadline=time.monotonic())
     assert len(run.tokens) == len(rows) and not all(run.finished)
     assert all(len(t) <= SAMPLE.max_new_tokens for t in run.tokens)
