@@ -36,25 +36,40 @@ def parse_lines(text: str, error: ErrorClass, name: str) -> list[tuple[int, dict
     """(line number, object) for each non-blank line of `text`, a JSON-lines file's
     content; `name` names the file in messages."""
     records = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # Lines end at "\n" only: str.splitlines() also splits at U+2028 and friends, which
+    # json.dumps(ensure_ascii=False) writes raw inside strings.
+    for number, line in enumerate(split_lines(text), start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise error(f"{name}:{number}: not valid JSON ({e.msg})") from None
-        except (ValueError, RecursionError) as e:  # valid syntax json refuses: a 5,000-digit number, deep nesting
-            raise error(f"{name}:{number}: not valid JSON ({type(e).__name__}: "
-                        f"{(str(e).splitlines() or [''])[0][:120]})") from None
+        except (ValueError, RecursionError) as e:
+            raise error(f"{name}:{number}: not valid JSON ({refusal(e)})") from None
         if not isinstance(record, dict):
             raise error(f"{name}:{number}: not a JSON object")
         records.append((number, record))
     return records
 
 
+def split_lines(text: str) -> list[str]:
+    """The lines of a JSON-lines text as an editor numbers them: split at "\n", a "\r"
+    before it dropped, no empty last line for a final newline."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
 def read_jsonl(path: str | os.PathLike, error: ErrorClass, name: str | None = None) -> list[tuple[int, dict]]:
     """(line number, object) for each non-blank line of the JSON-lines file at `path`."""
     return parse_lines(read_text(path, error, name), error, _name(path, name))
+
+
+def refusal(e: Exception) -> str:
+    """One line for what json refuses beyond syntax: a 5,000-digit number, deep nesting."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
 
 
 def _name(path: str | os.PathLike, name: str | None) -> str:

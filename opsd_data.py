@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from answers import answer_text, reference_answer
-from jsonl import parse_lines, read_text
+from jsonl import parse_lines, read_text, refusal
 from opsd_config import TEACHER_CONTEXTS, ConfigError, parse_data_select
 from prompts import SHUFFLED_SOLUTION
 
@@ -162,6 +162,8 @@ def _json_list_rows(text: str, where: str) -> list[dict]:
         rows = json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(f"{where}:{e.lineno}: not valid JSON ({e.msg})") from None
+    except (ValueError, RecursionError) as e:
+        raise DataError(f"{where}: not valid JSON ({refusal(e)})") from None
     for number, row in enumerate(rows, start=1):
         if not isinstance(row, dict):
             raise DataError(f"{where}: item {number} of the JSON list is not an object")

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import NamedTuple, Sequence
 
 from answers import extract_boxed
+from jsonl import split_lines
 
 DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
 DEFAULT_DATASET = "HuggingFaceH4/aime_2024"
@@ -693,7 +694,7 @@ class PartialResults:
     def load(self) -> dict[int, dict]:
         """{problem index: record} of a previous run with the same arguments."""
         try:
-            lines = self.path.read_text(encoding="utf-8").splitlines()
+            lines = split_lines(self.path.read_text(encoding="utf-8"))  # a model's text may hold U+2028
         except (OSError, UnicodeDecodeError):
             lines = []
         records = {}

@@ -283,6 +283,13 @@ def test_bad_json_list_names_file_and_line(tmp_path):
     assert message_of(load_train_dataset, str(path)).startswith(f"train file {path}:3: not valid JSON (")
 
 
+def test_json_list_python_refuses_is_one_line(tmp_path):
+    path = tmp_path / "huge.json"
+    path.write_text('[{"problem": "a", "solution": "b", "n": ' + "9" * 5000 + "}]\n")
+    message = message_of(load_train_dataset, str(path))
+    assert message.startswith(f"train file {path}: not valid JSON (ValueError") and "\n" not in message
+
+
 def test_json_line_that_is_not_an_object(tmp_path):
     path = tmp_path / "list.jsonl"
     path.write_text(json.dumps(ROWS[0]) + "\n[1, 2]\n")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from jsonl import parse_lines, read_jsonl, read_text
+from jsonl import parse_lines, read_jsonl, read_text, split_lines
 
 
 class Bad(ValueError):
@@ -87,3 +87,13 @@ def test_json_that_python_refuses_is_a_one_line_error(tmp_path):
     path.write_text("[" * 100_000 + "\n", encoding="utf-8")
     with pytest.raises(Bad, match=r"big.jsonl:1: not valid JSON"):
         read_jsonl(path, Bad)
+
+
+def test_lines_end_at_newline_only(tmp_path):
+    """U+2028 / U+2029 / U+0085 inside a JSON string (json.dumps(ensure_ascii=False) writes them
+    raw) do not end a line; CRLF files read as LF ones; line numbers are an editor's."""
+    text = json.dumps({"problem": "a\u2028b\u2029c\x85d"}, ensure_ascii=False)
+    path = tmp_path / "u.jsonl"
+    path.write_bytes((text + "\r\n\r\n{\"x\": 1}\r\n").encode("utf-8"))
+    assert read_jsonl(path, Bad) == [(1, {"problem": "a\u2028b\u2029c\x85d"}), (3, {"x": 1})]
+    assert split_lines("a\nb") == ["a", "b"] and split_lines("a\n") == ["a"] and split_lines("") == []
