@@ -14,9 +14,11 @@ environment:
   OPSD_EVAL_DATA     eval set: hub name, .json/.jsonl/.parquet  (default HuggingFaceH4/aime_2024)
   OPSD_EVAL_BACKEND  transformers | vllm | auto           (default auto: vllm with CUDA, else transformers)
   OPSD_EVAL_ENGINE   the transformers backend's engine: auto | dynamic | paged | static | graph | graph_compiled
-                     (default auto: paged with CUDA, else dynamic; python opsd_eval.py -h says more)
+                     (default auto: paged with CUDA, else and with OPSD_PRESET=tiny dynamic;
+                     python opsd_eval.py -h says more)
+  OPSD_EVAL_PAGED_GIB  the paged engine's KV pool in GiB (default half the GPU's memory)
   OPSD_EVAL_OUT      output folder for eval_<name>.json   (default <repo>/outputs/eval/<dataset>)
-  OPSD_PRESET=tiny   embedded tiny model and eval set: first 8 problems, 4 short samples each
+  OPSD_PRESET=tiny   embedded tiny model and its 30-problem eval set, 8 samples of at most 96 tokens each
                      (OPSD_MODEL / OPSD_EVAL_DATA, when set, still win)
 USAGE
 }
@@ -40,6 +42,7 @@ checkpoint="$1"
 [[ "$checkpoint" == base ]] || checkpoint="$(realpath -m -- "$checkpoint")"  # always a local folder
 
 args=("$checkpoint" --backend "${OPSD_EVAL_BACKEND:-auto}" --engine "${OPSD_EVAL_ENGINE:-auto}")
+if [[ -n "${OPSD_EVAL_PAGED_GIB:-}" ]]; then args+=(--paged-cache-gib "$OPSD_EVAL_PAGED_GIB"); fi
 if [[ -n "${OPSD_PRESET:-}" ]]; then
   args+=(--preset "$OPSD_PRESET")
   # Under the preset, only explicitly set variables override its tiny model and data.

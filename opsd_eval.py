@@ -335,6 +335,7 @@ class EvalRequest:
     output_path: Path
     batch_size: int         # transformers: rows per generate() call (paged: per forward pass)
     engine: str | None = None  # the transformers engine, resolved ("dynamic", "paged", ...); None with vLLM
+    paged_cache_gib: float | None = None  # the paged engine's KV pool, resolved (it changes the samples)
 
 
 def build_request(args: argparse.Namespace):
@@ -363,6 +364,13 @@ def build_request(args: argparse.Namespace):
         batch_size = DEFAULT_MAX_ROWS if engine == "paged" else BATCH_SIZE
     if batch_size < 1:
         raise InputError(f"--batch-size must be at least 1, got {batch_size}")
+    paged_cache_gib = None
+    if args.paged_cache_gib is not None and engine != "paged":
+        raise InputError(f"--paged-cache-gib sizes the paged engine's KV pool; the engine here is {engine or backend}")
+    if engine == "paged":
+        if args.paged_cache_gib is not None and not args.paged_cache_gib > 0:
+            raise InputError(f"--paged-cache-gib must be > 0, got {args.paged_cache_gib}")
+        paged_cache_gib = args.paged_cache_gib or round(_default_paged_cache_gib(), 3)
     output_dir = Path(args.output_dir) if args.output_dir else Path("outputs") / "eval" / dataset_tag(dataset)
     request = EvalRequest(
         checkpoint=checkpoint,
@@ -373,8 +381,17 @@ def build_request(args: argparse.Namespace):
         output_path=output_dir / f"eval_{run_name(checkpoint)}.json",
         batch_size=batch_size,
         engine=engine,
+        paged_cache_gib=paged_cache_gib,
     )
     return request, problems
+
+
+def _default_paged_cache_gib() -> float:
+    import torch
+
+    from paged_decode import default_cache_gib
+
+    return default_cache_gib(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 # The transformers engines (rollout.TransformersBackend's cache_implementation), and
@@ -546,7 +563,8 @@ def _transformers_backend(request: EvalRequest, model_path: str, tokenizer):
     model.eval()
     return TransformersBackend(model, pad_token_id=_pad_token_id(tokenizer),
                                eos_token_ids=eos_token_ids_of(tokenizer, model.generation_config),
-                               batch_size=request.batch_size, cache_implementation=request.engine)
+                               batch_size=request.batch_size, cache_implementation=request.engine,
+                               paged_cache_gib=request.paged_cache_gib)
 
 
 def _vllm_backend(request: EvalRequest, model_path: str, prompts: list[list[int]], context: int | None):
@@ -667,6 +685,7 @@ def evaluate(request: EvalRequest, problems: list[dict]) -> dict:
         "backend": request.backend,
         "engine": request.engine,
         "batch_size": request.batch_size,
+        "paged_cache_gib": request.paged_cache_gib,
         "metrics": summarize(records, request.settings.n_samples),
         "elapsed_s": round(time.time() - started, 1),
         "problems": records,
@@ -689,7 +708,7 @@ class PartialResults:
         self.header = {"settings": asdict(request.settings), "model": request.model,
                        "checkpoint": request.checkpoint or "base", "dataset": request.dataset,
                        "backend": request.backend, "engine": request.engine, "batch_size": request.batch_size,
-                       "num_problems": num_problems}
+                       "paged_cache_gib": request.paged_cache_gib, "num_problems": num_problems}
 
     def load(self) -> dict[int, dict]:
         """{problem index: record} of a previous run with the same arguments."""
@@ -752,6 +771,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "(transformers' continuous batching over a KV cache of bounded size), dynamic on CPU "
                              "and with the tiny preset (generate() with the dynamic cache); static, graph, "
                              "graph_compiled: the trainer's rollout engines")
+    parser.add_argument("--paged-cache-gib", type=float, default=None, metavar="GIB",
+                        help="the paged engine's KV pool in GiB (default: half the GPU's total memory, a quarter "
+                             "of RAM on CPU); it bounds the evaluation's memory, and the samples depend on it")
     parser.add_argument("--batch-size", type=int, default=None,
                         help=f"transformers backend: rows per generate() call (default {BATCH_SIZE}); the paged "
                              f"engine: rows per forward pass, about the rows in flight (default {DEFAULT_MAX_ROWS})")

@@ -328,7 +328,7 @@ def write_jsonl(path: Path, rows) -> Path:
 
 
 @pytest.mark.parametrize("case", ["missing checkpoint", "not an adapter", "missing data", "no answer column",
-                                  "unknown preset", "unknown engine"])
+                                  "unknown preset", "unknown engine", "pool without paged", "empty pool"])
 def test_bad_inputs_exit_2_with_one_line_and_write_nothing(case, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     checkpoint, extra = "base", []
@@ -343,6 +343,10 @@ def test_bad_inputs_exit_2_with_one_line_and_write_nothing(case, tmp_path, capsy
         extra = ["--dataset", str(write_jsonl(tmp_path / "data.jsonl", [{"problem": "1+1?", "solution": "2"}]))]
     elif case == "unknown engine":
         extra = ["--engine", "pages"]
+    elif case == "pool without paged":
+        extra = ["--engine", "dynamic", "--paged-cache-gib", "4"]
+    elif case == "empty pool":
+        extra = ["--engine", "paged", "--paged-cache-gib", "0"]
     if case == "unknown preset":
         monkeypatch.setenv("OPSD_PRESET", "huge")
         status = opsd_eval.main([checkpoint, "--output-dir", str(out)])
@@ -409,6 +413,7 @@ def test_paged_engine_end_to_end(tmp_path, monkeypatch, capsys):
     assert calls == [("paged", DEFAULT_MAX_ROWS, range(0, 4))]
     report = json.loads((tmp_path / "eval_base.json").read_text())
     assert (report["backend"], report["engine"], report["batch_size"]) == ("transformers", "paged", DEFAULT_MAX_ROWS)
+    assert report["paged_cache_gib"] > 0  # resolved (the default pool), in the report and the resume header
     samples = [s for p in report["problems"] for s in p["samples"]]
     assert len(samples) == 4 * 2
     assert all(0 < s["num_tokens"] <= TINY_SETTINGS.max_new_tokens for s in samples)
