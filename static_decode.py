@@ -113,6 +113,7 @@ class StaticDecoder:
         self.compiled = compiled
         self.merge_lora = merge_lora
         self.merged: MergedStudent | None = None
+        self.merged_fingerprint: int | None = None  # the model's parameter storage the copy was made from
         self.merge_error: str | None = None  # why the adapters are sampled unmerged despite merge_lora
         self.state: _DecodeState | None = None
 
@@ -146,9 +147,12 @@ class StaticDecoder:
         """What samples: the merged copy (refreshed) when adapters are active and can be merged, else the model."""
         if not self.merge_lora or self.merge_error is not None or not has_enabled_adapters(self.model):
             return self.model
+        fingerprint = _storage_fingerprint(self.model)
+        if self.merged is not None and self.merged_fingerprint != fingerprint:
+            self.release()  # the model's tensors moved (`.to()`, new storage): the copy shares stale ones
         if self.merged is None:
             try:
-                self.merged = MergedStudent(self.model)
+                self.merged, self.merged_fingerprint = MergedStudent(self.model), fingerprint
             except MergeUnsupported as exc:
                 self.merge_error = str(exc)
                 warnings.warn(f"rollout: sampling through unmerged adapters ({exc})", RuntimeWarning, stacklevel=3)

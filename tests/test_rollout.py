@@ -458,6 +458,18 @@ def test_a_decoder_does_not_keep_its_model_alive(tiny, prompts, merge_lora):
     assert inner() is None
 
 
+def test_merged_copy_is_remade_when_the_model_moves(tiny, prompts):
+    """`.to()` gives the model new tensors; the copy, which shares them, is made again."""
+    model = lora_model(tiny)
+    graph = backend_for(tiny, model=model, cache_implementation="graph", merge_lora=True)
+    graph.generate(prompts, GREEDY)
+    first = StaticDecoder.for_model(model, merge_lora=True).merged
+    model.to(torch.float64)
+    assert all_ids(graph.generate(prompts, GREEDY)) == all_ids(backend_for(tiny, model=model).generate(prompts, GREEDY))
+    again = StaticDecoder.for_model(model, merge_lora=True).merged
+    assert again is not first and next(again.network.parameters()).dtype == torch.float64
+
+
 def test_adapters_that_cannot_merge_are_sampled_unmerged(tiny, prompts):
     import copy
 
