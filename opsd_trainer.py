@@ -188,7 +188,7 @@ class OPSDConfig(DistillationConfig):
         default=True,
         metadata={
             "help": "graph / graph_compiled rollouts sample the student from a copy of the adapted weights with the "
-            "LoRA delta merged in (rebuilt out of place after each optimizer step; the base weights, i.e. the "
+            "LoRA delta merged in (rebuilt out of place before every rollout; the base weights, i.e. the "
             "teacher, are only read): one matmul per projection instead of three. Costs one copy of the adapted "
             "weights in memory; False samples through the unmerged adapters."
         },
