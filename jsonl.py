@@ -41,12 +41,7 @@ def parse_lines(text: str, error: ErrorClass, name: str) -> list[tuple[int, dict
     for number, line in enumerate(split_lines(text), start=1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise error(f"{name}:{number}: not valid JSON ({e.msg})") from None
-        except (ValueError, RecursionError) as e:
-            raise error(f"{name}:{number}: not valid JSON ({refusal(e)})") from None
+        record = parse_json(line, error, name, line=number)
         if not isinstance(record, dict):
             raise error(f"{name}:{number}: not a JSON object")
         records.append((number, record))
@@ -67,9 +62,17 @@ def read_jsonl(path: str | os.PathLike, error: ErrorClass, name: str | None = No
     return parse_lines(read_text(path, error, name), error, _name(path, name))
 
 
-def refusal(e: Exception) -> str:
-    """One line for what json refuses beyond syntax: a 5,000-digit number, deep nesting."""
-    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+def parse_json(text: str, error: ErrorClass, name: str, line: int | None = None):
+    """json.loads(text), any failure `error("NAME:LINE: not valid JSON (REASON)")`: LINE is
+    `line` (the text is that line of the file) or where the parser stopped; what json
+    refuses beyond syntax (a 5,000-digit number, deep nesting) has no position to give."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{name}:{line or e.lineno}: not valid JSON ({e.msg})") from None
+    except (ValueError, RecursionError) as e:
+        where = f"{name}:{line}" if line else name
+        raise error(f"{where}: not valid JSON ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})") from None
 
 
 def _name(path: str | os.PathLike, name: str | None) -> str:

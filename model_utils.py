@@ -33,3 +33,10 @@ def left_pad(rows: list[list[int]], pad_token_id: int, device,
             input_ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
             attention_mask[i, width - len(row):] = 1
     return input_ids.to(device), attention_mask.to(device)
+
+
+def kv_geometry(config) -> tuple[int, int, int]:
+    """(layers, key/value heads, head dim) of a decoder config: what one token's KV cache holds."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return config.num_hidden_layers, kv_heads, head_dim

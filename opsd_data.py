@@ -33,7 +33,6 @@ Teacher contexts that need more than a column (OPSD_TEACHER_CONTEXT):
 """
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -42,7 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from answers import answer_text, reference_answer
-from jsonl import parse_lines, read_text, refusal
+from jsonl import parse_json, parse_lines, read_text
 from opsd_config import TEACHER_CONTEXTS, ConfigError, parse_data_select
 from prompts import SHUFFLED_SOLUTION
 
@@ -158,12 +157,7 @@ def _read_json_rows(path: Path, where: str, *, allow_list: bool) -> list[dict]:
 
 
 def _json_list_rows(text: str, where: str) -> list[dict]:
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}:{e.lineno}: not valid JSON ({e.msg})") from None
-    except (ValueError, RecursionError) as e:
-        raise DataError(f"{where}: not valid JSON ({refusal(e)})") from None
+    rows = parse_json(text, DataError, where)
     for number, row in enumerate(rows, start=1):
         if not isinstance(row, dict):
             raise DataError(f"{where}: item {number} of the JSON list is not an object")

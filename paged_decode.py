@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model_utils import causal_lm, model_device
+from model_utils import causal_lm, kv_geometry, model_device
 from sampling import SamplingSettings, derive_seed
 
 PAGED = "paged"
@@ -87,11 +87,8 @@ class PagedRun:
 
 def kv_bytes_per_token(model) -> int:
     """KV cache bytes of one token across all layers (keys and values)."""
-    config = causal_lm(model).config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    dtype = next(model.parameters()).dtype
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+    layers, kv_heads, head_dim = kv_geometry(causal_lm(model).config.get_text_config())
+    return 2 * layers * kv_heads * head_dim * next(model.parameters()).dtype.itemsize
 
 
 def default_cache_gib(device: torch.device) -> float:

