@@ -54,7 +54,7 @@ def split_lines(text: str) -> list[str]:
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
-    return [line[:-1] if line.endswith("\r") else line for line in lines]
+    return [line.removesuffix("\r") for line in lines]
 
 
 def read_jsonl(path: str | os.PathLike, error: ErrorClass, name: str | None = None) -> list[tuple[int, dict]]:

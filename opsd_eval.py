@@ -33,7 +33,6 @@ import math
 import os
 import re
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -43,6 +42,7 @@ from typing import NamedTuple, Sequence
 
 from answers import extract_boxed
 from jsonl import split_lines
+from run_folder import write_text_atomic
 
 DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
 DEFAULT_DATASET = "HuggingFaceH4/aime_2024"
@@ -618,24 +618,8 @@ def format_metrics(metrics: dict) -> str:
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
-    """Write to a temporary file in the same folder, then rename over `path`:
-    a reader never sees a half-written report."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(payload, f, indent=1, ensure_ascii=False)
-        os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp creates it private (0600)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _current_umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
+    """The report as JSON, written atomically: a reader never sees a half-written report."""
+    write_text_atomic(path, json.dumps(payload, indent=1, ensure_ascii=False))
 
 
 def _clip(text: str, width: int = 24) -> str:
@@ -742,13 +726,6 @@ def _json_or_none(line: str):
         return json.loads(line)
     except ValueError:
         return None
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

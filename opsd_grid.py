@@ -44,6 +44,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from run_folder import write_text_atomic
+
 REPO = Path(__file__).resolve().parent
 BUDGET_DEFAULT = {"max_steps": 100, "global_batch": 32, "per_device_batch": 4}
 
@@ -294,12 +296,6 @@ def draw_curves(grid: Grid, out: Path) -> Path | None:
     return None if drawn is None else out / run_plots.CURVES_FILE
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("grid", help="grid file (JSON)")
@@ -337,8 +333,8 @@ def main(argv=None) -> int:
     for name, outcome in failed.items():
         log(f"{name}: {outcome}")
     table = results(grid, out, all_cells)
-    write_atomic(out / "results.json", json.dumps(table, indent=1) + "\n")
-    write_atomic(out / "results.md", markdown(table))
+    write_text_atomic(out / "results.json", json.dumps(table, indent=1) + "\n")
+    write_text_atomic(out / "results.md", markdown(table))
     print(markdown(table), end="")
     curves = draw_curves(grid, out)
     log(f"results: {out / 'results.md'}" + (f"; curves: {curves}" if curves else ""))

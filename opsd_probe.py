@@ -52,6 +52,7 @@ from opsd_attribution import format_summary, pre_box, summarize, token_groups
 from opsd_config import SWITCH_VALUES, ConfigError, parse_recipe_value, parse_switch_value
 from opsd_data import DataError, load_train_dataset
 from opsd_logging import KL_LINE_FIELDS
+from run_folder import write_text_atomic
 
 # Settings that change how fixed rollouts are scored: the prompts each role sees, the scoring
 # geometry and the objective. Sampling settings cannot change frozen rollouts, and
@@ -140,13 +141,6 @@ def _check_rollouts_match(rollouts: list[Rollout], dataset, path: str, vocab_siz
                              "of this data (same --data, selection and order needed)")
         if max(rollout.completion_ids) >= vocab_size:
             raise ProbeError(f"{path}: rollout {number} has a token id >= the model's vocabulary size {vocab_size}")
-
-
-def _write_atomically(path: str, text: str) -> None:
-    partial = f"{path}.partial-{os.getpid()}"
-    with open(partial, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(partial, path)
 
 
 def _check_output(flag: str, path: str | None) -> None:
@@ -578,7 +572,7 @@ def run(plan: Plan) -> tuple[str, dict, list[dict]]:
                     for i, row, ids, cut in zip(plan.indices, baseline_rows, completions, truncated)]
         print(f"[probe] sampled {len(rollouts)} rollouts in {time.time() - started:.1f} s", file=sys.stderr)
         if args.save_rollouts:
-            _write_atomically(args.save_rollouts, "".join(json.dumps({
+            write_text_atomic(args.save_rollouts, "".join(json.dumps({
                 "index": r.index, "problem": r.problem, "completion_ids": r.completion_ids,
                 "truncated": r.truncated, "completion": tokenizer.decode(r.completion_ids)}) + "\n" for r in rollouts))
     else:
@@ -625,10 +619,10 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     args = plan.args
     if args.out:
-        _write_atomically(args.out, json.dumps(report, indent=2) + "\n")
+        write_text_atomic(args.out, json.dumps(report, indent=2) + "\n")
     if args.attribution:
         keep = sample_positions(len(records), args.attribution_positions, plan.config.seed)
-        _write_atomically(args.attribution, "".join(json.dumps(records[i]) + "\n" for i in keep))
+        write_text_atomic(args.attribution, "".join(json.dumps(records[i]) + "\n" for i in keep))
     return 0
 
 

@@ -110,14 +110,20 @@ def write_config(folder: str, config: dict) -> None:
 
 
 def write_json_atomic(path: str, payload) -> None:
-    """Write to a temporary file in the same folder, then rename over `path`."""
+    """`payload` as indented JSON, written atomically (`write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(payload, indent=1, sort_keys=False) + "\n")
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write to a temporary file in the same folder, then rename over `path`: a reader
+    (or a killed writer) never sees half a file."""
+    path = os.fspath(path)
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(payload, f, indent=1, sort_keys=False)
-            f.write("\n")
+            f.write(text)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates it private
