@@ -7,3 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")"
 python -m pip install -q --disable-pip-version-check "$(grep -E '^torch==' requirements.txt)"
 python -m pip install -q --disable-pip-version-check -r requirements.txt
+# torch's CPU wheel comes without Triton (its CUDA wheels bring their own): install the
+# version the tests run the rollout's decode-attention kernel with, in Triton's CPU
+# interpreter (tests/test_decode_attention.py; elsewhere those tests are skipped).
+if python -c "import sys, torch; sys.exit(torch.version.cuda is not None)" && [[ "$(uname -sm)" == "Linux x86_64" ]]; then
+  python -m pip install -q --disable-pip-version-check "triton==3.6.0"
+fi

@@ -14,7 +14,8 @@ is several times slower for them (BENCHMARKS.md section 2 has every engine measu
 on an H200). What makes a step fast: no host synchronisation (one recorded graph
 replays the whole step), compiled kernels, the student's LoRA merged into a sampling
 copy (`merge_lora`, see `merged_student.py`; or run unmerged inside the step), and
-attention that reads only the filled part of the KV cache (`KV_WINDOW`). Either way
+attention that reads only the filled part of the KV cache (`KV_WINDOW`), through a kernel
+made for one query token (`decode_attention.py`, `DECODE_ATTENTION`). Either way
 the frozen base weights, which are the teacher, are only ever read.
 
 Supported: full-attention Qwen3 / Qwen2 / Llama models (`SUPPORTED_MODEL_TYPES`);
@@ -33,6 +34,7 @@ from typing import ClassVar
 
 import torch
 
+import decode_attention
 from merged_student import MergedStudent, MergeUnsupported, has_enabled_adapters
 from model_utils import causal_lm, kv_geometry, left_pad, model_device
 from sampling import SamplingSettings
@@ -51,6 +53,9 @@ _ATTENTION_NAME = "opsd_static_decode"
 # new-token columns (one recorded graph per window), not the whole preallocated cache:
 # on average about half of a long rollout's cache is not written yet. None: read it all.
 KV_WINDOW = 128
+# The kernel of the decode step's attention (`decode_attention.IMPLEMENTATIONS`; "auto" =
+# the Triton split-KV kernel on CUDA, torch's sdpa elsewhere), read when a window's step is recorded.
+DECODE_ATTENTION = "auto"
 
 
 def resolve_cache_implementation(name: str | None, model) -> str | None:
@@ -172,7 +177,8 @@ class StaticDecoder:
         input_ids, prompt_mask = left_pad(rows, pad_token_id, device, width=width)
         sampler = _Sampler(settings, network.config.vocab_size)
         key = (len(rows), width, settings.max_new_tokens, sampler.key, tuple(eos_token_ids), int(pad_token_id),
-               network is self.model, _adapter_state(self.model), _storage_fingerprint(network), device)
+               network is self.model, _adapter_state(self.model), _storage_fingerprint(network), device,
+               KV_WINDOW, DECODE_ATTENTION)  # the last two are baked into the recorded graphs
         with _static_attention(network):
             if self.state is None or self.state.key != key:
                 self.state = None  # free the previous shape's cache and graph first
@@ -405,12 +411,13 @@ def attention_limit(columns: int):
 @torch.library.custom_op("opsd::decode_attention", mutates_args=())
 def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                       scale: float | None) -> torch.Tensor:
-    """sdpa of one query token (GQA heads packed as query rows) over the cache's first
-    `attention_limit` columns. An opaque op to torch.compile, so one compiled step
-    serves every window: the limit is read when a window's graph is recorded."""
+    """Attention of one query token (GQA heads packed as query rows) over the cache's first
+    `attention_limit` columns, by the `DECODE_ATTENTION` kernel. An opaque op to
+    torch.compile, so one compiled step serves every window: the limit and the kernel are
+    read when a window's graph is recorded."""
     limit = getattr(_ATTENTION_LIMIT, "columns", None) or key.shape[-2]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key[:, :, :limit], value[:, :, :limit], attn_mask=mask[..., :limit], scale=scale)
+    out = decode_attention.attention(DECODE_ATTENTION, query, key[:, :, :limit], value[:, :, :limit],
+                                     mask[..., :limit], scale)
     return out.contiguous()
 
 

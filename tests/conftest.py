@@ -25,6 +25,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
     torch.set_num_threads(1)
 
+import torch  # noqa: E402
+
+# Without a GPU, Triton kernels (decode_attention.split_kv) run in Triton's CPU interpreter.
+# Triton reads the switch when it is imported, so it is set before any test imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Module fixtures that train or evaluate: the tests using one of them share a worker.
 SHARED_RUN_FIXTURES = ("base_run", "trained_run", "tiny_run", "probed", "one_process_step")
 

@@ -1,0 +1,209 @@
+"""Attention of one new token per row over a KV cache: the decode loop's kernels.
+
+Every function here takes the decode loop's layout and returns the same thing:
+
+    query [B, kv_heads, groups, D]   the query heads that share a KV head, packed as rows
+    key, value [B, kv_heads, L, D]   the cache columns to read (a view; strides are kept)
+    mask [B, 1, 1, L] bool           True = attend (left padding of the prompts is False)
+    -> [B, kv_heads, groups, D]      in the query's dtype
+
+- `sdpa`: torch's scaled_dot_product_attention, whichever backend torch picks (on an H200
+  with a boolean mask, cuDNN's flash kernel: built for long queries, it reads the cache at
+  1.3-2.3 TB/s for one token, BENCHMARKS.md section 2.3);
+- `split_kv`: a Triton "flash-decoding" kernel: one program per (row, KV head, chunk of
+  columns) streams K and V once, keeping the running max / sum / weighted sum of the
+  online softmax in float32 on chip (the query heads of a KV head are the rows of one
+  tensor-core tile); with several chunks a second kernel rescales each chunk to the
+  overall max and normalises once. Runs wherever Triton does: CUDA, and Triton's CPU
+  interpreter, where the tests run it.
+
+`IMPLEMENTATIONS` names them ("auto": split_kv on CUDA when Triton imports, else sdpa);
+`attention(name, ...)` dispatches. The float64 reference the tests compare against is
+written in the tests, not here.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+IMPLEMENTATIONS = ("auto", "sdpa", "split_kv")
+
+
+def resolve(name: str, query: torch.Tensor) -> str:
+    """The implementation `name` stands for with this query: "auto" is split_kv on CUDA when
+    Triton imports and the kernel supports the head geometry, sdpa otherwise."""
+    if name == "auto":
+        supported = split_kv_unsupported(query.shape[-2], query.shape[-1]) is None
+        return "split_kv" if query.is_cuda and supported and _triton_available() else "sdpa"
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"decode attention {name!r}: expected one of {', '.join(IMPLEMENTATIONS)}")
+    return name
+
+
+def attention(name: str, query, key, value, mask, scale: float | None = None) -> torch.Tensor:
+    kernel = split_kv if resolve(name, query) == "split_kv" else sdpa
+    return kernel(query, key, value, mask, scale)
+
+
+def sdpa(query, key, value, mask, scale=None) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+
+
+# The Triton kernel's launch configuration (BENCHMARKS.md section 2.3 measured the choices):
+# columns per loop iteration, warps, software-pipeline stages; and the query rows a
+# tensor-core tile needs (a KV head's query heads, 2 for Qwen3-1.7B, are padded up to it).
+SPLIT_BLOCK, SPLIT_WARPS, SPLIT_STAGES, SPLIT_ROWS = 64, 4, 4, 16
+SPLIT_CHUNKS: int | None = None  # chunks per (row, KV head); None: `split_count` decides
+
+
+def split_count(batch_heads: int, columns: int, processors: int, block: int = SPLIT_BLOCK) -> int:
+    """Chunks per (row, KV head): at least one program per multiprocessor, each chunk at
+    least two blocks of columns. (At 32 rows x 8 KV heads on an H200 that is one chunk,
+    which measured fastest; smaller batches split.)"""
+    by_occupancy = max(1, -(-processors // batch_heads))
+    by_length = max(1, columns // (2 * block))
+    return min(by_occupancy, by_length)
+
+
+def split_kv_unsupported(groups: int, dim: int) -> str | None:
+    """Why the kernel cannot take this head geometry, or None."""
+    if groups > SPLIT_ROWS or dim & (dim - 1) or dim < 16:
+        return (f"decode attention 'split_kv' takes at most {SPLIT_ROWS} query heads per KV head and a "
+                f"power-of-two head dim >= 16; this model has {groups} and {dim}")
+    return None
+
+
+def split_kv(query, key, value, mask, scale=None, chunks: int | None = None, *, block: int | None = None,
+             warps: int | None = None, stages: int | None = None) -> torch.Tensor:
+    """The Triton kernel; `chunks`, `block`, `warps`, `stages` default to the SPLIT_* settings."""
+    batch, heads, groups, dim = query.shape
+    columns = key.shape[-2]
+    problem = split_kv_unsupported(groups, dim)
+    if problem:
+        raise ValueError(problem)
+    scale = dim ** -0.5 if scale is None else scale
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    block, warps, stages = block or SPLIT_BLOCK, warps or SPLIT_WARPS, stages or SPLIT_STAGES
+    chunks = chunks or SPLIT_CHUNKS or split_count(batch * heads, columns, _processors(query.device), block)
+    chunk = -(-columns // chunks)
+    chunk = -(-chunk // block) * block
+    chunks = -(-columns // chunk)
+    valid = mask.reshape(batch, mask.shape[-1])
+    if valid.stride(-1) != 1:
+        valid = valid.contiguous()
+    out = torch.empty(batch, heads, groups, dim, dtype=query.dtype, device=query.device)
+    # one chunk: the kernel normalises and writes `out`; several: float32 partials, then a combine
+    partial = out if chunks == 1 else torch.empty(batch, heads, chunks, groups, dim, dtype=torch.float32,
+                                                  device=query.device)
+    running = out if chunks == 1 else torch.empty(2, batch, heads, chunks, groups, dtype=torch.float32,
+                                                  device=query.device)
+    kernel, combine = _split_kv_kernels()
+    kernel[(batch * heads, chunks)](
+        query, key, value, valid.view(torch.uint8), partial, running,
+        query.stride(0), query.stride(1), query.stride(2),
+        key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        valid.stride(0),
+        heads, columns, float(scale),
+        GROUPS=groups, ROWS=SPLIT_ROWS, DIM=dim, BLOCK=block, BLOCKS=chunk // block, SINGLE=chunks == 1,
+        num_warps=warps, num_stages=stages)
+    if chunks > 1:
+        combine[(batch * heads * groups,)](partial, running, out, chunks, batch * heads * chunks * groups,
+                                           GROUPS=groups, DIM=dim, CHUNKS=_next_power_of_2(chunks))
+    return out
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _processors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+@functools.cache
+def _split_kv_kernels():
+    """The Triton kernels, built on first use (Triton is imported only here)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(q_ptr, k_ptr, v_ptr, valid_ptr, partial_ptr, running_ptr,
+               q_sb, q_sh, q_sg, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, valid_sb,
+               heads, columns, scale,
+               GROUPS: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
+               BLOCKS: tl.constexpr, SINGLE: tl.constexpr):
+        """One (row, KV head, chunk): running max / sum / weighted sum of V over the chunk's
+        columns (flash attention's online softmax), float32 on chip."""
+        row_head = tl.program_id(0)
+        part = tl.program_id(1)
+        parts = tl.num_programs(1)
+        b = row_head // heads
+        h = row_head % heads
+        g = tl.arange(0, ROWS)
+        d = tl.arange(0, DIM)
+        rows = g[:, None] < GROUPS
+        q = tl.load(q_ptr + b * q_sb + h * q_sh + g[:, None] * q_sg + d[None, :], mask=rows, other=0.0)
+        best = tl.full([ROWS], float("-inf"), tl.float32)
+        total = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, DIM], tl.float32)
+        start = part * BLOCKS * BLOCK
+        for i in range(BLOCKS):  # the last chunk may end past the columns
+            n = start + i * BLOCK + tl.arange(0, BLOCK)
+            inside = n < columns
+            k = tl.load(k_ptr + b * k_sb + h * k_sh + n[:, None] * k_sn + d[None, :], mask=inside[:, None],
+                        other=0.0)
+            v = tl.load(v_ptr + b * v_sb + h * v_sh + n[:, None] * v_sn + d[None, :], mask=inside[:, None],
+                        other=0.0)
+            keep = tl.load(valid_ptr + b * valid_sb + n, mask=inside, other=0) != 0
+            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.where(keep[None, :], s, float("-inf"))
+            new_best = tl.maximum(best, tl.max(s, 1))
+            base = tl.where(new_best == float("-inf"), 0.0, new_best)  # no attended column yet
+            p = tl.exp(s - base[:, None])
+            rescale = tl.exp(best - base)
+            total = total * rescale + tl.sum(p, 1)
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+            best = new_best
+        if SINGLE:  # out [B, H, G, D], contiguous, in the query's dtype
+            out = partial_ptr + row_head * GROUPS * DIM + g[:, None] * DIM + d[None, :]
+            tl.store(out, (acc / total[:, None]).to(partial_ptr.dtype.element_ty), mask=rows)
+        else:  # partial [B, H, parts, G, D] and running [2, B, H, parts, G], contiguous
+            slot = row_head * parts + part
+            tl.store(partial_ptr + slot * GROUPS * DIM + g[:, None] * DIM + d[None, :], acc, mask=rows)
+            stats = running_ptr + slot * GROUPS + g
+            tl.store(stats, best, mask=g < GROUPS)
+            tl.store(stats + tl.num_programs(0) * parts * GROUPS, total, mask=g < GROUPS)  # the second plane
+
+    @triton.jit
+    def combine(partial_ptr, running_ptr, out_ptr, parts, plane,
+                GROUPS: tl.constexpr, DIM: tl.constexpr, CHUNKS: tl.constexpr):
+        """One (row, KV head, query head): `combine_chunks` for its chunks, written in out's dtype."""
+        index = tl.program_id(0)
+        row_head = index // GROUPS
+        g = index % GROUPS
+        c = tl.arange(0, CHUNKS)
+        d = tl.arange(0, DIM)
+        present = c < parts
+        stats = running_ptr + (row_head * parts + c) * GROUPS + g
+        best = tl.load(stats, mask=present, other=float("-inf"))
+        total = tl.load(stats + plane, mask=present, other=0.0)
+        overall = tl.max(best, 0)
+        weight = tl.where(present, tl.exp(best - overall), 0.0)
+        acc = tl.load(partial_ptr + ((row_head * parts + c[:, None]) * GROUPS + g) * DIM + d[None, :],
+                      mask=present[:, None], other=0.0)
+        result = tl.sum(acc * weight[:, None], 0) / tl.sum(total * weight, 0)
+        tl.store(out_ptr + (row_head * GROUPS + g) * DIM + d, result.to(out_ptr.dtype.element_ty))
+
+    return kernel, combine

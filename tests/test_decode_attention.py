@@ -1,0 +1,117 @@
+"""The decode loop's attention kernels (decode_attention.py) against a float64 reference.
+
+The Triton kernel runs here in Triton's CPU interpreter (TRITON_INTERPRET=1), the same
+kernel source the GPU compiles; install.sh installs Triton on CPU-only machines for it.
+The interpreter has no bfloat16 matrix product, so the half-precision case is float16.
+"""
+import math
+import os
+
+import pytest
+import torch
+
+import decode_attention
+import static_decode
+
+
+def reference(query, key, value, mask, scale):
+    """Softmax attention in float64, written out: scores, masked, normalised, times V."""
+    q, k, v = query.double(), key.double(), value.double()
+    scores = torch.einsum("bhgd,bhnd->bhgn", q, k) * scale
+    scores = scores.masked_fill(~mask, -math.inf)
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+    return torch.einsum("bhgn,bhnd->bhgd", weights / weights.sum(-1, keepdim=True), v)
+
+
+def case(batch, heads, groups, dim, columns, dtype, seed=0):
+    """Query, K/V views into a longer cache (strided, as the decode loop slices its cache),
+    and a left-padding mask: row 0 unpadded, row 1 attends to its last column only."""
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, heads, groups, dim, generator=gen).to(dtype)
+    cache = torch.randn(2, batch, heads, columns + 7, dim, generator=gen).to(dtype)
+    key, value = cache[0, :, :, :columns], cache[1, :, :, :columns]
+    padding = torch.randint(0, columns, (batch,), generator=gen)
+    padding[0] = 0
+    if batch > 1:
+        padding[1] = columns - 1
+    valid = torch.arange(columns + 7)[None, :] >= padding[:, None]
+    return query, key, value, valid[:, None, None, :columns]
+
+
+@pytest.fixture
+def interpreted_triton():
+    """Triton's CPU interpreter (conftest switches it on when there is no GPU)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("a GPU is present: the compiled kernel is checked by bench/bench_decode_attention.py")
+    pytest.importorskip("triton")
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 2e-6), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("shape,chunks", [
+    ((3, 2, 2, 16, 40), 1),      # one chunk: the kernel normalises and writes the output itself
+    ((3, 2, 2, 16, 200), 3),     # three chunks + the combine kernel; the last chunk runs past the end
+    ((2, 1, 4, 32, 130), 2),     # four query heads per KV head
+    ((2, 3, 1, 16, 70), None),   # no GQA; chunk count from split_count
+    ((2, 2, 2, 16, 64), 4),      # more chunks than blocks of columns: the count is reduced
+])
+def test_split_kv_matches_float64_attention(interpreted_triton, dtype, tolerance, shape, chunks):
+    query, key, value, mask = case(*shape, dtype)
+    scale = 0.3
+    got = decode_attention.split_kv(query, key, value, mask, scale, chunks, block=16)
+    assert got.dtype == dtype and got.shape == query.shape
+    expected = reference(query, key, value, mask, scale)
+    assert (got.double() - expected).abs().max().item() < tolerance
+
+
+def test_sdpa_matches_float64_attention():
+    query, key, value, mask = case(3, 2, 2, 16, 50, torch.float64)
+    got = decode_attention.sdpa(query, key, value, mask, 0.25)
+    assert torch.allclose(got, reference(query, key, value, mask, 0.25), atol=1e-12)
+
+
+def test_split_count_fills_the_processors_without_tiny_chunks():
+    assert decode_attention.split_count(32 * 8, 1024, 132) == 1      # the rollout bench's shape on an H200
+    assert decode_attention.split_count(8 * 8, 1024, 132) == 3       # fewer rows: split to cover the GPU
+    assert decode_attention.split_count(8 * 8, 200, 132, block=64) == 1  # but never below two blocks a chunk
+    assert decode_attention.split_count(1, 4096, 132, block=64) == 32
+
+
+def test_auto_and_unsupported_geometries():
+    query = torch.zeros(1, 2, 2, 16)
+    assert decode_attention.resolve("auto", query) == "sdpa"  # CPU
+    assert decode_attention.resolve("split_kv", query) == "split_kv"
+    with pytest.raises(ValueError, match="decode attention 'flash'"):
+        decode_attention.resolve("flash", query)
+    assert decode_attention.split_kv_unsupported(2, 128) is None
+    assert "24" in decode_attention.split_kv_unsupported(2, 24)       # head dim not a power of two
+    assert "17" in decode_attention.split_kv_unsupported(17, 128)     # more query heads than a tile's rows
+    with pytest.raises(ValueError, match="power-of-two head dim"):
+        decode_attention.split_kv(torch.zeros(1, 1, 2, 24), torch.zeros(1, 1, 4, 24), torch.zeros(1, 1, 4, 24),
+                                  torch.ones(1, 1, 1, 4, dtype=torch.bool))
+
+
+def test_decode_loop_with_the_kernel_samples_what_sdpa_samples(interpreted_triton, monkeypatch):
+    """The whole decode loop on the tiny model (float32), attention through the Triton kernel:
+    the same greedy tokens and seeded samples as through sdpa, log-probabilities to 1e-5."""
+    from transformers import AutoModelForCausalLM
+
+    import tiny_default
+    from rollout import TransformersBackend
+    from sampling import SamplingSettings
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_default.random_model_dir()).eval()
+    rows = [[151644, 872, 198, 16, 10, 16], [151644, 872, 198, 50, 30, 20, 17, 10, 19, 24, 11], [87, 30]]
+    results = {}
+    for kernel in ("sdpa", "split_kv"):
+        monkeypatch.setattr(static_decode, "DECODE_ATTENTION", kernel)
+        backend = TransformersBackend(model, pad_token_id=151643, eos_token_ids=[151645],
+                                      cache_implementation="graph")
+        outputs = []
+        for settings in (SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=6, seed=None),
+                         SamplingSettings(temperature=1.1, top_p=0.95, top_k=20, max_new_tokens=6, seed=7)):
+            outputs.append([[c.ids for c in samples] for samples in backend.generate(rows, settings)])
+        decoder = static_decode.StaticDecoder.for_model(model)
+        results[kernel] = outputs, decoder.sampled_logprobs(len(rows)).clone()
+        decoder.release()
+    assert results["split_kv"][0] == results["sdpa"][0]
+    assert torch.allclose(results["split_kv"][1], results["sdpa"][1], atol=1e-5)
