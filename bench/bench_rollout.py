@@ -27,11 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
 
-from rollout import TransformersBackend
-from sampling import SamplingSettings
+import decode_attention
 import static_decode
 from model_utils import causal_lm
-from static_decode import KV_WINDOW, StaticDecoder
+from rollout import TransformersBackend
+from sampling import SamplingSettings
+from static_decode import DECODE_ATTENTION, KV_WINDOW, StaticDecoder
 
 PAD_ID, EOS_IDS = 151643, [151645, 151643]
 
@@ -136,18 +137,23 @@ def logprob_agreement(model, rows, completions, engine_logprobs, chunk: int = 8)
 
 def profile_decode_step(state, steps: int, log) -> dict:
     """CUDA time per kernel class for `steps` decode steps run without the recorded graph
-    (the same step function the graph replays; compiled when the engine compiles)."""
+    (the same step function the graph replays; compiled when the engine compiles), in the
+    middle KV window of the rollout, as its recorded graph reads the cache."""
     from torch.profiler import ProfilerActivity, profile
 
-    from static_decode import _static_attention
+    from static_decode import _static_attention, attention_limit
 
-    state.slot.fill_(state.width)
-    state.column.fill_(1)
+    middle = len(state.limits) // 2
+    limit = state.limits[middle]
+    first = state.limits[middle - 1] if middle else state.width
+    state.slot.fill_(first)
+    state.column.fill_(first - state.width + 1)
     network, was_training = state.model, state.model.training
     network.eval()  # as inside a rollout: no grad, eval mode, the decode attention routed
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    with torch.random.fork_rng(devices=[0] if cuda else []), torch.no_grad(), _static_attention(network):
+    with (torch.random.fork_rng(devices=[0] if cuda else []), torch.no_grad(), _static_attention(network),
+          attention_limit(limit)):
         for _ in range(2):
             state._draw_noise()
             state._step()
@@ -169,10 +175,10 @@ def profile_decode_step(state, steps: int, log) -> dict:
     table = [{"kernel": e.key[:90], "calls_per_step": e.count / steps, "us_per_step": self_us(e) / steps,
               "share": self_us(e) / max(total_us, 1)} for e in top]
     log(f"[profile] device time per decode step {total_us / steps / 1000:.3f} ms, kernels per step "
-        f"{sum(e.count for e in events) / steps:.0f}")
+        f"{sum(e.count for e in events) / steps:.0f}, attention over cache columns [0, {limit})")
     for row in table[:8]:
         log(f"[profile]   {row['us_per_step']:8.1f} us {row['share']:6.1%} x{row['calls_per_step']:.0f} {row['kernel']}")
-    return {"device_ms_per_step": total_us / steps / 1000,
+    return {"device_ms_per_step": total_us / steps / 1000, "attention_columns": limit,
             "kernels_per_step": sum(e.count for e in events) / steps, "top": table}
 
 
@@ -247,9 +253,12 @@ def main(argv=None) -> int:
                         help="the slow dynamic-cache baseline is timed on fewer new tokens (default 256; tiny: 32)")
     parser.add_argument("--configs", default="graph,dynamic,static,graph_compiled",
                         help="comma-separated engines; suffixes: '+merged' samples from the merged LoRA copy, "
-                        "'+fullkv' attends over the whole preallocated cache (no KV windows)")
+                        "'+fullkv' attends over the whole preallocated cache (no KV windows), '+attn=NAME' picks the decode "
+                        "attention kernel (decode_attention.IMPLEMENTATIONS)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="profile this many decode steps (CUDA time per kernel) of each graph engine")
+    parser.add_argument("--split-config", default="",
+                        help="BLOCK,WARPS,STAGES[,CHUNKS] of the split_kv kernel (decode_attention.SPLIT_*)")
     parser.add_argument("--skip-checks", action="store_true", help="no greedy correctness checks first")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--budget-s", type=float, default=400)
@@ -308,18 +317,25 @@ def main(argv=None) -> int:
     results["checks"] = checks
     common.write_json(opts.json, results)
 
+    if opts.split_config:
+        block, warps, stages, *chunks = (int(x) for x in opts.split_config.split(","))
+        decode_attention.SPLIT_BLOCK, decode_attention.SPLIT_WARPS, decode_attention.SPLIT_STAGES = block, warps, stages
+        decode_attention.SPLIT_CHUNKS = chunks[0] if chunks else None
+        results["split_config"] = opts.split_config
     configs = []
     for name in opts.configs.split(","):
         engine, *options = name.split("+")
-        unknown = set(options) - {"merged", "fullkv"}
-        if unknown:
-            parser.error(f"unknown configuration option(s) {sorted(unknown)} in {name!r} (merged, fullkv)")
+        attn = [o.split("=", 1)[1] for o in options if o.startswith("attn=")]
+        unknown = {o for o in options if not o.startswith("attn=")} - {"merged", "fullkv"}
+        if unknown or any(a not in decode_attention.IMPLEMENTATIONS for a in attn):
+            parser.error(f"unknown configuration option(s) in {name!r} (merged, fullkv, attn=NAME with NAME in "
+                         f"{', '.join(decode_attention.IMPLEMENTATIONS)})")
         impl = None if engine == "dynamic" else engine
         tokens = dynamic_tokens if engine == "dynamic" else new_tokens
         configs.append((name if tokens == new_tokens else f"{name} ({tokens} new)", impl, tokens,
-                        "merged" in options, "fullkv" in options))
+                        "merged" in options, "fullkv" in options, attn[-1] if attn else DECODE_ATTENTION))
     timings = []
-    for name, impl, tokens, merge_lora, full_kv in configs:
+    for name, impl, tokens, merge_lora, full_kv, attn in configs:
         if time.time() - start > opts.budget_s:
             log(f"[bench_rollout] budget reached, skipping {name}")
             timings.append({"config": name, "status": "skipped (time budget)"})
@@ -327,9 +343,10 @@ def main(argv=None) -> int:
         settings = SamplingSettings(**{**sampling.__dict__, "max_new_tokens": tokens})
         repeats = 1 if impl in (None, "static") else opts.repeats
         static_decode.KV_WINDOW = None if full_kv else KV_WINDOW  # fullkv: attend over the whole cache
+        static_decode.DECODE_ATTENTION = attn
         timings.append(run_config(model, name, impl, rows, settings, repeats, log, merge_lora,
                                   opts.profile_steps))
-        static_decode.KV_WINDOW = KV_WINDOW
+        static_decode.KV_WINDOW, static_decode.DECODE_ATTENTION = KV_WINDOW, DECODE_ATTENTION
         results["timings"] = timings
         common.write_json(opts.json, results)
     results["timings"] = timings
