@@ -32,9 +32,10 @@ def stamp(lines, out) -> None:
 
 
 def read_arm(folder: Path) -> dict:
-    log = (folder / "train.log").read_text(errors="replace") if (folder / "train.log").is_file() else ""
+    # bytes, not read_text(): universal newlines would turn tqdm's carriage returns into line ends
+    log = (folder / "train.log").read_bytes().decode(errors="replace") if (folder / "train.log").is_file() else ""
     stamps: dict[int, float] = {}
-    for line in log.splitlines():
+    for line in log.split("\n"):  # not splitlines(), which also ends lines at carriage returns
         match = STEP_LINE.search(line)
         if match:
             stamps.setdefault(int(match.group(2)), float(match.group(1)))
