@@ -24,6 +24,7 @@ written in the tests, not here.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -31,19 +32,41 @@ IMPLEMENTATIONS = ("auto", "sdpa", "split_kv")
 
 
 def resolve(name: str, query: torch.Tensor) -> str:
-    """The implementation `name` stands for with this query: "auto" is split_kv on CUDA when
-    Triton imports and the kernel supports the head geometry, sdpa otherwise."""
+    """The implementation `name` stands for with this query. "auto" is split_kv where it was
+    built and measured: a CUDA GPU of compute capability 8.0 or newer (bf16 tensor cores),
+    half-precision activations (in float32 Triton's products would round to TF32, below
+    sdpa's precision), a head geometry the kernel takes, Triton importable and not failed
+    before in this process; sdpa otherwise."""
     if name == "auto":
-        supported = split_kv_unsupported(query.shape[-2], query.shape[-1]) is None
-        return "split_kv" if query.is_cuda and supported and _triton_available() else "sdpa"
+        return "split_kv" if _AUTO_FAILURE is None and _split_kv_suits(query) else "sdpa"
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"decode attention {name!r}: expected one of {', '.join(IMPLEMENTATIONS)}")
     return name
 
 
+def _split_kv_suits(query: torch.Tensor) -> bool:
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+            and split_kv_unsupported(query.shape[-2], query.shape[-1]) is None
+            and _capability(query.device) >= (8, 0) and _triton_available())
+
+
 def attention(name: str, query, key, value, mask, scale: float | None = None) -> torch.Tensor:
-    kernel = split_kv if resolve(name, query) == "split_kv" else sdpa
-    return kernel(query, key, value, mask, scale)
+    global _AUTO_FAILURE
+    if resolve(name, query) != "split_kv":
+        return sdpa(query, key, value, mask, scale)
+    if name != "auto":
+        return split_kv(query, key, value, mask, scale)
+    try:
+        return split_kv(query, key, value, mask, scale)
+    except Exception as exc:  # noqa: BLE001 - Triton's compile and launch errors share no base class
+        # "auto" must not cost a rollout: sdpa for the rest of the process, said once
+        _AUTO_FAILURE = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        warnings.warn(f"decode attention: the Triton kernel failed ({_AUTO_FAILURE}); using torch's sdpa",
+                      RuntimeWarning, stacklevel=2)
+        return sdpa(query, key, value, mask, scale)
+
+
+_AUTO_FAILURE: str | None = None  # why "auto" stopped choosing split_kv in this process
 
 
 def sdpa(query, key, value, mask, scale=None) -> torch.Tensor:
@@ -57,10 +80,11 @@ SPLIT_BLOCK, SPLIT_WARPS, SPLIT_STAGES, SPLIT_ROWS = 64, 4, 4, 16
 SPLIT_CHUNKS: int | None = None  # chunks per (row, KV head); None: `split_count` decides
 
 
-def split_count(batch_heads: int, columns: int, processors: int, block: int = SPLIT_BLOCK) -> int:
+def split_count(batch_heads: int, columns: int, processors: int, block: int) -> int:
     """Chunks per (row, KV head): at least one program per multiprocessor, each chunk at
-    least two blocks of columns. (At 32 rows x 8 KV heads on an H200 that is one chunk,
-    which measured fastest; smaller batches split.)"""
+    least two blocks of columns. (At 32 rows x 8 KV heads on an H200 that is one chunk: with
+    4 pipeline stages the fastest configuration measured; two chunks at 4 stages were not
+    measured, and smaller batches, which split, were not measured either.)"""
     by_occupancy = max(1, -(-processors // batch_heads))
     by_length = max(1, columns // (2 * block))
     return min(by_occupancy, by_length)
@@ -76,7 +100,9 @@ def split_kv_unsupported(groups: int, dim: int) -> str | None:
 
 def split_kv(query, key, value, mask, scale=None, chunks: int | None = None, *, block: int | None = None,
              warps: int | None = None, stages: int | None = None) -> torch.Tensor:
-    """The Triton kernel; `chunks`, `block`, `warps`, `stages` default to the SPLIT_* settings."""
+    """The Triton kernel; `chunks`, `block`, `warps`, `stages` default to the SPLIT_* settings.
+    Every row must attend to at least one column (a fully masked row would be 0 / 0: NaN;
+    the decode loop's rows always attend to the token just fed)."""
     batch, heads, groups, dim = query.shape
     columns = key.shape[-2]
     problem = split_kv_unsupported(groups, dim)
@@ -96,9 +122,12 @@ def split_kv(query, key, value, mask, scale=None, chunks: int | None = None, *, 
     # one chunk: the kernel normalises and writes `out`; several: float32 partials, then a combine
     partial = out if chunks == 1 else torch.empty(batch, heads, chunks, groups, dim, dtype=torch.float32,
                                                   device=query.device)
+    # one chunk needs no running max / sum: `out` only stands in for the unused pointer
     running = out if chunks == 1 else torch.empty(2, batch, heads, chunks, groups, dtype=torch.float32,
                                                   device=query.device)
     kernel, combine = _split_kv_kernels()
+    # BLOCKS is a compile-time constant: one compilation per chunk length (per KV window), since
+    # Triton 3.6's CPU interpreter, where the tests run the kernel, cannot loop to a run-time bound
     kernel[(batch * heads, chunks)](
         query, key, value, valid.view(torch.uint8), partial, running,
         query.stride(0), query.stride(1), query.stride(2),
@@ -125,6 +154,16 @@ def _triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def launch_settings() -> tuple:
+    """The SPLIT_* settings, which a recorded CUDA graph bakes in (part of its key)."""
+    return SPLIT_BLOCK, SPLIT_WARPS, SPLIT_STAGES, SPLIT_CHUNKS
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 @functools.cache
@@ -189,7 +228,8 @@ def _split_kv_kernels():
     @triton.jit
     def combine(partial_ptr, running_ptr, out_ptr, parts, plane,
                 GROUPS: tl.constexpr, DIM: tl.constexpr, CHUNKS: tl.constexpr):
-        """One (row, KV head, query head): `combine_chunks` for its chunks, written in out's dtype."""
+        """One (row, KV head, query head): every chunk rescaled to the overall max, summed,
+        normalised once, written in out's dtype."""
         index = tl.program_id(0)
         row_head = index // GROUPS
         g = index % GROUPS

@@ -178,7 +178,7 @@ class StaticDecoder:
         sampler = _Sampler(settings, network.config.vocab_size)
         key = (len(rows), width, settings.max_new_tokens, sampler.key, tuple(eos_token_ids), int(pad_token_id),
                network is self.model, _adapter_state(self.model), _storage_fingerprint(network), device,
-               KV_WINDOW, DECODE_ATTENTION)  # the last two are baked into the recorded graphs
+               KV_WINDOW, DECODE_ATTENTION, decode_attention.launch_settings())  # baked into the graphs
         with _static_attention(network):
             if self.state is None or self.state.key != key:
                 self.state = None  # free the previous shape's cache and graph first

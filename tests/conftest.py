@@ -20,12 +20,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
 
+import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
-
-import torch  # noqa: E402
 
 # Without a GPU, Triton kernels (decode_attention.split_kv) run in Triton's CPU interpreter.
 # Triton reads the switch when it is imported, so it is set before any test imports it.
