@@ -54,11 +54,11 @@ def attention(name: str, query, key, value, mask, scale: float | None = None) ->
     global _AUTO_FAILURE
     if resolve(name, query) != "split_kv":
         return sdpa(query, key, value, mask, scale)
-    if name != "auto":
-        return split_kv(query, key, value, mask, scale)
     try:
         return split_kv(query, key, value, mask, scale)
-    except Exception as exc:  # noqa: BLE001 - Triton's compile and launch errors share no base class
+    except Exception as exc:  # Triton's compile and launch errors share no base class
+        if name != "auto":
+            raise
         # "auto" must not cost a rollout: sdpa for the rest of the process, said once
         _AUTO_FAILURE = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
         warnings.warn(f"decode attention: the Triton kernel failed ({_AUTO_FAILURE}); using torch's sdpa",

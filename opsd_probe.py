@@ -47,7 +47,7 @@ from contextlib import redirect_stdout
 from dataclasses import dataclass, field
 
 from answers import reference_answer
-from jsonl import read_jsonl
+from jsonl import parse_json, read_jsonl, read_text
 from opsd_attribution import format_summary, pre_box, summarize, token_groups
 from opsd_config import SWITCH_VALUES, ConfigError, parse_recipe_value, parse_switch_value
 from opsd_data import DataError, load_train_dataset
@@ -287,18 +287,15 @@ def check_checkpoint(path: str, script_args, config) -> None:
     if config.use_ema_teacher:
         raise ProbeError(f"{where}: the EMA teacher's state is not restored from a checkpoint; "
                          "probe it with fixed_teacher (the default)")
-    try:
-        with open(os.path.join(path, ADAPTER_CONFIG), encoding="utf-8") as f:
-            saved = json.load(f)
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ProbeError(f"{where}/{ADAPTER_CONFIG}: cannot read it as JSON ({e})") from None
+    config_file = f"{where}/{ADAPTER_CONFIG}"
+    saved = parse_json(read_text(os.path.join(path, ADAPTER_CONFIG), ProbeError, config_file), ProbeError, config_file)
     expected = {"r": script_args.lora_r, "lora_alpha": script_args.lora_alpha,
                 "target_modules": sorted(LORA_TARGETS)}
     found = {"r": saved.get("r"), "lora_alpha": saved.get("lora_alpha"),
              "target_modules": sorted(saved.get("target_modules") or [])}
     for key, value in expected.items():
         if found[key] != value:
-            raise ProbeError(f"{where}/{ADAPTER_CONFIG}: {key} is {found[key]}, the probe's LoRA has {value} "
+            raise ProbeError(f"{config_file}: {key} is {found[key]}, the probe's LoRA has {value} "
                              "(pass the run's --recipe)")
 
 

@@ -91,14 +91,9 @@ def candidates(limit_names: list[str]) -> dict:
     return {name: fn for name, fn in table.items() if not limit_names or name in limit_names}
 
 
-_FLEX = None
-
-
+@functools.cache
 def _compiled_flex(flex_attention):
-    global _FLEX
-    if _FLEX is None:
-        _FLEX = torch.compile(flex_attention, dynamic=False)
-    return _FLEX
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def main() -> int:

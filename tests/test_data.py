@@ -1,11 +1,13 @@
 """opsd_data: every source format, every selection, every error (one line, naming
 the file and the column or line)."""
+import functools
 import json
 
 import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from one_line_errors import one_line_message
 
 import opsd_data
 import tiny_default
@@ -41,12 +43,7 @@ def jsonl(tmp_path):
     return write_jsonl(tmp_path / "train.jsonl", ROWS)
 
 
-def message_of(call, *args, **kwargs) -> str:
-    with pytest.raises(DataError) as caught:
-        call(*args, **kwargs)
-    message = str(caught.value)
-    assert "\n" not in message
-    return message
+message_of = functools.partial(one_line_message, DataError)
 
 
 # -- formats --------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """jsonl: JSON-lines files read with one-line errors of the caller's class that name
 the file and the line."""
+import functools
 import json
 
 import pytest
+from one_line_errors import one_line_message
 
 from jsonl import parse_lines, read_jsonl, read_text, split_lines
 
@@ -11,12 +13,7 @@ class Bad(ValueError):
     pass
 
 
-def message_of(call, *args, **kwargs) -> str:
-    with pytest.raises(Bad) as info:
-        call(*args, **kwargs)
-    message = str(info.value)
-    assert "\n" not in message
-    return message
+message_of = functools.partial(one_line_message, Bad)
 
 
 def test_objects_with_their_line_numbers_blank_lines_skipped(tmp_path):
