@@ -21,6 +21,10 @@ A merged bf16 weight rounds W + BA once where the unmerged path rounds W x and B
 separately, so the two differ by bf16 rounding (BENCHMARKS.md gives the measured
 log-probability difference); in float32 / float64 they agree to rounding (tested).
 
+Layout: by default the copy also stacks each attention's q, k, v and each MLP's gate,
+up into one product (`fused_projections.py`) where all of them carry adapters; their
+merged weights are then views of the stacked weight, filled by the same `refresh`.
+
 Supported: peft LoRA on `torch.nn.Linear` layers (any number of active adapters).
 DoRA, LoRA biases, embedding / convolution LoRA raise `MergeUnsupported`; the caller
 then samples through the adapters unmerged.
@@ -31,6 +35,8 @@ import copy
 
 import torch
 
+from fused_projections import fusable_projections
+from fused_projections import fuse as fuse_module
 from model_utils import causal_lm
 
 
@@ -49,9 +55,13 @@ def has_enabled_adapters(model) -> bool:
 
 
 class MergedStudent:
-    """A plain copy of `model`'s CausalLM whose adapted weights hold base + LoRA delta."""
+    """A plain copy of `model`'s CausalLM whose adapted weights hold base + LoRA delta.
 
-    def __init__(self, model):
+    With `fuse` (the default), each attention's q, k, v and each MLP's gate, up whose
+    projections are all adapted become one stacked product (`fused_projections.py`);
+    their merged weights are views of the stacked weight."""
+
+    def __init__(self, model, fuse: bool = True):
         inner = causal_lm(model)
         layers = [(name, module) for name, module in inner.named_modules() if is_lora_layer(module)]
         if not layers:
@@ -62,29 +72,47 @@ class MergedStudent:
         memo = {id(t): t for t in [*inner.parameters(), *inner.buffers()]}
         self.network = copy.deepcopy(inner, memo)
         self.network.eval()
-        self._targets = []  # (weight of the copy, LoRA layer of the model)
+        self.fused = fuse
+        # name -> (weight of the copy, stacked bias view or None, LoRA layer of the model)
+        targets = {}
         for name, module in layers:
             base = module.get_base_layer()
             weight = torch.empty_like(base.weight, requires_grad=False)
             plain = torch.nn.Linear(base.in_features, base.out_features, bias=False, device="meta")
             plain.weight = torch.nn.Parameter(weight, requires_grad=False)
             plain.bias = base.bias  # shared (None for Qwen3's projections)
-            parent, _, child = name.rpartition(".")
-            setattr(self.network.get_submodule(parent) if parent else self.network, child, plain)
-            self._targets.append((weight, module))
+            _replace(self.network, name, plain)
+            targets[name] = (weight, None, module)
+        if fuse:
+            for name, module in list(self.network.named_modules()):
+                members = [f"{name}.{p}" if name else p for p in fusable_projections(module)]
+                if not members or not all(m in targets for m in members):
+                    continue  # a projection without an adapter would need a copy of its base weight
+                replacement, views = fuse_module(module)
+                for member, (weight, bias) in zip(members, views.values()):
+                    targets[member] = (weight, bias, targets[member][2])
+                _replace(self.network, name, replacement)
+        self._targets = list(targets.values())
 
     def refresh(self) -> None:
-        """Rebuild every merged weight from the current base and adapter weights."""
+        """Rebuild every merged weight (and stacked bias) from the current base and adapter weights."""
         with torch.no_grad():
-            for weight, layer in self._targets:
-                base = layer.get_base_layer().weight
-                compute = torch.promote_types(base.dtype, torch.float32)
-                merged = base.to(compute, copy=True)
+            for weight, bias, layer in self._targets:
+                base = layer.get_base_layer()
+                compute = torch.promote_types(base.weight.dtype, torch.float32)
+                merged = base.weight.to(compute, copy=True)
                 for adapter in _active(layer):
                     a = layer.lora_A[adapter].weight.to(compute)
                     b = layer.lora_B[adapter].weight.to(compute)
                     merged.addmm_(b, a, alpha=layer.scaling[adapter])
                 weight.copy_(merged)
+                if bias is not None:
+                    bias.copy_(base.bias)
+
+
+def _replace(network, name: str, module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(network.get_submodule(parent) if parent else network, child, module)
 
 
 def _active(layer) -> list[str]:

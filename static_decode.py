@@ -45,8 +45,8 @@ GRAPH_LOOPS = ("graph", "graph_compiled")
 # What "auto" picks on CUDA: the fastest correct engine measured on an H200
 # (BENCHMARKS.md section 2); it pays a compilation (under a minute) per new shape.
 AUTO_CUDA = "graph_compiled"
-# Decoder families whose forward takes a prepared {layer type: mask} dict, position
-# ids and a duck-typed KV cache, and whose layers are all full attention.
+# Decoder families whose forward takes a prepared 4D mask, position ids and a duck-typed
+# KV cache, and whose layers are all full attention.
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 _ATTENTION_NAME = "opsd_static_decode"
 # Decode attention reads the KV cache up to the end of the current window of this many
@@ -56,6 +56,11 @@ KV_WINDOW = 128
 # The kernel of the decode step's attention (`decode_attention.IMPLEMENTATIONS`; "auto" =
 # the Triton split-KV kernel on CUDA, torch's sdpa elsewhere), read when a window's step is recorded.
 DECODE_ATTENTION = "auto"
+# The merged sampling copy stacks q/k/v and gate/up into one product each (`fused_projections.py`).
+FUSE_PROJECTIONS = True
+# torch.compile's mode for the "graph_compiled" step (None: the default; the loop records its
+# own CUDA graphs, so only the "-no-cudagraphs" modes make sense, e.g. "max-autotune-no-cudagraphs").
+DECODE_COMPILE_MODE: str | None = None
 
 
 def resolve_cache_implementation(name: str | None, model) -> str | None:
@@ -153,11 +158,14 @@ class StaticDecoder:
         if not self.merge_lora or self.merge_error is not None or not has_enabled_adapters(self.model):
             return self.model
         fingerprint = _storage_fingerprint(self.model)
-        if self.merged is not None and self.merged_fingerprint != fingerprint:
-            self.release()  # the model's tensors moved (`.to()`, new storage): the copy shares stale ones
+        stale = self.merged is not None and (self.merged_fingerprint != fingerprint
+                                             or self.merged.fused != FUSE_PROJECTIONS)
+        if stale:  # the model's tensors moved (`.to()`, new storage): the copy shares stale ones; or the layout changed
+            self.release()
         if self.merged is None:
             try:
-                self.merged, self.merged_fingerprint = MergedStudent(self.model), fingerprint
+                self.merged = MergedStudent(self.model, fuse=FUSE_PROJECTIONS)
+                self.merged_fingerprint = fingerprint
             except MergeUnsupported as exc:
                 self.merge_error = str(exc)
                 warnings.warn(f"rollout: sampling through unmerged adapters ({exc})", RuntimeWarning, stacklevel=3)
@@ -178,7 +186,8 @@ class StaticDecoder:
         sampler = _Sampler(settings, network.config.vocab_size)
         key = (len(rows), width, settings.max_new_tokens, sampler.key, tuple(eos_token_ids), int(pad_token_id),
                network is self.model, _adapter_state(self.model), _storage_fingerprint(network), device,
-               KV_WINDOW, DECODE_ATTENTION, decode_attention.launch_settings())  # baked into the graphs
+               KV_WINDOW, DECODE_ATTENTION, decode_attention.launch_settings(),
+               DECODE_COMPILE_MODE)  # all baked into the graphs
         with _static_attention(network):
             if self.state is None or self.state.key != key:
                 self.state = None  # free the previous shape's cache and graph first
@@ -263,7 +272,6 @@ class _DecodeState:
         self.width, self.max_new_tokens, self.pad_token_id = width, max_new_tokens, pad_token_id
         self.length = width + max_new_tokens
         self.cache_argument = _cache_argument(model)
-        self.layer_types = tuple(sorted(set(getattr(config, "layer_types", None) or ["full_attention"])))
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # cache column of the token being fed
         self.column = torch.zeros(1, dtype=torch.long, device=device)  # output column of the token being sampled
         self.cache = _KVCache(layers, (batch, kv_heads, self.length, head_dim), dtype, device,
@@ -290,11 +298,10 @@ class _DecodeState:
         return self._model()
 
     def _forward(self, input_ids, position_ids, mask) -> torch.Tensor:
-        return _forward_logits(self.model, self.cache, self.cache_argument, self.layer_types,
-                               input_ids, position_ids, mask)
+        return _forward_logits(self.model, self.cache, self.cache_argument, input_ids, position_ids, mask)
 
     def _step(self) -> None:
-        self.step_fn(self.model, self.cache, self.cache_argument, self.layer_types, self.sampler, self.tokens,
+        self.step_fn(self.model, self.cache, self.cache_argument, self.sampler, self.tokens,
                      self.positions, self.slot, self.column, self.valid, self.finished, self.out, self.logprobs,
                      self.noise, self.eos, self.pad_token_id)
 
@@ -426,8 +433,10 @@ def _(query, key, value, mask, scale):
     return query.new_empty(query.shape)
 
 
-def _forward_logits(model, cache, cache_argument, layer_types, input_ids, position_ids, mask) -> torch.Tensor:
-    output = model(input_ids=input_ids, position_ids=position_ids, attention_mask={t: mask for t in layer_types},
+def _forward_logits(model, cache, cache_argument, input_ids, position_ids, mask) -> torch.Tensor:
+    # A 4D mask passes through transformers' mask preparation as it is (masking_utils), for
+    # every supported family; Llama's forward takes no {layer type: mask} dict.
+    output = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                    use_cache=True, logits_to_keep=1, **{cache_argument: cache})
     return output.logits[:, -1].float()  # once, for the sampler and the log-probabilities
 
@@ -444,30 +453,29 @@ def _emit(logits, next_tokens, finished, eos, pad_token_id, out, logprobs, colum
     tokens.copy_(next_tokens[:, None])
 
 
-def _decode_step(model, cache, cache_argument, layer_types, sampler, tokens, positions, slot, column, valid,
+def _decode_step(model, cache, cache_argument, sampler, tokens, positions, slot, column, valid,
                  finished, out, logprobs, noise, eos, pad_token_id) -> None:
     """One decode step, entirely on the device: every buffer is updated in place."""
     valid.index_fill_(1, slot, True)
-    logits = _forward_logits(model, cache, cache_argument, layer_types, tokens, positions, valid[:, None, None, :])
+    logits = _forward_logits(model, cache, cache_argument, tokens, positions, valid[:, None, None, :])
     _emit(logits, sampler(logits, noise), finished, eos, pad_token_id, out, logprobs, column, tokens)
     positions.add_(1)
     slot.add_(1)
 
 
-_COMPILED_STEP = None
+_COMPILED_STEPS: dict = {}  # torch.compile mode -> the compiled step
 
 
 def _compiled_decode_step():
-    global _COMPILED_STEP
-    if _COMPILED_STEP is None:
+    if DECODE_COMPILE_MODE not in _COMPILED_STEPS:
         import torch._dynamo
 
         config = torch._dynamo.config  # a few shapes x adapter states per run, each its own graph
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(config, name):
                 setattr(config, name, max(getattr(config, name), 64))
-        _COMPILED_STEP = torch.compile(_decode_step, dynamic=False)
-    return _COMPILED_STEP
+        _COMPILED_STEPS[DECODE_COMPILE_MODE] = torch.compile(_decode_step, dynamic=False, mode=DECODE_COMPILE_MODE)
+    return _COMPILED_STEPS[DECODE_COMPILE_MODE]
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

@@ -34,6 +34,8 @@ from rollout import TransformersBackend
 from sampling import SamplingSettings
 from static_decode import DECODE_ATTENTION, KV_WINDOW, StaticDecoder
 
+FLAGS = ("merged", "fullkv", "unfused", "autotune")  # configuration suffixes besides attn=NAME
+
 PAD_ID, EOS_IDS = 151643, [151645, 151643]
 
 
@@ -163,6 +165,19 @@ def profile_decode_step(state, steps: int, log) -> dict:
                 state._draw_noise()
                 state._step()
             sync()
+        replay_ms = None
+        if cuda and state.graphs is not None:  # the recorded step's wall time, gaps between kernels included
+            state.slot.fill_(first)
+            state.column.fill_(first - state.width + 1)
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            replays = min(32, limit - first - 1)
+            begin.record()
+            for _ in range(replays):
+                state._draw_noise()
+                state.graphs[middle].replay()
+            end.record()
+            sync()
+            replay_ms = begin.elapsed_time(end) / replays
     network.train(was_training)
     kind = "CUDA" if cuda else "CPU"
 
@@ -171,14 +186,16 @@ def profile_decode_step(state, steps: int, log) -> dict:
 
     events = [e for e in prof.key_averages() if e.device_type.name == kind and self_us(e) > 0]
     total_us = sum(self_us(e) for e in events)
-    top = sorted(events, key=lambda e: -self_us(e))[:15]
+    top = sorted(events, key=lambda e: -self_us(e))[:25]
     table = [{"kernel": e.key[:90], "calls_per_step": e.count / steps, "us_per_step": self_us(e) / steps,
               "share": self_us(e) / max(total_us, 1)} for e in top]
     log(f"[profile] device time per decode step {total_us / steps / 1000:.3f} ms, kernels per step "
-        f"{sum(e.count for e in events) / steps:.0f}, attention over cache columns [0, {limit})")
-    for row in table[:8]:
+        f"{sum(e.count for e in events) / steps:.0f}, attention over cache columns [0, {limit}); recorded "
+        f"step replayed: {replay_ms if replay_ms is None else round(replay_ms, 3)} ms wall")
+    for row in table:
         log(f"[profile]   {row['us_per_step']:8.1f} us {row['share']:6.1%} x{row['calls_per_step']:.0f} {row['kernel']}")
-    return {"device_ms_per_step": total_us / steps / 1000, "attention_columns": limit,
+    return {"device_ms_per_step": total_us / steps / 1000, "replay_ms_per_step": replay_ms,
+            "attention_columns": limit,
             "kernels_per_step": sum(e.count for e in events) / steps, "top": table}
 
 
@@ -253,8 +270,10 @@ def main(argv=None) -> int:
                         help="the slow dynamic-cache baseline is timed on fewer new tokens (default 256; tiny: 32)")
     parser.add_argument("--configs", default="graph,dynamic,static,graph_compiled",
                         help="comma-separated engines; suffixes: '+merged' samples from the merged LoRA copy, "
-                        "'+fullkv' attends over the whole preallocated cache (no KV windows), '+attn=NAME' picks the decode "
-                        "attention kernel (decode_attention.IMPLEMENTATIONS)")
+                        "'+fullkv' attends over the whole preallocated cache (no KV windows), '+unfused' keeps the merged "
+                        "copy's q/k/v and gate/up products separate, '+autotune' compiles the step with "
+                        "max-autotune-no-cudagraphs, '+attn=NAME' picks the decode attention kernel "
+                        "(decode_attention.IMPLEMENTATIONS)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="profile this many decode steps (CUDA time per kernel) of each graph engine")
     parser.add_argument("--split-config", default="",
@@ -326,27 +345,30 @@ def main(argv=None) -> int:
     for name in opts.configs.split(","):
         engine, *options = name.split("+")
         attn = [o.split("=", 1)[1] for o in options if o.startswith("attn=")]
-        unknown = {o for o in options if not o.startswith("attn=")} - {"merged", "fullkv"}
+        unknown = {o for o in options if not o.startswith("attn=")} - set(FLAGS)
         if unknown or any(a not in decode_attention.IMPLEMENTATIONS for a in attn):
-            parser.error(f"unknown configuration option(s) in {name!r} (merged, fullkv, attn=NAME with NAME in "
+            parser.error(f"unknown configuration option(s) in {name!r} ({', '.join(FLAGS)}, attn=NAME with NAME in "
                          f"{', '.join(decode_attention.IMPLEMENTATIONS)})")
         impl = None if engine == "dynamic" else engine
         tokens = dynamic_tokens if engine == "dynamic" else new_tokens
         configs.append((name if tokens == new_tokens else f"{name} ({tokens} new)", impl, tokens,
-                        "merged" in options, "fullkv" in options, attn[-1] if attn else DECODE_ATTENTION))
+                        "merged" in options, set(options), attn[-1] if attn else DECODE_ATTENTION))
     timings = []
-    for name, impl, tokens, merge_lora, full_kv, attn in configs:
+    for name, impl, tokens, merge_lora, flags, attn in configs:
         if time.time() - start > opts.budget_s:
             log(f"[bench_rollout] budget reached, skipping {name}")
             timings.append({"config": name, "status": "skipped (time budget)"})
             continue
         settings = SamplingSettings(**{**sampling.__dict__, "max_new_tokens": tokens})
         repeats = 1 if impl in (None, "static") else opts.repeats
-        static_decode.KV_WINDOW = None if full_kv else KV_WINDOW  # fullkv: attend over the whole cache
+        static_decode.KV_WINDOW = None if "fullkv" in flags else KV_WINDOW  # fullkv: attend over the whole cache
         static_decode.DECODE_ATTENTION = attn
+        static_decode.FUSE_PROJECTIONS = "unfused" not in flags
+        static_decode.DECODE_COMPILE_MODE = "max-autotune-no-cudagraphs" if "autotune" in flags else None
         timings.append(run_config(model, name, impl, rows, settings, repeats, log, merge_lora,
                                   opts.profile_steps))
         static_decode.KV_WINDOW, static_decode.DECODE_ATTENTION = KV_WINDOW, DECODE_ATTENTION
+        static_decode.FUSE_PROJECTIONS, static_decode.DECODE_COMPILE_MODE = True, None
         results["timings"] = timings
         common.write_json(opts.json, results)
     results["timings"] = timings
@@ -374,7 +396,8 @@ def summarize(results) -> str:
                          f"{t['logprob_vs_trainer_forward']}")
         if "decode_step_profile" in t:
             prof = t["decode_step_profile"]
-            lines.append(f"profile {t['config']}: {prof['device_ms_per_step']:.3f} ms device time per decode step, "
+            lines.append(f"profile {t['config']}: {prof['device_ms_per_step']:.3f} ms device time per decode step "
+                         f"(recorded step replayed: {prof.get('replay_ms_per_step')} ms wall), "
                          f"{prof['kernels_per_step']:.0f} kernels; top: " + "; ".join(
                              f"{r['kernel'][:40]} {r['share']:.0%}" for r in prof["top"][:5]))
     for key, value in results["checks"].items():
