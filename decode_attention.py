@@ -11,7 +11,8 @@ Every function here takes the decode loop's layout and returns the same thing:
   with a boolean mask, cuDNN's flash kernel: built for long queries, it reads the cache at
   1.3-2.3 TB/s for one token, BENCHMARKS.md section 2.3);
 - `split_kv`: a Triton "flash-decoding" kernel: one program per (row, KV head, chunk of
-  columns) streams K and V once, keeping the running max / sum / weighted sum of the
+  columns) streams K and V once, only the attended columns (left padding and the
+  window's unwritten end are not read), keeping the running max / sum / weighted sum of the
   online softmax in float32 on chip (the query heads of a KV head are the rows of one
   tensor-core tile); with several chunks a second kernel rescales each chunk to the
   overall max and normalises once. Runs wherever Triton does: CUDA, and Triton's CPU
@@ -200,12 +201,13 @@ def _split_kv_kernels():
         start = part * BLOCKS * BLOCK
         for i in range(BLOCKS):  # the last chunk may end past the columns
             n = start + i * BLOCK + tl.arange(0, BLOCK)
-            inside = n < columns
-            k = tl.load(k_ptr + b * k_sb + h * k_sh + n[:, None] * k_sn + d[None, :], mask=inside[:, None],
+            keep = tl.load(valid_ptr + b * valid_sb + n, mask=n < columns, other=0) != 0
+            # Masked columns (left padding, the window's unwritten end) are not read: their
+            # scores become -inf below, and predicated-off loads move no memory.
+            k = tl.load(k_ptr + b * k_sb + h * k_sh + n[:, None] * k_sn + d[None, :], mask=keep[:, None],
                         other=0.0)
-            v = tl.load(v_ptr + b * v_sb + h * v_sh + n[:, None] * v_sn + d[None, :], mask=inside[:, None],
+            v = tl.load(v_ptr + b * v_sb + h * v_sh + n[:, None] * v_sn + d[None, :], mask=keep[:, None],
                         other=0.0)
-            keep = tl.load(valid_ptr + b * valid_sb + n, mask=inside, other=0) != 0
             s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where(keep[None, :], s, float("-inf"))
             new_best = tl.maximum(best, tl.max(s, 1))

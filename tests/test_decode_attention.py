@@ -65,6 +65,19 @@ def test_split_kv_matches_float64_attention(interpreted_triton, dtype, tolerance
     assert (got.double() - expected).abs().max().item() < tolerance
 
 
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_split_kv_does_not_read_masked_columns(interpreted_triton, chunks):
+    """Left padding and the window's unwritten end are skipped, not read and zero-weighted:
+    NaN there (0 x NaN would poison the weighted sum of V) leaves the output unchanged."""
+    query, key, value, mask = case(3, 2, 2, 16, 120, torch.float32, seed=4)
+    expected = reference(query, key, value, mask, 0.3)
+    hidden = ~mask[:, 0, 0, :, None, None].transpose(1, 2)  # [B, 1, L, 1] -> broadcast over heads and dims
+    poisoned_key = key.masked_fill(hidden.expand_as(key), math.nan)
+    poisoned_value = value.masked_fill(hidden.expand_as(value), math.nan)
+    got = decode_attention.split_kv(query, poisoned_key, poisoned_value, mask, 0.3, chunks, block=16)
+    assert bool(hidden.any()) and (got.double() - expected).abs().max().item() < 1e-5
+
+
 def test_sdpa_matches_float64_attention():
     query, key, value, mask = case(3, 2, 2, 16, 50, torch.float64)
     got = decode_attention.sdpa(query, key, value, mask, 0.25)
