@@ -58,8 +58,6 @@ KV_WINDOW = 128
 DECODE_ATTENTION = "auto"
 # The merged sampling copy stacks q/k/v and gate/up into one product each (`fused_projections.py`).
 FUSE_PROJECTIONS = True
-# The sampler's top-k splits the vocabulary into at most this many slices (`top_k`; 1: torch.topk).
-TOPK_SLICES = 64
 # torch.compile's mode for the "graph_compiled" step (None: the default; the loop records its
 # own CUDA graphs, so only the "-no-cudagraphs" modes make sense, e.g. "max-autotune-no-cudagraphs").
 DECODE_COMPILE_MODE: str | None = None
@@ -188,7 +186,7 @@ class StaticDecoder:
         sampler = _Sampler(settings, network.config.vocab_size)
         key = (len(rows), width, settings.max_new_tokens, sampler.key, tuple(eos_token_ids), int(pad_token_id),
                network is self.model, _adapter_state(self.model), _storage_fingerprint(network), device,
-               KV_WINDOW, DECODE_ATTENTION, decode_attention.launch_settings(), TOPK_SLICES,
+               KV_WINDOW, DECODE_ATTENTION, decode_attention.launch_settings(),
                DECODE_COMPILE_MODE)  # all baked into the graphs
         with _static_attention(network):
             if self.state is None or self.state.key != key:
@@ -222,7 +220,7 @@ class _Sampler:
         """(tempered logits, vocabulary ids) of the candidates, best first; -inf = filtered out."""
         logits = logits.float()
         if self.top_k:
-            values, index = top_k(logits, self.top_k)
+            values, index = logits.topk(self.top_k, dim=-1)
         else:
             values, index = logits.sort(dim=-1, descending=True)
         values = values / self.temperature
@@ -239,25 +237,6 @@ class _Sampler:
         gumbel = -torch.log(-torch.log(noise))
         choice = (values + gumbel).argmax(-1, keepdim=True)
         return index.gather(-1, choice).squeeze(-1)
-
-
-def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`logits.topk(k)` over the last dim, in two rounds where the vocabulary splits evenly into
-    up to TOPK_SLICES slices of at least 4k entries: the top k of each slice, then the top k of
-    those. The same values in the same order; which of tied entries at the k-th value is kept
-    may differ. Why: torch's top-k over 151,936 entries for 32 rows is a multi-pass radix
-    select of about 80 us, a few percent of a decode step."""
-    rows, vocab = logits.shape
-    slices = TOPK_SLICES
-    while slices > 1 and (vocab % slices or vocab // slices < 4 * k):
-        slices //= 2
-    if slices < 2:
-        return logits.topk(k, dim=-1)
-    width = vocab // slices
-    values, index = logits.view(rows, slices, width).topk(k, dim=-1)
-    index = index + torch.arange(0, vocab, width, device=logits.device)[:, None]
-    values, pick = values.view(rows, slices * k).topk(k, dim=-1)
-    return values, index.view(rows, slices * k).gather(-1, pick)
 
 
 class _KVCache:

@@ -10,19 +10,23 @@ recipe; global batch 32 = micro-batch x accumulation; completions up to 1024
 tokens; the generated dataset; no --recipe, whose values would override
 --max_completion_length) for
 `--steps` optimizer steps, once per micro-batch size. Each `[OPSD kl] step=N`
-line is time-stamped when it appears. The early steps also compile (the rollout
-loop once per prompt-width bucket, the decoder layers once per shape family), so
-the fastest step is taken as the steady-state step, and the capped run is
-extrapolated as (time to the last measured step) + (100 - steps) x fastest step:
-compilation seen so far is counted, compilation a longer run may still meet is not.
+line is time-stamped when it appears, and the trainer's `timing/rollout_s` (the
+sampling's wall time) is read back from `metrics.jsonl`. The early steps also compile
+(the rollout loop once per prompt-width bucket, the decoder layers once per shape
+family); the capped run is extrapolated as (time to the last measured step) +
+(100 - steps) x the median step after the first: compilation seen so far is counted,
+compilation a longer run may still meet is not. (Before 2026-12-01 the fastest step
+stood in for the median; BENCHMARKS.md says which figures used it.)
 A random model almost never samples EOS, so every completion runs to the cap:
 the worst case of a real run.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,8 +88,14 @@ def run_cli(model_dir: Path, out_dir: Path, micro_batch: int, steps: int, comple
             rc = proc.wait()
         finally:
             watchdog.cancel()
+    rollout_s = {}  # the trainer's timing/rollout_s per logged step (metrics.jsonl)
+    metrics = out_dir / "metrics.jsonl"
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        record = json.loads(line)
+        if "timing/rollout_s" in record:
+            rollout_s[int(record["step"])] = record["timing/rollout_s"]
     return {"micro_batch": micro_batch, "processes": processes, "rc": rc, "step_stamps": stamps,
-            "wall_s": time.time() - start}
+            "rollout_s": rollout_s, "wall_s": time.time() - start}
 
 
 def summarize(run: dict, steps_total: int = 100) -> dict:
@@ -93,10 +103,14 @@ def summarize(run: dict, steps_total: int = 100) -> dict:
     if len(stamps) < 2:
         return {**run, "status": f"too few steps logged ({len(stamps)})"}
     step_times = [b - a for a, b in zip(stamps, stamps[1:])]
-    fastest = min(step_times)
-    return {**run, "status": "ok", "first_step_s": stamps[0], "step_times_s": step_times, "fastest_step_s": fastest,
+    median = statistics.median(step_times)
+    later_rollouts = [s for step, s in run.get("rollout_s", {}).items() if step > 1]
+    # the steps not run are extrapolated at the median step (the fastest would flatter)
+    return {**run, "status": "ok", "first_step_s": stamps[0], "step_times_s": step_times,
+            "fastest_step_s": min(step_times), "median_step_s": median,
+            "median_rollout_s": statistics.median(later_rollouts) if later_rollouts else None,
             "measured_s": stamps[-1],
-            "extrapolated_100_steps_min": (stamps[-1] + (steps_total - len(stamps)) * fastest) / 60}
+            "extrapolated_100_steps_min": (stamps[-1] + (steps_total - len(stamps)) * median) / 60}
 
 
 def main(argv=None) -> int:
@@ -125,16 +139,18 @@ def main(argv=None) -> int:
     rows = []
     for r in results["runs"]:
         if r["status"] == "ok":
+            rollout = r.get("median_rollout_s")
             rows.append([r["processes"], r["micro_batch"], 32 // (r["micro_batch"] * r["processes"]),
                          f"{r['first_step_s']:.1f}",
                          ", ".join(f"{t:.1f}" for t in r["step_times_s"]), f"{r['fastest_step_s']:.2f}",
+                         f"{r['median_step_s']:.2f}", "" if rollout is None else f"{rollout:.2f}",
                          f"{r['extrapolated_100_steps_min']:.1f}"])
         else:
             rows.append([r["processes"], r["micro_batch"], 32 // (r["micro_batch"] * r["processes"]), r["status"],
-                         f"rc={r['rc']}", "", ""])
+                         f"rc={r['rc']}", "", "", "", ""])
     table = common.markdown_table(
         ["processes", "micro-batch", "accumulation", "start to step 1 (s)", "later steps (s)", "fastest step (s)",
-         "100 steps, extrapolated (min)"], rows)
+         "median step (s)", "its rollout, median (s)", "100 steps at the median step (min)"], rows)
     report = (f"## Capped run, {shape}, 32 x {completion} per step, `opsd_train.py` defaults "
               f"({results['machine']})\n\n{table}")
     return common.finish(results, opts.json, report)

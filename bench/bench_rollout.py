@@ -32,9 +32,9 @@ import static_decode
 from model_utils import causal_lm
 from rollout import TransformersBackend
 from sampling import SamplingSettings
-from static_decode import DECODE_ATTENTION, KV_WINDOW, TOPK_SLICES, StaticDecoder
+from static_decode import DECODE_ATTENTION, KV_WINDOW, StaticDecoder
 
-FLAGS = ("merged", "fullkv", "unfused", "autotune", "topk1")  # configuration suffixes besides attn=NAME
+FLAGS = ("merged", "fullkv", "unfused", "autotune")  # configuration suffixes besides attn=NAME
 
 PAD_ID, EOS_IDS = 151643, [151645, 151643]
 
@@ -272,7 +272,7 @@ def main(argv=None) -> int:
                         help="comma-separated engines; suffixes: '+merged' samples from the merged LoRA copy, "
                         "'+fullkv' attends over the whole preallocated cache (no KV windows), '+unfused' keeps the merged "
                         "copy's q/k/v and gate/up products separate, '+autotune' compiles the step with "
-                        "max-autotune-no-cudagraphs, '+topk1' samples through one torch.topk, '+attn=NAME' picks the decode attention kernel "
+                        "max-autotune-no-cudagraphs, '+attn=NAME' picks the decode attention kernel "
                         "(decode_attention.IMPLEMENTATIONS)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="profile this many decode steps (CUDA time per kernel) of each graph engine")
@@ -365,12 +365,10 @@ def main(argv=None) -> int:
         static_decode.DECODE_ATTENTION = attn
         static_decode.FUSE_PROJECTIONS = "unfused" not in flags
         static_decode.DECODE_COMPILE_MODE = "max-autotune-no-cudagraphs" if "autotune" in flags else None
-        static_decode.TOPK_SLICES = 1 if "topk1" in flags else TOPK_SLICES
         timings.append(run_config(model, name, impl, rows, settings, repeats, log, merge_lora,
                                   opts.profile_steps))
         static_decode.KV_WINDOW, static_decode.DECODE_ATTENTION = KV_WINDOW, DECODE_ATTENTION
         static_decode.FUSE_PROJECTIONS, static_decode.DECODE_COMPILE_MODE = True, None
-        static_decode.TOPK_SLICES = TOPK_SLICES
         results["timings"] = timings
         common.write_json(opts.json, results)
     results["timings"] = timings

@@ -510,24 +510,6 @@ def test_sampler_keeps_what_transformers_warpers_keep():
         assert torch.allclose(ours, expected, atol=1e-6)
 
 
-@pytest.mark.parametrize("vocab,k", [(151936, 20), (128256, 20), (1000, 20), (1000, 50), (97, 5)])
-def test_two_round_top_k_is_torch_top_k(vocab, k):
-    """static_decode.top_k (the top k of each vocabulary slice, then of those) gives
-    torch.topk's values and indices, in order; a tie at the k-th value keeps exactly k."""
-    from static_decode import top_k
-
-    gen = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(4, vocab, generator=gen)
-    values, index = top_k(logits, k)
-    expected = logits.topk(k, dim=-1)
-    assert torch.equal(values, expected.values) and torch.equal(index, expected.indices)
-    tied = logits.clone()
-    tied[:, [3, vocab // 2, vocab - 1]] = 100.0  # three tied maxima, k-th at the boundary when k = 2
-    values, index = top_k(tied, 2)
-    assert bool((values == 100.0).all()) and all(len(set(row.tolist())) == 2 for row in index)
-    assert set(index.flatten().tolist()) <= {3, vocab // 2, vocab - 1}
-
-
 def test_sampler_draws_from_the_filtered_distribution():
     from static_decode import _Sampler
 

@@ -109,9 +109,10 @@ def test_metrics_file_and_console_lines(trained_run):
                 "opsd/student_entropy",
                 "opsd/teacher_entropy",
                 "loss",
+                "timing/rollout_s",
             ):
                 assert key in r and r[key] is not None
-            assert r["opsd/true_kl"] > 0
+            assert r["opsd/true_kl"] > 0 and r["timing/rollout_s"] > 0
 
 
 def test_align_and_kl_lines_printed(tmp_path, capsys):
