@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -52,7 +53,7 @@ def write_random_model(folder: Path, shape: str) -> None:
 
 
 def run_cli(model_dir: Path, out_dir: Path, micro_batch: int, steps: int, completion: int, log_path: Path,
-            timeout_s: float, processes: int = 1) -> dict:
+            timeout_s: float, processes: int = 1, extra: tuple[str, ...] = ()) -> dict:
     """opsd_train.py for `steps` steps; returns the wall time at which each step's log line appeared.
 
     One process runs the script directly; several go through `accelerate launch`
@@ -69,7 +70,7 @@ def run_cli(model_dir: Path, out_dir: Path, micro_batch: int, steps: int, comple
         "--per_device_train_batch_size", str(micro_batch),
         "--gradient_accumulation_steps", str(32 // (micro_batch * processes)),
         "--max_completion_length", str(completion), "--save_strategy", "no", "--logging_steps", "1",
-        "--report_to", "none",
+        "--report_to", "none", *extra,
     ]
     start = time.time()
     stamps: dict[int, float] = {}
@@ -121,6 +122,8 @@ def main(argv=None) -> int:
     parser.add_argument("--num-processes", type=int, default=1, help="> 1: accelerate launch, one process per GPU")
     parser.add_argument("--completion", type=int, default=None, help="default 1024 (tiny: 16)")
     parser.add_argument("--timeout-s", type=float, default=280, help="per run")
+    parser.add_argument("--trainer-args", default="",
+                        help="more opsd_train.py flags, one string (e.g. '--activation_checkpointing false')")
     parser.add_argument("--json", default=None)
     opts = parser.parse_args(argv)
     shape = "tiny" if opts.tiny or not torch.cuda.is_available() else "qwen3-1.7b"
@@ -128,12 +131,14 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="opsd_capped_"))
     out_dir = Path(opts.json).parent if opts.json else work
     write_random_model(work / "model", shape)
-    results = {"shape": shape, "machine": common.machine(), "completion": completion, "runs": []}
+    results = {"shape": shape, "machine": common.machine(), "completion": completion,
+               "trainer_args": opts.trainer_args, "runs": []}
     for mb in (int(x) for x in opts.micro_batches.split(",")):
         if 32 % (mb * opts.num_processes):
             raise SystemExit(f"global batch 32 is not divisible by micro-batch {mb} x {opts.num_processes} processes")
         run = run_cli(work / "model", work / f"run-mb{mb}", mb, opts.steps, completion,
-                      out_dir / f"capped_mb{mb}_np{opts.num_processes}.log", opts.timeout_s, opts.num_processes)
+                      out_dir / f"capped_mb{mb}_np{opts.num_processes}.log", opts.timeout_s, opts.num_processes,
+                      tuple(shlex.split(opts.trainer_args)))
         results["runs"].append(summarize(run))
         common.write_json(opts.json, results)
     rows = []
@@ -151,7 +156,8 @@ def main(argv=None) -> int:
     table = common.markdown_table(
         ["processes", "micro-batch", "accumulation", "start to step 1 (s)", "later steps (s)", "fastest step (s)",
          "median step (s)", "its rollout, median (s)", "100 steps at the median step (min)"], rows)
-    report = (f"## Capped run, {shape}, 32 x {completion} per step, `opsd_train.py` defaults "
+    flags = f" + `{opts.trainer_args}`" if opts.trainer_args else ""
+    report = (f"## Capped run, {shape}, 32 x {completion} per step, `opsd_train.py` defaults{flags} "
               f"({results['machine']})\n\n{table}")
     return common.finish(results, opts.json, report)
 
