@@ -78,7 +78,7 @@ def trainer_stand_in(args, dev, compiled_layers=None) -> types.SimpleNamespace:
         _compiled_layers=compiled_layers,
         objective=opsd_trainer.make_objective(args),
     )
-    for method in ("_teacher_weights", "_report_alignment", "_scoring_layers"):
+    for method in ("scoring_forwards", "_teacher_weights", "_report_alignment", "_scoring_layers"):
         setattr(shim, method, types.MethodType(getattr(OPSDTrainer, method), shim))
     return shim
 
