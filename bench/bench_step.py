@@ -250,12 +250,20 @@ def profile_step(stepper, model, variant: Variant, batch, geo, out_dir, log) -> 
     stepper.step(variant, inputs)  # warm
     common.sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
         stepper.step(variant, inputs)
         common.sync()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+        wall_ms = (time.perf_counter() - started) * 1000
+    averages = prof.key_averages()
+    # Kernel time against wall time: far below 100% means the step waits on the host
+    # (launches, synchronisations), not on the GPU's arithmetic or memory.
+    busy_ms = sum(e.self_device_time_total for e in averages if e.device_type.name == "CUDA") / 1000
+    table = averages.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+    summary = f"wall {wall_ms:.1f} ms under the profiler, " + (
+        f"kernels {busy_ms:.1f} ms ({busy_ms / wall_ms:.0%} of it)" if torch.cuda.is_available() else "no GPU")
     if out_dir:
-        Path(out_dir, f"profile_{variant.name}_mb{batch}.txt").write_text(table)
-    log(f"[profile] {variant.name} mb={batch}\n" + "\n".join(table.splitlines()[:22]))
+        Path(out_dir, f"profile_{variant.name}_mb{batch}.txt").write_text(summary + "\n" + table)
+    log(f"[profile] {variant.name} mb={batch}: {summary}\n" + "\n".join(table.splitlines()[:22]))
     stepper.optimizer.zero_grad(set_to_none=True)
     common.free_memory()
 
