@@ -21,7 +21,7 @@ import sys
 import torch
 from torch import nn
 
-# Class name -> the projections stacked into one product, in order.
+# Class name (transformers' own classes only) -> the projections stacked into one product, in order.
 FUSABLE = {
     "Qwen3Attention": ("q_proj", "k_proj", "v_proj"),
     "Qwen2Attention": ("q_proj", "k_proj", "v_proj"),
@@ -33,20 +33,23 @@ FUSABLE = {
 
 
 def fusable_projections(module: nn.Module) -> tuple[str, ...]:
-    """The projections of `module` that `fuse` would stack (empty: not a fusable module)."""
-    names = FUSABLE.get(type(module).__name__, ())
-    if not all(isinstance(getattr(module, name, None), nn.Linear) for name in names):
+    """The projections of `module` that `fuse` would stack, by its class (empty: not fusable).
+    Only transformers' own classes: a remote-code class of the same name may differ."""
+    cls = type(module)
+    if not cls.__module__.startswith("transformers.models."):
         return ()
-    return names
+    return FUSABLE.get(cls.__name__, ())
 
 
 def fuse(module: nn.Module) -> tuple[nn.Module, dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:
-    """(replacement, {projection: (weight view, bias view or None)}) for a fusable module.
-    The stacked weight and bias are allocated, not filled: the caller writes every view."""
+    """(replacement, {projection: (weight view, bias view or None)}) for a fusable module whose
+    projections are plain `nn.Linear` layers. The stacked weight and bias are allocated, not
+    filled: the caller writes every view."""
     names = fusable_projections(module)
-    if not names:
-        raise ValueError(f"{type(module).__name__} is not fusable (expected one of {', '.join(FUSABLE)})")
-    parts = [getattr(module, name) for name in names]
+    parts = [getattr(module, name, None) for name in names]
+    if not names or not all(type(part) is nn.Linear for part in parts):
+        raise ValueError(f"{type(module).__name__} is not fusable: expected transformers' "
+                         f"{', '.join(FUSABLE)} with plain nn.Linear projections")
     stacked, views = _stacked_linear(parts)
     replacement = FusedAttention(module, stacked) if names[0] == "q_proj" else FusedMLP(module, stacked)
     return replacement, dict(zip(names, views))
@@ -94,9 +97,8 @@ class FusedAttention(nn.Module):
 
         self._attention_functions = ALL_ATTENTION_FUNCTIONS
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
-                past_key_values=None, **kwargs):
-        cache = cache if cache is not None else past_key_values  # the argument's name before transformers 5.2x
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        # transformers 5.2x's signature and cache API (requirements.txt pins the version)
         input_shape = hidden_states.shape[:-1]
         heads = (*input_shape, -1, self.head_dim)
         query, key, value = (t.view(heads) for t in self.qkv_proj(hidden_states).split(self.sizes, dim=-1))

@@ -73,25 +73,34 @@ class MergedStudent:
         self.network = copy.deepcopy(inner, memo)
         self.network.eval()
         self.fused = fuse
+        lora = dict(layers)
+        # Groups to stack: every projection of the group carries an adapter (otherwise the
+        # stacked weight would need a copy of the unadapted base weight too).
+        groups = {}  # module name -> its projections' qualified names
+        for name, module in self.network.named_modules() if fuse else ():
+            members = [f"{name}.{p}" if name else p for p in fusable_projections(module)]
+            if members and all(m in lora for m in members):
+                groups[name] = members
+        stacked = {m for members in groups.values() for m in members}
         # name -> (weight of the copy, stacked bias view or None, LoRA layer of the model)
         targets = {}
         for name, module in layers:
             base = module.get_base_layer()
-            weight = torch.empty_like(base.weight, requires_grad=False)
+            # A projection to be stacked stands in with the base weight (no allocation) until
+            # `fuse` gives it a view of the stacked weight, a few lines down.
+            weight = base.weight if name in stacked else torch.empty_like(base.weight, requires_grad=False)
             plain = torch.nn.Linear(base.in_features, base.out_features, bias=False, device="meta")
             plain.weight = torch.nn.Parameter(weight, requires_grad=False)
             plain.bias = base.bias  # shared (None for Qwen3's projections)
             _replace(self.network, name, plain)
             targets[name] = (weight, None, module)
-        if fuse:
-            for name, module in list(self.network.named_modules()):
-                members = [f"{name}.{p}" if name else p for p in fusable_projections(module)]
-                if not members or not all(m in targets for m in members):
-                    continue  # a projection without an adapter would need a copy of its base weight
-                replacement, views = fuse_module(module)
-                for member, (weight, bias) in zip(members, views.values()):
-                    targets[member] = (weight, bias, targets[member][2])
-                _replace(self.network, name, replacement)
+        for name, members in groups.items():
+            replacement, views = fuse_module(self.network.get_submodule(name))
+            for member, (weight, bias) in zip(members, views.values()):
+                targets[member] = (weight, bias, targets[member][2])
+            _replace(self.network, name, replacement)
+        if any(weight is layer.get_base_layer().weight for weight, _, layer in targets.values()):
+            raise RuntimeError("a stacked projection kept its base-weight stand-in: refresh would write the teacher")
         self._targets = list(targets.values())
 
     def refresh(self) -> None:

@@ -403,14 +403,17 @@ class OPSDTrainer(DistillationTrainer):
         """
         rows = inputs
         student_ids = [self.collator.student_prompt_ids(row) for row in rows]
-        started = time.perf_counter()  # the completions arrive as host lists: no pending GPU work
+        seconds = None  # wall time of the student's sampling, on steps that sample
         if self.args.loss_type == "sft":  # supervised baseline: always the reference solution
             completions, truncated = self._reference_completions(rows)
         elif on_policy_step(self.args.seed, self.state.global_step, self.args.lmbda):
-            completions, truncated = self._sample(student_ids)
+            if self.accelerator.device.type == "cuda":
+                torch.cuda.synchronize(self.accelerator.device)  # the previous step's queued work is not sampling
+            started = time.perf_counter()
+            completions, truncated = self._sample(student_ids)  # host lists: no GPU work left pending
+            seconds = time.perf_counter() - started
         else:  # off-policy batch (GKD's lmbda): the reference solution is the completion
             completions, truncated = self._reference_completions(rows)
-        seconds = time.perf_counter() - started
         rationales = self._teacher_rationales(rows) if self.args.reason_first else [None] * len(rows)
         teacher_ids = [self.collator.teacher_prompt_ids(row, rationale=r) for row, r in zip(rows, rationales)]
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
@@ -496,7 +499,8 @@ class OPSDTrainer(DistillationTrainer):
             ids, _ = self._sample(prompt_ids, stream="reason_first")
         return self._tokenizer.batch_decode(ids, skip_special_tokens=True)
 
-    def _log_rollout(self, prompt_ids, lengths: torch.Tensor, truncated: torch.Tensor, seconds: float) -> None:
+    def _log_rollout(self, prompt_ids, lengths: torch.Tensor, truncated: torch.Tensor,
+                     seconds: float | None) -> None:
         device = self.accelerator.device
         lengths = self.accelerator.gather(lengths.to(device)).float()
         truncated = self.accelerator.gather(truncated.to(device)).float()
@@ -508,7 +512,8 @@ class OPSDTrainer(DistillationTrainer):
         self._metrics[mode]["completions/mean_length"].append(lengths.mean().item())
         self._metrics[mode]["completions/max_length"].append(lengths.max().item())
         self._metrics[mode]["completions/truncated_ratio"].append(truncated.mean().item())
-        self._metrics[mode]["timing/rollout_s"].append(seconds)  # wall seconds of this process's sampling
+        if seconds is not None:  # this process's own figure (not gathered), sampled steps only
+            self._metrics[mode]["timing/rollout_s"].append(seconds)
 
     # ------------------------------------------------------------------ loss
 

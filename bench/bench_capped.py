@@ -123,7 +123,8 @@ def main(argv=None) -> int:
     parser.add_argument("--completion", type=int, default=None, help="default 1024 (tiny: 16)")
     parser.add_argument("--timeout-s", type=float, default=280, help="per run")
     parser.add_argument("--trainer-args", default="",
-                        help="more opsd_train.py flags, one string (e.g. '--activation_checkpointing false')")
+                        help="more opsd_train.py flags, one string (e.g. '--activation_checkpointing false'; "
+                        "a single flag as --trainer-args=--flag)")
     parser.add_argument("--json", default=None)
     opts = parser.parse_args(argv)
     shape = "tiny" if opts.tiny or not torch.cuda.is_available() else "qwen3-1.7b"

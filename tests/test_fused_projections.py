@@ -156,13 +156,44 @@ def test_groups_with_an_unadapted_projection_stay_separate():
 
 
 def test_only_the_written_out_classes_fuse():
+    """transformers' own classes only: not another class, not a remote-code class that
+    merely shares a name, not projections that are not plain nn.Linear layers."""
     class Other(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(4, 4) for _ in range(3))
 
-    assert fusable_projections(Other()) == ()
-    with pytest.raises(ValueError, match="not fusable"):
-        fuse(Other())
+    class Qwen2Attention(Other):  # a remote-code look-alike
+        pass
+
+    for module in (Other(), Qwen2Attention()):
+        assert fusable_projections(module) == ()
+        with pytest.raises(ValueError, match="not fusable"):
+            fuse(module)
     attention = random_model("llama").model.layers[0].self_attn
     assert fusable_projections(attention) == ("q_proj", "k_proj", "v_proj")
+    fuse(attention)  # plain projections: fine
+    adapted = with_lora(random_model("llama")).get_base_model().model.layers[0].self_attn
+    assert fusable_projections(adapted) == ("q_proj", "k_proj", "v_proj")  # by class
+    with pytest.raises(ValueError, match="plain nn.Linear"):
+        fuse(adapted)  # peft's wrappers are not stacked directly
+
+
+def test_stacked_projections_get_no_separate_weight_and_the_base_is_never_written(monkeypatch):
+    """A projection to be stacked is never given a weight of its own (only o and down are:
+    building the copy does not hold q/k/v/gate/up twice), and refreshing leaves every base
+    weight bit-identical."""
+    model = with_lora(random_model("qwen3"))
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    allocated = []
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: allocated.append(t.shape) or empty_like(t, **kw))
+    merged = MergedStudent(model)
+    monkeypatch.undo()
+    layers = model.get_base_model().model.layers
+    assert sorted(allocated) == sorted([layer.self_attn.o_proj.base_layer.weight.shape for layer in layers]
+                                       + [layer.mlp.down_proj.base_layer.weight.shape for layer in layers])
+    merged.refresh()
+    merged.refresh()
+    after = model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)

@@ -619,6 +619,7 @@ def test_lmbda_zero_uses_the_reference_solution_as_completion(tmp_path):
     for row, completion in zip(rows, batch["completion_ids"]):
         solution = tok(row["solution"], add_special_tokens=False)["input_ids"][: trainer.args.max_completion_length - 1]
         assert completion == solution + [tok.eos_token_id]
+    assert all("timing/rollout_s" not in trainer._metrics[mode] for mode in ("train", "eval"))  # nothing sampled
 
 
 def test_sft_always_trains_on_the_reference_solution(tmp_path):
