@@ -41,17 +41,20 @@ def fusable_projections(module: nn.Module) -> tuple[str, ...]:
     return FUSABLE.get(cls.__name__, ())
 
 
-def fuse(module: nn.Module) -> tuple[nn.Module, dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:
-    """(replacement, {projection: (weight view, bias view or None)}) for a fusable module whose
-    projections are plain `nn.Linear` layers. The stacked weight and bias are allocated, not
-    filled: the caller writes every view."""
+def fuse(module: nn.Module, projections: list[nn.Linear] | None = None
+         ) -> tuple[nn.Module, dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:
+    """(replacement, {projection: (weight view, bias view or None)}) for a fusable module.
+    The stack takes its shapes, dtype, device and biases from `projections`, plain
+    `nn.Linear` layers in `fusable_projections` order (default: the module's own); it is
+    allocated, not filled: the caller writes every view."""
     names = fusable_projections(module)
-    parts = [getattr(module, name, None) for name in names]
-    if not names or not all(type(part) is nn.Linear for part in parts):
+    parts = projections if projections is not None else [getattr(module, name, None) for name in names]
+    if not names or len(parts) != len(names) or not all(type(part) is nn.Linear for part in parts):
         raise ValueError(f"{type(module).__name__} is not fusable: expected transformers' "
                          f"{', '.join(FUSABLE)} with plain nn.Linear projections")
     stacked, views = _stacked_linear(parts)
-    replacement = FusedAttention(module, stacked) if names[0] == "q_proj" else FusedMLP(module, stacked)
+    sizes = [part.out_features for part in parts]
+    replacement = FusedAttention(module, stacked, sizes) if names[0] == "q_proj" else FusedMLP(module, stacked, sizes)
     return replacement, dict(zip(names, views))
 
 
@@ -76,10 +79,9 @@ def _stacked_linear(parts: list[nn.Linear]) -> tuple[nn.Linear, list[tuple[torch
 class FusedAttention(nn.Module):
     """The attention of Qwen3 / Qwen2 / Llama with q, k and v from one product (`qkv_proj`)."""
 
-    def __init__(self, attention: nn.Module, qkv_proj: nn.Linear):
+    def __init__(self, attention: nn.Module, qkv_proj: nn.Linear, sizes: list[int]):
         super().__init__()
-        self.qkv_proj = qkv_proj
-        self.sizes = [attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features]
+        self.qkv_proj, self.sizes = qkv_proj, sizes  # q, k, v widths
         self.o_proj = attention.o_proj
         self.q_norm = getattr(attention, "q_norm", None)  # Qwen3 only
         self.k_norm = getattr(attention, "k_norm", None)
@@ -120,10 +122,9 @@ class FusedAttention(nn.Module):
 class FusedMLP(nn.Module):
     """The gated MLP of Qwen3 / Qwen2 / Llama with gate and up from one product (`gate_up_proj`)."""
 
-    def __init__(self, mlp: nn.Module, gate_up_proj: nn.Linear):
+    def __init__(self, mlp: nn.Module, gate_up_proj: nn.Linear, sizes: list[int]):
         super().__init__()
-        self.gate_up_proj = gate_up_proj
-        self.sizes = [mlp.gate_proj.out_features, mlp.up_proj.out_features]
+        self.gate_up_proj, self.sizes = gate_up_proj, sizes  # gate, up widths
         self.down_proj = mlp.down_proj
         self.act_fn = mlp.act_fn
 

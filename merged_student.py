@@ -85,22 +85,21 @@ class MergedStudent:
         # name -> (weight of the copy, stacked bias view or None, LoRA layer of the model)
         targets = {}
         for name, module in layers:
+            if name in stacked:
+                continue  # gets a view of its group's stacked weight below, no weight of its own
             base = module.get_base_layer()
-            # A projection to be stacked stands in with the base weight (no allocation) until
-            # `fuse` gives it a view of the stacked weight, a few lines down.
-            weight = base.weight if name in stacked else torch.empty_like(base.weight, requires_grad=False)
+            weight = torch.empty_like(base.weight, requires_grad=False)
             plain = torch.nn.Linear(base.in_features, base.out_features, bias=False, device="meta")
             plain.weight = torch.nn.Parameter(weight, requires_grad=False)
             plain.bias = base.bias  # shared (None for Qwen3's projections)
             _replace(self.network, name, plain)
             targets[name] = (weight, None, module)
-        for name, members in groups.items():
-            replacement, views = fuse_module(self.network.get_submodule(name))
+        for name, members in groups.items():  # o_proj / down_proj are plain copies by now
+            replacement, views = fuse_module(self.network.get_submodule(name),
+                                             [lora[m].get_base_layer() for m in members])
             for member, (weight, bias) in zip(members, views.values()):
-                targets[member] = (weight, bias, targets[member][2])
+                targets[member] = (weight, bias, lora[member])
             _replace(self.network, name, replacement)
-        if any(weight is layer.get_base_layer().weight for weight, _, layer in targets.values()):
-            raise RuntimeError("a stacked projection kept its base-weight stand-in: refresh would write the teacher")
         self._targets = list(targets.values())
 
     def refresh(self) -> None:

@@ -23,7 +23,6 @@ the worst case of a real run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shlex
@@ -38,6 +37,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
+
+from jsonl import read_jsonl
 
 STEP_LINE = re.compile(r"\[OPSD kl\] step=(\d+)")
 
@@ -89,12 +90,9 @@ def run_cli(model_dir: Path, out_dir: Path, micro_batch: int, steps: int, comple
             rc = proc.wait()
         finally:
             watchdog.cancel()
-    rollout_s = {}  # the trainer's timing/rollout_s per logged step (metrics.jsonl)
-    metrics = out_dir / "metrics.jsonl"
-    for line in metrics.read_text().splitlines() if metrics.exists() else []:
-        record = json.loads(line)
-        if "timing/rollout_s" in record:
-            rollout_s[int(record["step"])] = record["timing/rollout_s"]
+    metrics = out_dir / "metrics.jsonl"  # the trainer's timing/rollout_s per logged step
+    records = [record for _, record in read_jsonl(metrics, RuntimeError)] if metrics.exists() else []
+    rollout_s = {int(r["step"]): r["timing/rollout_s"] for r in records if "timing/rollout_s" in r}
     return {"micro_batch": micro_batch, "processes": processes, "rc": rc, "step_stamps": stamps,
             "rollout_s": rollout_s, "wall_s": time.time() - start}
 

@@ -32,7 +32,7 @@ import static_decode
 from model_utils import causal_lm
 from rollout import TransformersBackend
 from sampling import SamplingSettings
-from static_decode import DECODE_ATTENTION, KV_WINDOW, StaticDecoder
+from static_decode import DECODE_ATTENTION, StaticDecoder
 
 FLAGS = ("merged", "fullkv", "unfused", "autotune")  # configuration suffixes besides attn=NAME
 
@@ -361,14 +361,20 @@ def main(argv=None) -> int:
             continue
         settings = SamplingSettings(**{**sampling.__dict__, "max_new_tokens": tokens})
         repeats = 1 if impl in (None, "static") else opts.repeats
-        static_decode.KV_WINDOW = None if "fullkv" in flags else KV_WINDOW  # fullkv: attend over the whole cache
-        static_decode.DECODE_ATTENTION = attn
-        static_decode.FUSE_PROJECTIONS = "unfused" not in flags
-        static_decode.DECODE_COMPILE_MODE = "max-autotune-no-cudagraphs" if "autotune" in flags else None
-        timings.append(run_config(model, name, impl, rows, settings, repeats, log, merge_lora,
-                                  opts.profile_steps))
-        static_decode.KV_WINDOW, static_decode.DECODE_ATTENTION = KV_WINDOW, DECODE_ATTENTION
-        static_decode.FUSE_PROJECTIONS, static_decode.DECODE_COMPILE_MODE = True, None
+        overrides = {"DECODE_ATTENTION": attn}
+        if "fullkv" in flags:
+            overrides["KV_WINDOW"] = None  # attend over the whole cache
+        if "unfused" in flags:
+            overrides["FUSE_PROJECTIONS"] = False
+        if "autotune" in flags:
+            overrides["DECODE_COMPILE_MODE"] = "max-autotune-no-cudagraphs"
+        defaults = {key: getattr(static_decode, key) for key in overrides}
+        vars(static_decode).update(overrides)
+        try:
+            timings.append(run_config(model, name, impl, rows, settings, repeats, log, merge_lora,
+                                      opts.profile_steps))
+        finally:
+            vars(static_decode).update(defaults)
         results["timings"] = timings
         common.write_json(opts.json, results)
     results["timings"] = timings

@@ -1,10 +1,9 @@
 """The merged sampling copy's stacked projections (fused_projections.py): one product for
 q, k, v and one for gate, up compute what the separate projections compute, for every
 supported family (Qwen3's q/k norms, Qwen2's biases, Llama), through the decode loop too."""
-import copy
-
 import pytest
 import torch
+from lora_helpers import acting_lora
 
 import static_decode
 from fused_projections import FusedAttention, FusedMLP, fusable_projections, fuse
@@ -48,16 +47,7 @@ def random_model(family: str, dtype=torch.float64):
 
 
 def with_lora(model, targets=ALL_PROJECTIONS, seed=0):
-    from peft import LoraConfig, get_peft_model
-
-    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                                   target_modules=list(targets)))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:  # a fresh adapter is a no-op; make it act
-                param.copy_(torch.randn(param.shape, generator=gen).to(param.dtype) * 0.3)
-    return peft_model
+    return acting_lora(model, targets, r=4, seed=seed)
 
 
 def prompts():

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import rollout
+from lora_helpers import acting_lora
 from rollout import BackendUnavailable, TransformersBackend, make_backend, resolve_backend_name, vllm_lora_rank
 from sampling import ROLLOUT_STREAMS, Completion, SamplingSettings, derive_seed, rollout_seed, to_completion
 from static_decode import StaticDecoder, bucket_width, resolve_cache_implementation
@@ -242,19 +243,7 @@ ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 
 def lora_model(tiny, dtype=torch.float32, seed=0):
-    import copy
-
-    from peft import LoraConfig, get_peft_model
-
-    model, _ = tiny
-    peft_model = get_peft_model(copy.deepcopy(model).to(dtype),
-                                LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=ALL_PROJECTIONS))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:  # a freshly initialised adapter is a no-op; make it act
-                param.copy_(torch.randn(param.shape, generator=gen).to(dtype) * 0.3)
-    return peft_model
+    return acting_lora(tiny[0], ALL_PROJECTIONS, r=8, dtype=dtype, seed=seed)
 
 
 def test_graph_loop_matches_dynamic_cache_greedy(tiny, prompts):
