@@ -198,6 +198,7 @@ class ScoringBatch:
     prompt_lengths: torch.Tensor  # [B], real prompt lengths
     pad_gap: torch.Tensor  # [B], pads between prompt and completion (0 for left)
     pad_side: str
+    prompt_width: int  # P: every row's first completion token is at this column (a host int, never synced)
 
 
 def build_scoring_batch(
@@ -254,15 +255,15 @@ def build_scoring_batch(
         prompt_lengths=prompt_lengths,
         pad_gap=torch.zeros(rows, dtype=torch.long) if left else width_p - prompt_lengths,
         pad_side=pad_side,
+        prompt_width=width_p,
     )
 
 
 def gather_completion_positions(values: torch.Tensor, batch: ScoringBatch) -> torch.Tensor:
     """[B, C, ...]: the entries of `values` ([B, P + C, ...], e.g. hidden states
-    or logits) at the columns that predict each completion token. A view, no copy."""
-    start = int(batch.completion_start[0])
-    if not bool((batch.completion_start == start).all()):
-        raise ValueError("completion_start differs across rows; build the batch with build_scoring_batch")
+    or logits) at the columns that predict each completion token. A view, no copy; it reads
+    no device tensor, so the host does not wait for the forward that made `values`."""
+    start = batch.prompt_width
     if values.shape[1] != batch.input_ids.shape[1]:
         raise ValueError(f"expected {batch.input_ids.shape[1]} positions, got {values.shape[1]}")
     width_c = batch.completion_ids.shape[1]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import math
 import os
 import shutil
 import sys
@@ -202,6 +203,12 @@ class OPSDConfig(DistillationConfig):
         },
     )
     disable_dropout: bool = field(default=True, metadata={"help": "Dropout off: both roles see one network."})
+    logging_nan_inf_filter: bool = field(
+        default=False,
+        metadata={"help": "transformers' filter of non-finite micro-batch losses in the logged loss. Off: a "
+                          "non-finite loss stops an OPSD run before its optimizer step, so there is nothing to "
+                          "filter, and the filter would make the host wait for the GPU at every micro-batch."},
+    )
     remove_unused_columns: bool | None = field(default=False, metadata={"help": "Rows keep their privileged columns."})
 
     def __post_init__(self):
@@ -320,6 +327,16 @@ class _ProgressBarOnly(ProgressCallback):
         pass
 
 
+class _FiniteLossCheck(TrainerCallback):
+    """Before each optimizer step: stop on a non-finite micro-batch loss (OPSDTrainer.check_losses_finite)."""
+
+    def __init__(self, trainer: OPSDTrainer):
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer.check_losses_finite()
+
+
 class _StopOnSignal(TrainerCallback):
     """Ends training at a step boundary with a checkpoint once a signal was received
     (opsd_train._StopRequest records it). With several processes the request is
@@ -382,6 +399,7 @@ class OPSDTrainer(DistillationTrainer):
         self.ema = AdapterEMA(self.model, args.ema_decay) if args.use_ema_teacher else None
         if self.ema is not None:
             self.add_callback(_EMAUpdate(self.ema))
+        self.add_callback(_FiniteLossCheck(self))
         self.add_callback(_RunLog(os.path.join(args.output_dir, run_folder.METRICS_FILE)))
         if self.pop_callback(ProgressCallback) is not None:
             self.add_callback(_ProgressBarOnly())
@@ -392,6 +410,8 @@ class OPSDTrainer(DistillationTrainer):
         self._alignment_checked = False
         self._staging_root: str | None = None
         self._compiled_layers: CompiledLayers | None = None
+        self._unchecked_losses: list[torch.Tensor] = []  # micro-batch losses not yet checked on the host
+        self._pending_stats: dict[str, list] = {"train": [], "eval": []}  # (names, device values) not yet logged
 
     # ------------------------------------------------------------------ rollout
 
@@ -530,21 +550,50 @@ class OPSDTrainer(DistillationTrainer):
             yield  # live weights: teacher and student differ only by their context
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The micro-batch's loss. Neither the loss nor the stats are read on the host here:
+        reading a value waits for the GPU, and a wait per micro-batch leaves the GPU idle
+        while the host prepares the next one. The loss is checked before the optimizer
+        step (`check_losses_finite`), the stats are read when the step is logged (`log`)."""
         unwrapped = self.accelerator.unwrap_model(model)
         # Through the DDP/FSDP wrapper so that its forward hooks fire before backward.
         loss, stats = self._forward_redirection(model, unwrapped, self._opsd_loss, unwrapped, inputs)
-        if not torch.isfinite(loss):
-            last = run_folder.last_checkpoint(self.args.output_dir)
-            raise NonFiniteLossError(
-                f"non-finite loss ({loss.item()}) at step {self.state.global_step + 1}; "
-                f"last good checkpoint: {last[1] if last else 'none'}"
-            )
         mode = "train" if self.model.training else "eval"
         names = list(stats)
         values = self.accelerator.gather(torch.stack([stats[k].float() for k in names]).unsqueeze(0)).mean(0)
-        for name, value in zip(names, values.tolist()):
-            self._metrics[mode][f"opsd/{name}"].append(value)
+        self._pending_stats[mode].append((names, values))
+        self._unchecked_losses.append(loss.detach())
+        if mode == "eval":  # no optimizer step follows
+            self.check_losses_finite()
         return (loss, None) if return_outputs else loss
+
+    def check_losses_finite(self) -> None:
+        """Stop the run (NonFiniteLossError) if a micro-batch loss since the last check is NaN
+        or infinite. Runs before each optimizer step (`_FiniteLossCheck`), so no update is
+        applied from such a step; with several processes all of them stop together."""
+        if not self._unchecked_losses:
+            return
+        losses = torch.stack(self._unchecked_losses).float()
+        self._unchecked_losses = []
+        bad = (~torch.isfinite(losses)).any().float()
+        if self.accelerator.num_processes > 1:
+            bad = self.accelerator.reduce(bad, "max")
+        if bad.item():
+            value = next((v for v in losses.tolist() if not math.isfinite(v)), "on another process")
+            last = run_folder.last_checkpoint(self.args.output_dir)
+            raise NonFiniteLossError(
+                f"non-finite loss ({value}) at step {self.state.global_step + 1}; "
+                f"last good checkpoint: {last[1] if last else 'none'}"
+            )
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Read the micro-batches' OPSD stats (kept on the device by `compute_loss`) into
+        the metrics TRL averages and logs: one wait for the GPU per logged step."""
+        mode = "train" if self.model.training else "eval"
+        for names, values in self._pending_stats[mode]:
+            for name, value in zip(names, values.tolist()):
+                self._metrics[mode][f"opsd/{name}"].append(value)
+        self._pending_stats[mode].clear()
+        super().log(logs, start_time)
 
     def _opsd_loss(self, unwrapped, inputs):
         scored = self.scoring_forwards(unwrapped, inputs)
@@ -835,8 +884,16 @@ def lm_head(model) -> torch.nn.Module:
 
 
 def _to_device(batch, device):
+    """The batch's tensors on `device`. To a GPU they go from pinned memory without blocking:
+    a blocking copy would first wait for every kernel already queued (the previous micro-batch's
+    backward), once per tensor."""
+    cuda = torch.device(device).type == "cuda"
+
+    def move(tensor):
+        return tensor.pin_memory().to(device, non_blocking=True) if cuda else tensor.to(device)
+
     moved = {
-        f.name: (v.to(device) if isinstance(v := getattr(batch, f.name), torch.Tensor) else v)
+        f.name: (move(v) if isinstance(v := getattr(batch, f.name), torch.Tensor) else v)
         for f in dataclasses.fields(batch)
     }
     return dataclasses.replace(batch, **moved)

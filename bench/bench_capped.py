@@ -54,11 +54,12 @@ def write_random_model(folder: Path, shape: str) -> None:
 
 
 def run_cli(model_dir: Path, out_dir: Path, micro_batch: int, steps: int, completion: int, log_path: Path,
-            timeout_s: float, processes: int = 1, extra: tuple[str, ...] = ()) -> dict:
+            timeout_s: float, processes: int = 1, extra: tuple[str, ...] = (), tree: Path | None = None) -> dict:
     """opsd_train.py for `steps` steps; returns the wall time at which each step's log line appeared.
 
     One process runs the script directly; several go through `accelerate launch`
-    (one per GPU), as train_capped.sh does."""
+    (one per GPU), as train_capped.sh does. `tree`: the checkout whose opsd_train.py runs
+    (default: this one)."""
     launcher = [sys.executable]
     if processes > 1:
         launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
@@ -75,8 +76,8 @@ def run_cli(model_dir: Path, out_dir: Path, micro_batch: int, steps: int, comple
     ]
     start = time.time()
     stamps: dict[int, float] = {}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=common.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with open(log_path, "w", buffering=1) as log:  # line-buffered: a run killed from outside keeps its log
+        proc = subprocess.Popen(cmd, cwd=tree or common.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         watchdog = threading.Timer(timeout_s, proc.kill)  # also ends a run that hangs without output
         watchdog.start()
         try:
@@ -119,10 +120,15 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--num-processes", type=int, default=1, help="> 1: accelerate launch, one process per GPU")
     parser.add_argument("--completion", type=int, default=None, help="default 1024 (tiny: 16)")
-    parser.add_argument("--timeout-s", type=float, default=280, help="per run")
+    parser.add_argument("--timeout-s", type=float, default=280,
+                        help="per run of the CLI; writing the model comes first (about 20 s on an H200), so an outer "
+                        "time limit needs that much more")
     parser.add_argument("--trainer-args", default="",
                         help="more opsd_train.py flags, one string (e.g. '--activation_checkpointing false'; "
                         "a single flag as --trainer-args=--flag)")
+    parser.add_argument("--tree", type=Path, default=None,
+                        help="run opsd_train.py of another checkout (e.g. a baseline commit unpacked from `git archive`): "
+                        "an A/B of two commits on one machine")
     parser.add_argument("--json", default=None)
     opts = parser.parse_args(argv)
     shape = "tiny" if opts.tiny or not torch.cuda.is_available() else "qwen3-1.7b"
@@ -131,13 +137,13 @@ def main(argv=None) -> int:
     out_dir = Path(opts.json).parent if opts.json else work
     write_random_model(work / "model", shape)
     results = {"shape": shape, "machine": common.machine(), "completion": completion,
-               "trainer_args": opts.trainer_args, "runs": []}
+               "trainer_args": opts.trainer_args, "tree": str(opts.tree or common.ROOT), "runs": []}
     for mb in (int(x) for x in opts.micro_batches.split(",")):
         if 32 % (mb * opts.num_processes):
             raise SystemExit(f"global batch 32 is not divisible by micro-batch {mb} x {opts.num_processes} processes")
         run = run_cli(work / "model", work / f"run-mb{mb}", mb, opts.steps, completion,
                       out_dir / f"capped_mb{mb}_np{opts.num_processes}.log", opts.timeout_s, opts.num_processes,
-                      tuple(shlex.split(opts.trainer_args)))
+                      tuple(shlex.split(opts.trainer_args)), opts.tree)
         results["runs"].append(summarize(run))
         common.write_json(opts.json, results)
     rows = []
@@ -156,6 +162,7 @@ def main(argv=None) -> int:
         ["processes", "micro-batch", "accumulation", "start to step 1 (s)", "later steps (s)", "fastest step (s)",
          "median step (s)", "its rollout, median (s)", "100 steps at the median step (min)"], rows)
     flags = f" + `{opts.trainer_args}`" if opts.trainer_args else ""
+    flags += f", code of {opts.tree}" if opts.tree else ""
     report = (f"## Capped run, {shape}, 32 x {completion} per step, `opsd_train.py` defaults{flags} "
               f"({results['machine']})\n\n{table}")
     return common.finish(results, opts.json, report)

@@ -257,13 +257,20 @@ def profile_step(stepper, model, variant: Variant, batch, geo, out_dir, log) -> 
     averages = prof.key_averages()
     # Kernel time against wall time: far below 100% means the step waits on the host
     # (launches, synchronisations), not on the GPU's arithmetic or memory.
-    busy_ms = sum(e.self_device_time_total for e in averages if e.device_type.name == "CUDA") / 1000
+    kernels = [e for e in averages if e.device_type.name == "CUDA"]
+    busy_ms = sum(e.self_device_time_total for e in kernels) / 1000
     table = averages.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+    # The host's side: what the Python process spends its time on (launches, guards, copies).
+    host_table = averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+    waits = sum(e.count for e in averages if e.key == "cudaStreamSynchronize")  # the host waiting for the GPU
     summary = f"wall {wall_ms:.1f} ms under the profiler, " + (
-        f"kernels {busy_ms:.1f} ms ({busy_ms / wall_ms:.0%} of it)" if torch.cuda.is_available() else "no GPU")
+        f"kernels {busy_ms:.1f} ms ({busy_ms / wall_ms:.0%} of it), {sum(e.count for e in kernels)} kernel launches, "
+        f"{waits} host waits (cudaStreamSynchronize)" if torch.cuda.is_available() else "no GPU")
     if out_dir:
-        Path(out_dir, f"profile_{variant.name}_mb{batch}.txt").write_text(summary + "\n" + table)
-    log(f"[profile] {variant.name} mb={batch}: {summary}\n" + "\n".join(table.splitlines()[:22]))
+        Path(out_dir, f"profile_{variant.name}_mb{batch}.txt").write_text(
+            summary + "\n" + table + "\n\nBy the host's own time:\n" + host_table)
+    log(f"[profile] {variant.name} mb={batch}: {summary}\n" + "\n".join(table.splitlines()[:22])
+        + "\n[profile] by the host's own time:\n" + "\n".join(host_table.splitlines()[:18]))
     stepper.optimizer.zero_grad(set_to_none=True)
     common.free_memory()
 
@@ -315,7 +322,17 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-chunk-sweep", action="store_true")
     parser.add_argument("--profile", default="", help="variants to profile for one step, e.g. project_nockpt")
     parser.add_argument("--profile-mb", type=int, default=8)
+    parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                        help="set torch._inductor.config KEY (a Python literal) for the whole process, e.g. "
+                        "cpp_wrapper=True; repeatable")
     opts = parser.parse_args(argv)
+    for item in opts.inductor:
+        import ast
+
+        import torch._inductor.config as inductor_config
+
+        key, _, value = item.partition("=")
+        setattr(inductor_config, key, ast.literal_eval(value))
     shape = "tiny" if opts.tiny else (opts.shape or ("qwen3-1.7b" if torch.cuda.is_available() else "tiny"))
     geo = common.TINY if shape == "tiny" else common.FULL
     start = time.time()
@@ -325,7 +342,8 @@ def main(argv=None) -> int:
         lines.append(msg)
         print(msg, flush=True)
 
-    log(f"[bench_step] shape={shape} geometry={geo} machine: {common.machine()}")
+    log(f"[bench_step] shape={shape} geometry={geo} machine: {common.machine()}"
+        + (f" inductor: {', '.join(opts.inductor)}" if opts.inductor else ""))
     dev = common.device()
     model = common.build_lora_model(shape)
     model.train()

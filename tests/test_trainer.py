@@ -537,6 +537,81 @@ def test_non_finite_loss_stops_with_step_and_checkpoint(tmp_path, monkeypatch, c
     assert "non-finite loss" in err and "step 1" in err and "last good checkpoint: none" in err
 
 
+def _poison_micro_batch(monkeypatch, which: int, calls: list):
+    """Make the loss of micro-batch number `which` (0-based, over the run) NaN; record every stats dict."""
+    real = opsd_trainer.chunked_divergence_loss
+
+    def poisoned(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        calls.append({k: float(v) for k, v in stats.items()})
+        return (loss * float("nan") if len(calls) - 1 == which else loss), stats
+
+    monkeypatch.setattr(opsd_trainer, "chunked_divergence_loss", poisoned)
+
+
+def test_a_non_finite_first_micro_batch_stops_the_step_before_any_update(tmp_path, monkeypatch):
+    """The loss is checked once per optimizer step, not per micro-batch (no host wait per
+    micro-batch): a NaN in the first of two accumulated micro-batches still stops the run
+    before the optimizer step, with every LoRA weight as it was."""
+    calls = []
+    _poison_micro_batch(monkeypatch, 0, calls)
+    trainer = make_trainer(tmp_path, 2, "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2",
+                           "--max_completion_length", "8")
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    with pytest.raises(opsd_trainer.NonFiniteLossError, match=r"non-finite loss \(nan\) at step 1; last good"):
+        trainer.train()
+    assert len(calls) == 2  # the second micro-batch ran: the check is before the optimizer step
+    after = dict(trainer.model.named_parameters())
+    assert all(torch.equal(after[n], value) for n, value in before.items())
+
+
+def test_logged_stats_are_the_mean_over_the_micro_batches(tmp_path, monkeypatch):
+    """The stats stay on the device until the step is logged; what is logged is still the
+    mean over the step's micro-batches, step by step."""
+    calls = []
+    _poison_micro_batch(monkeypatch, -1, calls)  # none poisoned: only recorded
+    out = tmp_path / "run"
+    assert opsd_train.main(tiny_argv(out, 2, "--per_device_train_batch_size", "1", "--gradient_accumulation_steps",
+                                     "2", "--max_completion_length", "8")) == 0
+    records = [r for r in read_metrics(out) if "opsd/true_kl" in r]
+    assert [r["step"] for r in records] == [1, 2] and len(calls) == 4
+    for record, pair in zip(records, (calls[:2], calls[2:])):
+        for key in ("true_kl", "clipped_entry_frac", "student_entropy"):
+            assert record[f"opsd/{key}"] == pytest.approx((pair[0][key] + pair[1][key]) / 2, rel=1e-6)
+
+
+def test_a_micro_batch_reads_no_value_back_from_its_tensors(tmp_path, monkeypatch):
+    """compute_loss + backward of a micro-batch never turn a tensor into a Python value in the
+    project's code (`.item()`, `.tolist()`, `bool()`, `int()`, ...): on a GPU each such read
+    makes the host wait for every queued kernel. The loss is checked and the stats are read
+    once per optimizer step instead (tests above). Allowed: `build_scoring_batch`, which
+    reads the CPU tensors it is building. Reads inside libraries (transformers' mask
+    preparation) are not the project's and are not counted."""
+    import inspect
+    from pathlib import Path
+
+    trainer = make_trainer(tmp_path, 1, "--max_completion_length", "8")
+    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    trainer.compute_loss(trainer.model, inputs)  # the first call's [OPSD align] check reads on purpose
+    root = Path(opsd_trainer.__file__).resolve().parent
+    reads = []
+
+    def recording(name, original):
+        def read(self, *args, **kwargs):
+            caller = inspect.stack()[1]
+            path = Path(caller.filename).resolve()
+            if path.parent == root and caller.function != "build_scoring_batch":
+                reads.append(f"{name} in {path.name}:{caller.lineno} ({caller.function})")
+            return original(self, *args, **kwargs)
+        return read
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, recording(name, getattr(torch.Tensor, name)))
+    trainer.compute_loss(trainer.model, inputs).backward()
+    monkeypatch.undo()
+    assert reads == []
+
+
 def test_token_clip_run_lowers_true_kl(tmp_path, monkeypatch, capsys):
     """The objective does what it says: an on-policy token-clip run lowers the logged true KL.
 
