@@ -562,7 +562,10 @@ class OPSDTrainer(DistillationTrainer):
         values = self.accelerator.gather(torch.stack([stats[k].float() for k in names]).unsqueeze(0)).mean(0)
         self._pending_stats[mode].append((names, values))
         self._unchecked_losses.append(loss.detach())
-        if mode == "eval":  # no optimizer step follows
+        # Checked now when no optimizer step follows (eval), or when the update happens inside
+        # this backward: DeepSpeed's engine steps in the last micro-batch's backward, before
+        # `on_pre_optimizer_step`. Still one wait per optimizer step.
+        if mode == "eval" or (self.is_deepspeed_enabled and self.accelerator.sync_gradients):
             self.check_losses_finite()
         return (loss, None) if return_outputs else loss
 
@@ -580,19 +583,22 @@ class OPSDTrainer(DistillationTrainer):
         if bad.item():
             value = next((v for v in losses.tolist() if not math.isfinite(v)), "on another process")
             last = run_folder.last_checkpoint(self.args.output_dir)
+            step = self.state.global_step + (1 if self.model.training else 0)  # evaluation follows its step
             raise NonFiniteLossError(
-                f"non-finite loss ({value}) at step {self.state.global_step + 1}; "
-                f"last good checkpoint: {last[1] if last else 'none'}"
+                f"non-finite loss ({value}) at step {step}; last good checkpoint: {last[1] if last else 'none'}"
             )
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Read the micro-batches' OPSD stats (kept on the device by `compute_loss`) into
         the metrics TRL averages and logs: one wait for the GPU per logged step."""
         mode = "train" if self.model.training else "eval"
-        for names, values in self._pending_stats[mode]:
-            for name, value in zip(names, values.tolist()):
-                self._metrics[mode][f"opsd/{name}"].append(value)
-        self._pending_stats[mode].clear()
+        pending = self._pending_stats[mode]
+        if pending:
+            read = iter(torch.cat([values for _, values in pending]).tolist())
+            for names, _ in pending:
+                for name in names:
+                    self._metrics[mode][f"opsd/{name}"].append(next(read))
+            pending.clear()
         super().log(logs, start_time)
 
     def _opsd_loss(self, unwrapped, inputs):
@@ -647,6 +653,9 @@ class OPSDTrainer(DistillationTrainer):
     # ------------------------------------------------------------------ checkpoints
 
     def train(self, resume_from_checkpoint=None, **kwargs):
+        # Nothing carried over from an earlier call that stopped between a loss and its check or log.
+        self._unchecked_losses = []
+        self._pending_stats = {"train": [], "eval": []}
         if self.ema is not None and isinstance(resume_from_checkpoint, str):
             path = os.path.join(resume_from_checkpoint, EMA_FILE)
             if os.path.exists(path):

@@ -565,6 +565,46 @@ def test_a_non_finite_first_micro_batch_stops_the_step_before_any_update(tmp_pat
     assert all(torch.equal(after[n], value) for n, value in before.items())
 
 
+def test_under_deepspeed_the_loss_is_checked_before_the_last_backward(tmp_path, monkeypatch):
+    """DeepSpeed's engine updates the weights inside the last micro-batch's backward, before
+    `on_pre_optimizer_step`: there the step's losses are checked in compute_loss of the last
+    micro-batch (still once per step), not in earlier ones."""
+    calls = []
+    _poison_micro_batch(monkeypatch, 0, calls)
+    trainer = make_trainer(tmp_path, 1, "--lmbda", "0")
+    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    trainer.is_deepspeed_enabled = True  # the branch only; deepspeed itself is not installed here
+    trainer.accelerator.gradient_state._set_sync_gradients(False)  # not the step's last micro-batch
+    trainer.compute_loss(trainer.model, inputs)  # the NaN one: kept for the check
+    trainer.accelerator.gradient_state._set_sync_gradients(True)
+    with pytest.raises(opsd_trainer.NonFiniteLossError, match="at step 1"):
+        trainer.compute_loss(trainer.model, inputs)
+    assert len(calls) == 2
+
+
+def test_batches_go_to_the_gpu_from_pinned_memory_without_blocking(monkeypatch):
+    """A blocking copy from pageable memory makes the host wait for every queued kernel; the
+    scoring batch's tensors are pinned and copied with non_blocking=True (CPU: plain .to)."""
+    batch = build_scoring_batch([[5, 6], [7]], [[8, 9, 10], [11]], pad_id=0, pad_side="left")
+    moves = []
+
+    def pin(self):
+        moves.append(("pin", id(self)))
+        return self
+
+    def to(self, device, non_blocking=False):
+        moves.append((str(device), non_blocking, id(self)))
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    moved = opsd_trainer._to_device(batch, torch.device("cuda"))
+    monkeypatch.undo()
+    tensors = [v for v in vars(batch).values() if isinstance(v, torch.Tensor)]
+    assert len(tensors) == 8 and moves == [m for t in tensors for m in (("pin", id(t)), ("cuda", True, id(t)))]
+    assert moved.prompt_width == batch.prompt_width == 2 and moved.pad_side == "left"
+
+
 def test_logged_stats_are_the_mean_over_the_micro_batches(tmp_path, monkeypatch):
     """The stats stay on the device until the step is logged; what is logged is still the
     mean over the step's micro-batches, step by step."""
