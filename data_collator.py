@@ -194,11 +194,15 @@ class ScoringBatch:
     position_ids: torch.Tensor | None  # same shape for left; None for right
     completion_ids: torch.Tensor  # [B, C], right-padded with the pad id
     completion_mask: torch.Tensor  # [B, C], 1 on real completion tokens
-    completion_start: torch.Tensor  # [B], column of each row's first completion token
     prompt_lengths: torch.Tensor  # [B], real prompt lengths
     pad_gap: torch.Tensor  # [B], pads between prompt and completion (0 for left)
     pad_side: str
     prompt_width: int  # P: every row's first completion token is at this column (a host int, never synced)
+
+    @property
+    def completion_start(self) -> torch.Tensor:
+        """[B] (on the CPU): the column of each row's first completion token, P for every row."""
+        return torch.full((self.input_ids.shape[0],), self.prompt_width, dtype=torch.long)
 
 
 def build_scoring_batch(
@@ -251,7 +255,6 @@ def build_scoring_batch(
         position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0) if left else None,
         completion_ids=completions,
         completion_mask=completion_mask,
-        completion_start=torch.full((rows,), width_p, dtype=torch.long),
         prompt_lengths=prompt_lengths,
         pad_gap=torch.zeros(rows, dtype=torch.long) if left else width_p - prompt_lengths,
         pad_side=pad_side,
@@ -291,7 +294,7 @@ def check_alignment(batch: ScoringBatch, completion_ids: Sequence[Sequence[int]]
 
 
 def _check_row(batch: ScoringBatch, b: int, completion: list[int]) -> None:
-    start, n = int(batch.completion_start[b]), len(completion)
+    start, n = batch.prompt_width, len(completion)
 
     def fail(message: str) -> None:
         raise AlignmentError(f"[OPSD align] row {b}: {message}")

@@ -327,16 +327,6 @@ class _ProgressBarOnly(ProgressCallback):
         pass
 
 
-class _FiniteLossCheck(TrainerCallback):
-    """Before each optimizer step: stop on a non-finite micro-batch loss (OPSDTrainer.check_losses_finite)."""
-
-    def __init__(self, trainer: OPSDTrainer):
-        self.trainer = trainer
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer.check_losses_finite()
-
-
 class _StopOnSignal(TrainerCallback):
     """Ends training at a step boundary with a checkpoint once a signal was received
     (opsd_train._StopRequest records it). With several processes the request is
@@ -399,7 +389,6 @@ class OPSDTrainer(DistillationTrainer):
         self.ema = AdapterEMA(self.model, args.ema_decay) if args.use_ema_teacher else None
         if self.ema is not None:
             self.add_callback(_EMAUpdate(self.ema))
-        self.add_callback(_FiniteLossCheck(self))
         self.add_callback(_RunLog(os.path.join(args.output_dir, run_folder.METRICS_FILE)))
         if self.pop_callback(ProgressCallback) is not None:
             self.add_callback(_ProgressBarOnly())
@@ -552,8 +541,8 @@ class OPSDTrainer(DistillationTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The micro-batch's loss. Neither the loss nor the stats are read on the host here:
         reading a value waits for the GPU, and a wait per micro-batch leaves the GPU idle
-        while the host prepares the next one. The loss is checked before the optimizer
-        step (`check_losses_finite`), the stats are read when the step is logged (`log`)."""
+        while the host prepares the next one. The step's losses are checked in its last
+        micro-batch (`check_losses_finite`), the stats are read when the step is logged (`log`)."""
         unwrapped = self.accelerator.unwrap_model(model)
         # Through the DDP/FSDP wrapper so that its forward hooks fire before backward.
         loss, stats = self._forward_redirection(model, unwrapped, self._opsd_loss, unwrapped, inputs)
@@ -562,17 +551,17 @@ class OPSDTrainer(DistillationTrainer):
         values = self.accelerator.gather(torch.stack([stats[k].float() for k in names]).unsqueeze(0)).mean(0)
         self._pending_stats[mode].append((names, values))
         self._unchecked_losses.append(loss.detach())
-        # Checked now when no optimizer step follows (eval), or when the update happens inside
-        # this backward: DeepSpeed's engine steps in the last micro-batch's backward, before
-        # `on_pre_optimizer_step`. Still one wait per optimizer step.
-        if mode == "eval" or (self.is_deepspeed_enabled and self.accelerator.sync_gradients):
+        # Once per optimizer step, in its last micro-batch and before that one's backward, so no
+        # update follows whichever engine steps the optimizer (DeepSpeed's engine steps inside
+        # the backward). In evaluation, at once.
+        if mode == "eval" or self.accelerator.sync_gradients:
             self.check_losses_finite()
         return (loss, None) if return_outputs else loss
 
     def check_losses_finite(self) -> None:
         """Stop the run (NonFiniteLossError) if a micro-batch loss since the last check is NaN
-        or infinite. Runs before each optimizer step (`_FiniteLossCheck`), so no update is
-        applied from such a step; with several processes all of them stop together."""
+        or infinite (called by `compute_loss` in each step's last micro-batch, so no update is
+        applied from such a step); with several processes all of them stop together."""
         if not self._unchecked_losses:
             return
         losses = torch.stack(self._unchecked_losses).float()

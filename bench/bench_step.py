@@ -7,7 +7,7 @@
     (PeftModel forward, adapter disabled + no_grad for the teacher),
     `opsd_loss.divergence_loss` (full-vocabulary entry-clipped forward KL, fp32),
     backward, gradient clipping, AdamW; activation checkpointing on, as in the
-    DEVICE.md baseline.
+    reference naive measurement of BENCHMARKS.md section 1.
 (b) the project's step exactly as the trainer runs it: `OPSDTrainer._opsd_loss`
     itself (build_scoring_batch -> completion_hidden_states for the student with
     grad and for the teacher under no_grad with the adapter disabled ->
@@ -27,6 +27,7 @@ after a warm-up), records peak memory, and prints a table last. FLOPs: see
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import math
 import sys
@@ -327,12 +328,8 @@ def main(argv=None) -> int:
                         "cpp_wrapper=True; repeatable")
     opts = parser.parse_args(argv)
     for item in opts.inductor:
-        import ast
-
-        import torch._inductor.config as inductor_config
-
         key, _, value = item.partition("=")
-        setattr(inductor_config, key, ast.literal_eval(value))
+        setattr(torch._inductor.config, key, ast.literal_eval(value))
     shape = "tiny" if opts.tiny else (opts.shape or ("qwen3-1.7b" if torch.cuda.is_available() else "tiny"))
     geo = common.TINY if shape == "tiny" else common.FULL
     start = time.time()

@@ -525,13 +525,7 @@ def test_bad_recipe_fails_before_loading(tmp_path, capsys):
 
 
 def test_non_finite_loss_stops_with_step_and_checkpoint(tmp_path, monkeypatch, capsys):
-    real = opsd_trainer.chunked_divergence_loss
-
-    def poisoned(*args, **kwargs):
-        loss, stats = real(*args, **kwargs)
-        return loss * float("nan"), stats
-
-    monkeypatch.setattr(opsd_trainer, "chunked_divergence_loss", poisoned)
+    _poison_micro_batch(monkeypatch, 0, [])
     assert opsd_train.main(tiny_argv(tmp_path, 2)) == 1
     err = capsys.readouterr().err
     assert "non-finite loss" in err and "step 1" in err and "last good checkpoint: none" in err
@@ -550,9 +544,10 @@ def _poison_micro_batch(monkeypatch, which: int, calls: list):
 
 
 def test_a_non_finite_first_micro_batch_stops_the_step_before_any_update(tmp_path, monkeypatch):
-    """The loss is checked once per optimizer step, not per micro-batch (no host wait per
-    micro-batch): a NaN in the first of two accumulated micro-batches still stops the run
-    before the optimizer step, with every LoRA weight as it was."""
+    """The loss is checked once per optimizer step, in its last micro-batch, not in every
+    micro-batch (no host wait per micro-batch): a NaN in the first of two accumulated
+    micro-batches still stops the run before the optimizer step, with every LoRA weight as
+    it was."""
     calls = []
     _poison_micro_batch(monkeypatch, 0, calls)
     trainer = make_trainer(tmp_path, 2, "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2",
@@ -560,20 +555,19 @@ def test_a_non_finite_first_micro_batch_stops_the_step_before_any_update(tmp_pat
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     with pytest.raises(opsd_trainer.NonFiniteLossError, match=r"non-finite loss \(nan\) at step 1; last good"):
         trainer.train()
-    assert len(calls) == 2  # the second micro-batch ran: the check is before the optimizer step
+    assert len(calls) == 2  # the second micro-batch's loss ran: the check is in the step's last micro-batch
     after = dict(trainer.model.named_parameters())
     assert all(torch.equal(after[n], value) for n, value in before.items())
 
 
-def test_under_deepspeed_the_loss_is_checked_before_the_last_backward(tmp_path, monkeypatch):
-    """DeepSpeed's engine updates the weights inside the last micro-batch's backward, before
-    `on_pre_optimizer_step`: there the step's losses are checked in compute_loss of the last
-    micro-batch (still once per step), not in earlier ones."""
+def test_the_step_losses_are_checked_in_its_last_micro_batch_before_the_backward(tmp_path, monkeypatch):
+    """The step's losses are checked in compute_loss of its last micro-batch (once per step),
+    not in earlier ones, and before that micro-batch's backward: DeepSpeed's engine updates
+    the weights inside that backward."""
     calls = []
     _poison_micro_batch(monkeypatch, 0, calls)
     trainer = make_trainer(tmp_path, 1, "--lmbda", "0")
     inputs = trainer._generate_and_score_completions(_rows(trainer))
-    trainer.is_deepspeed_enabled = True  # the branch only; deepspeed itself is not installed here
     trainer.accelerator.gradient_state._set_sync_gradients(False)  # not the step's last micro-batch
     trainer.compute_loss(trainer.model, inputs)  # the NaN one: kept for the check
     trainer.accelerator.gradient_state._set_sync_gradients(True)
@@ -601,7 +595,7 @@ def test_batches_go_to_the_gpu_from_pinned_memory_without_blocking(monkeypatch):
     moved = opsd_trainer._to_device(batch, torch.device("cuda"))
     monkeypatch.undo()
     tensors = [v for v in vars(batch).values() if isinstance(v, torch.Tensor)]
-    assert len(tensors) == 8 and moves == [m for t in tensors for m in (("pin", id(t)), ("cuda", True, id(t)))]
+    assert len(tensors) == 7 and moves == [m for t in tensors for m in (("pin", id(t)), ("cuda", True, id(t)))]
     assert moved.prompt_width == batch.prompt_width == 2 and moved.pad_side == "left"
 
 
@@ -633,6 +627,8 @@ def test_a_micro_batch_reads_no_value_back_from_its_tensors(tmp_path, monkeypatc
     trainer = make_trainer(tmp_path, 1, "--max_completion_length", "8")
     inputs = trainer._generate_and_score_completions(_rows(trainer))
     trainer.compute_loss(trainer.model, inputs)  # the first call's [OPSD align] check reads on purpose
+    # Not the step's last micro-batch: that one also checks the step's losses (one wait per step).
+    trainer.accelerator.gradient_state._set_sync_gradients(False)
     root = Path(opsd_trainer.__file__).resolve().parent
     reads = []
 
