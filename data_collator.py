@@ -194,6 +194,9 @@ class ScoringBatch:
     position_ids: torch.Tensor | None  # same shape for left; None for right
     completion_ids: torch.Tensor  # [B, C], right-padded with the pad id
     completion_mask: torch.Tensor  # [B, C], 1 on real completion tokens
+    # [N]: where the real completion tokens are in [B, C] flattened (row x C + column), row by row.
+    # Built on the host, so selecting the tokens never asks the GPU how many there are.
+    completion_index: torch.Tensor
     prompt_lengths: torch.Tensor  # [B], real prompt lengths
     pad_gap: torch.Tensor  # [B], pads between prompt and completion (0 for left)
     pad_side: str
@@ -255,6 +258,7 @@ def build_scoring_batch(
         position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0) if left else None,
         completion_ids=completions,
         completion_mask=completion_mask,
+        completion_index=torch.cat([torch.arange(len(c)) + b * width_c for b, c in enumerate(completion_ids)]),
         prompt_lengths=prompt_lengths,
         pad_gap=torch.zeros(rows, dtype=torch.long) if left else width_p - prompt_lengths,
         pad_side=pad_side,
@@ -271,6 +275,13 @@ def gather_completion_positions(values: torch.Tensor, batch: ScoringBatch) -> to
         raise ValueError(f"expected {batch.input_ids.shape[1]} positions, got {values.shape[1]}")
     width_c = batch.completion_ids.shape[1]
     return values[:, start - 1:start - 1 + width_c]
+
+
+def select_completion_tokens(values: torch.Tensor, batch: ScoringBatch) -> torch.Tensor:
+    """[N, ...]: the real completion tokens' entries of `values` ([B, C, ...], e.g. from
+    `gather_completion_positions`), row by row: `values[batch.completion_mask.bool()]`,
+    without the boolean mask's wait for the GPU (forward and backward) to count them."""
+    return values.flatten(0, 1).index_select(0, batch.completion_index)
 
 
 # --------------------------------------------------------------------------

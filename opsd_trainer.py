@@ -42,6 +42,7 @@ from trl import DistillationConfig, DistillationTrainer
 from trl.models.utils import unwrap_model_for_generation
 
 import run_folder
+from adapter_layers import AdapterLayers
 from compiled_layers import CompiledLayers
 from data_collator import (
     OPSDCollator,
@@ -49,6 +50,7 @@ from data_collator import (
     build_scoring_batch,
     check_alignment,
     gather_completion_positions,
+    select_completion_tokens,
 )
 from ema_teacher import AdapterEMA
 from model_utils import causal_lm
@@ -399,6 +401,7 @@ class OPSDTrainer(DistillationTrainer):
         self._alignment_checked = False
         self._staging_root: str | None = None
         self._compiled_layers: CompiledLayers | None = None
+        self._adapter_layers: AdapterLayers | None = None
         self._unchecked_losses: list[torch.Tensor] = []  # micro-batch losses not yet checked on the host
         self._pending_stats: dict[str, list] = {"train": [], "eval": []}  # (names, device values) not yet logged
 
@@ -533,7 +536,7 @@ class OPSDTrainer(DistillationTrainer):
             with self.ema.swapped_in(unwrapped):
                 yield
         elif self.args.fixed_teacher:
-            with unwrapped.disable_adapter():
+            with self._adapters(unwrapped).disabled():
                 yield
         else:
             yield  # live weights: teacher and student differ only by their context
@@ -592,9 +595,7 @@ class OPSDTrainer(DistillationTrainer):
 
     def _opsd_loss(self, unwrapped, inputs):
         scored = self.scoring_forwards(unwrapped, inputs)
-        mask = scored.student.completion_mask.bool()
-        return self.objective(scored.student_hidden, scored.teacher_hidden, mask, scored.student.completion_ids,
-                              lm_head(unwrapped))
+        return self.objective(scored.student_hidden, scored.teacher_hidden, scored.student, lm_head(unwrapped))
 
     def scoring_forwards(self, unwrapped, inputs, pad_side: str | None = None) -> ScoringForwards:
         """Both roles' forwards of one micro-batch (per-row prompt and completion token lists),
@@ -612,7 +613,8 @@ class OPSDTrainer(DistillationTrainer):
         if not self._alignment_checked:
             self._report_alignment(student, teacher, completions)
 
-        with bf16_autocast(unwrapped, enabled=bool(self.args.bf16)), self._scoring_layers(unwrapped):
+        with (bf16_autocast(unwrapped, self._adapters(unwrapped), enabled=bool(self.args.bf16)),
+              self._scoring_layers(unwrapped)):
             # Teacher first: the EMA teacher swaps adapter values in place (and back), which
             # must not happen between the student's forward and its backward (autograd checks
             # the versions of saved tensors).
@@ -620,6 +622,13 @@ class OPSDTrainer(DistillationTrainer):
                 teacher_hidden = completion_hidden_states(unwrapped, teacher)
             student_hidden = completion_hidden_states(unwrapped, student)
         return ScoringForwards(student, teacher, student_hidden, teacher_hidden)
+
+    def _adapters(self, unwrapped) -> AdapterLayers:
+        """The model's adapter layers, listed at the first use (peft's own switches walk the
+        whole model each time: adapter_layers.py)."""
+        if self._adapter_layers is None:
+            self._adapter_layers = AdapterLayers(unwrapped)
+        return self._adapter_layers
 
     def _scoring_layers(self, unwrapped):
         """Compiled decoder layers for the scoring forwards (`compile_layers`), else nothing."""
@@ -773,25 +782,32 @@ def apply_engine_defaults(args: OPSDConfig, sharded: bool, zero_stage: int | Non
 def make_objective(args: OPSDConfig):
     """The run's loss, chosen once from the config when the trainer starts (docs/SPEC.md §2).
 
-    Returns objective(student_hidden, teacher_hidden, mask, completion_ids, head) ->
-    (loss, stats), where the hidden states are [B, C, H] at the completion positions,
-    `mask` marks real completion tokens and `head` is the LM head; the per-step code
-    calls it without looking at the config again.
+    Returns objective(student_hidden, teacher_hidden, batch, head) -> (loss, stats), where
+    the hidden states are [B, C, H] at the completion positions, `batch` is the student's
+    `ScoringBatch` (which completion tokens are real, their ids) and `head` is the LM head;
+    the per-step code calls it without looking at the config again.
     """
     divergence = divergence_settings(args)
     temperature, chunk_size, compile_math = args.temperature, args.loss_chunk_size, args.compile_loss
     if args.loss_implementation == "chunked":  # logits formed chunk by chunk, never [B, C, V] at once
 
-        def chunked_sft(student, teacher, mask, ids, head):  # cross-entropy on the reference solution
-            return chunked_nll_loss(student[mask], teacher[mask], _whole(head.weight), ids[mask],
-                                    chunk_size=chunk_size, lm_head_bias=_whole(head.bias))
+        def tokens(student, teacher, batch):  # [N, H], [N, H], [N]: the real completion tokens only
+            return (select_completion_tokens(student, batch), select_completion_tokens(teacher, batch),
+                    select_completion_tokens(batch.completion_ids, batch))
 
-        def chunked_tinker(student, teacher, mask, ids, head):
-            return chunked_tinker_loss(student[mask], teacher[mask], _whole(head.weight), ids[mask],
-                                       temperature=temperature, chunk_size=chunk_size, lm_head_bias=_whole(head.bias))
+        def chunked_sft(student, teacher, batch, head):  # cross-entropy on the reference solution
+            student, teacher, ids = tokens(student, teacher, batch)
+            return chunked_nll_loss(student, teacher, _whole(head.weight), ids, chunk_size=chunk_size,
+                                    lm_head_bias=_whole(head.bias))
 
-        def chunked_divergence(student, teacher, mask, ids, head):
-            return chunked_divergence_loss(student[mask], teacher[mask], _whole(head.weight), **divergence,
+        def chunked_tinker(student, teacher, batch, head):
+            student, teacher, ids = tokens(student, teacher, batch)
+            return chunked_tinker_loss(student, teacher, _whole(head.weight), ids, temperature=temperature,
+                                       chunk_size=chunk_size, lm_head_bias=_whole(head.bias))
+
+        def chunked_divergence(student, teacher, batch, head):
+            student, teacher, _ = tokens(student, teacher, batch)
+            return chunked_divergence_loss(student, teacher, _whole(head.weight), **divergence,
                                            chunk_size=chunk_size, lm_head_bias=_whole(head.bias), compile=compile_math)
 
         if args.loss_type == "sft":
@@ -799,14 +815,15 @@ def make_objective(args: OPSDConfig):
         return chunked_tinker if args.use_tinker_loss else chunked_divergence
 
     # "logits": full [B, C, V] logits for both roles (the released-style path).
-    def full_sft(student, teacher, mask, ids, head):
-        return nll_loss(head(student), head(teacher), ids, mask)
+    def full_sft(student, teacher, batch, head):
+        return nll_loss(head(student), head(teacher), batch.completion_ids, batch.completion_mask.bool())
 
-    def full_tinker(student, teacher, mask, ids, head):
-        return tinker_loss(head(student), head(teacher), ids, mask, temperature=temperature)
+    def full_tinker(student, teacher, batch, head):
+        return tinker_loss(head(student), head(teacher), batch.completion_ids, batch.completion_mask.bool(),
+                           temperature=temperature)
 
-    def full_divergence(student, teacher, mask, ids, head):
-        return divergence_loss(head(student), head(teacher), mask, **divergence)
+    def full_divergence(student, teacher, batch, head):
+        return divergence_loss(head(student), head(teacher), batch.completion_mask.bool(), **divergence)
 
     if args.loss_type == "sft":
         return full_sft
@@ -843,8 +860,8 @@ def make_collator(tokenizer, args: OPSDConfig) -> OPSDCollator:
 
 
 @contextmanager
-def bf16_autocast(model, enabled: bool):
-    """Mixed precision for the two backbone forwards.
+def bf16_autocast(model, adapters: AdapterLayers, enabled: bool):
+    """Mixed precision for the two backbone forwards (`adapters`: the model's adapter layers).
 
     The loss calls the decoder directly, past the wrapper through which the Trainer
     applies its autocast; without this, peft runs its float32 adapters in float32
@@ -854,10 +871,8 @@ def bf16_autocast(model, enabled: bool):
     if not enabled:
         yield
         return
-    from peft.helpers import disable_input_dtype_casting
-
     device_type = next(model.parameters()).device.type
-    with torch.autocast(device_type, dtype=torch.bfloat16), disable_input_dtype_casting(model):
+    with torch.autocast(device_type, dtype=torch.bfloat16), adapters.input_casting_disabled():
         yield
 
 

@@ -54,13 +54,21 @@ def write_random_model(folder: Path, shape: str) -> None:
 
 
 def run_cli(model_dir: Path, out_dir: Path, micro_batch: int, steps: int, completion: int, log_path: Path,
-            timeout_s: float, processes: int = 1, extra: tuple[str, ...] = (), tree: Path | None = None) -> dict:
+            timeout_s: float, processes: int = 1, extra: tuple[str, ...] = (), tree: Path | None = None,
+            inductor: tuple[str, ...] = ()) -> dict:
     """opsd_train.py for `steps` steps; returns the wall time at which each step's log line appeared.
 
     One process runs the script directly; several go through `accelerate launch`
     (one per GPU), as train_capped.sh does. `tree`: the checkout whose opsd_train.py runs
-    (default: this one)."""
+    (default: this one). `inductor`: KEY=VALUE settings of torch._inductor.config for the
+    whole process (one process only), set before the script runs."""
     launcher = [sys.executable]
+    if inductor:
+        if processes > 1:
+            raise SystemExit("--inductor takes one process")
+        settings = "; ".join(f"config.{key}={value}" for key, _, value in (item.partition("=") for item in inductor))
+        launcher += ["-c", f"import runpy, sys, torch._inductor.config as config; {settings}; "
+                           "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"]
     if processes > 1:
         launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
                     "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
@@ -129,6 +137,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tree", type=Path, default=None,
                         help="run opsd_train.py of another checkout (e.g. a baseline commit unpacked from `git archive`): "
                         "an A/B of two commits on one machine")
+    parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                        help="set torch._inductor.config KEY (a Python literal) in the CLI's process, e.g. "
+                        "combo_kernels=True; repeatable")
     parser.add_argument("--json", default=None)
     opts = parser.parse_args(argv)
     shape = "tiny" if opts.tiny or not torch.cuda.is_available() else "qwen3-1.7b"
@@ -137,13 +148,14 @@ def main(argv=None) -> int:
     out_dir = Path(opts.json).parent if opts.json else work
     write_random_model(work / "model", shape)
     results = {"shape": shape, "machine": common.machine(), "completion": completion,
-               "trainer_args": opts.trainer_args, "tree": str(opts.tree or common.ROOT), "runs": []}
+               "trainer_args": opts.trainer_args, "inductor": opts.inductor, "tree": str(opts.tree or common.ROOT),
+               "runs": []}
     for mb in (int(x) for x in opts.micro_batches.split(",")):
         if 32 % (mb * opts.num_processes):
             raise SystemExit(f"global batch 32 is not divisible by micro-batch {mb} x {opts.num_processes} processes")
         run = run_cli(work / "model", work / f"run-mb{mb}", mb, opts.steps, completion,
                       out_dir / f"capped_mb{mb}_np{opts.num_processes}.log", opts.timeout_s, opts.num_processes,
-                      tuple(shlex.split(opts.trainer_args)), opts.tree)
+                      tuple(shlex.split(opts.trainer_args)), opts.tree, tuple(opts.inductor))
         results["runs"].append(summarize(run))
         common.write_json(opts.json, results)
     rows = []
@@ -163,6 +175,7 @@ def main(argv=None) -> int:
          "median step (s)", "its rollout, median (s)", "100 steps at the median step (min)"], rows)
     flags = f" + `{opts.trainer_args}`" if opts.trainer_args else ""
     flags += f", code of {opts.tree}" if opts.tree else ""
+    flags += f", inductor {', '.join(opts.inductor)}" if opts.inductor else ""
     report = (f"## Capped run, {shape}, 32 x {completion} per step, `opsd_train.py` defaults{flags} "
               f"({results['machine']})\n\n{table}")
     return common.finish(results, opts.json, report)

@@ -77,9 +77,10 @@ def trainer_stand_in(args, dev, compiled_layers=None) -> types.SimpleNamespace:
         ema=None,
         _alignment_checked=False,
         _compiled_layers=compiled_layers,
+        _adapter_layers=None,
         objective=opsd_trainer.make_objective(args),
     )
-    for method in ("scoring_forwards", "_teacher_weights", "_report_alignment", "_scoring_layers"):
+    for method in ("scoring_forwards", "_teacher_weights", "_report_alignment", "_scoring_layers", "_adapters"):
         setattr(shim, method, types.MethodType(getattr(OPSDTrainer, method), shim))
     return shim
 

@@ -14,6 +14,7 @@ from data_collator import (
     build_scoring_batch,
     check_alignment,
     gather_completion_positions,
+    select_completion_tokens,
 )
 
 INSTR = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -245,6 +246,23 @@ def test_gathered_positions_predict_the_completion(side):
     assert torch.equal(gathered[mask], b.completion_ids[mask])
     hidden = torch.randn(3, b.input_ids.shape[1], 5)
     assert gather_completion_positions(hidden, b).shape == (3, 3, 5)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_selected_tokens_are_the_masked_ones_forward_and_backward(side):
+    """select_completion_tokens (an index built on the host) = boolean-mask selection, values
+    and gradients, rows of different lengths in row order."""
+    b = build_scoring_batch(PROMPTS, COMPLETIONS, pad_id=PAD, pad_side=side)
+    mask = b.completion_mask.bool()
+    assert b.completion_index.tolist() == mask.flatten().nonzero().flatten().tolist() == [0, 1, 3, 4, 5, 6]
+    assert select_completion_tokens(b.completion_ids, b).tolist() == [14, 15, 22, 23, 24, 33]
+    values = torch.randn(3, 3, 5, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(6, 5, dtype=torch.float64)
+    picked = select_completion_tokens(values, b)
+    torch.testing.assert_close(picked, values[mask], rtol=0, atol=0)
+    (grad,) = torch.autograd.grad((picked * weights).sum(), values)
+    (expected,) = torch.autograd.grad((values[mask] * weights).sum(), values)
+    torch.testing.assert_close(grad, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("side", ["right", "left"])

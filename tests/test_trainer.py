@@ -595,7 +595,7 @@ def test_batches_go_to_the_gpu_from_pinned_memory_without_blocking(monkeypatch):
     moved = opsd_trainer._to_device(batch, torch.device("cuda"))
     monkeypatch.undo()
     tensors = [v for v in vars(batch).values() if isinstance(v, torch.Tensor)]
-    assert len(tensors) == 7 and moves == [m for t in tensors for m in (("pin", id(t)), ("cuda", True, id(t)))]
+    assert len(tensors) == 8 and moves == [m for t in tensors for m in (("pin", id(t)), ("cuda", True, id(t)))]
     assert moved.prompt_width == batch.prompt_width == 2 and moved.pad_side == "left"
 
 
@@ -646,6 +646,61 @@ def test_a_micro_batch_reads_no_value_back_from_its_tensors(tmp_path, monkeypatc
     trainer.compute_loss(trainer.model, inputs).backward()
     monkeypatch.undo()
     assert reads == []
+
+
+def test_a_micro_batch_counts_no_tokens_on_the_device(tmp_path):
+    """No operation of a micro-batch's loss and backward has a shape that depends on tensor
+    values (`aten.nonzero`, what boolean-mask indexing runs forward and backward): on a GPU
+    the host would wait for the queued kernels to learn the count. The completion tokens are
+    selected with an index built on the host (`select_completion_tokens`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    trainer = make_trainer(tmp_path, 1, "--max_completion_length", "8")
+    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    trainer.compute_loss(trainer.model, inputs)
+    trainer.accelerator.gradient_state._set_sync_gradients(False)
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        trainer.compute_loss(trainer.model, inputs).backward()
+    assert "nonzero" not in seen
+    assert "index_select" in seen  # the selection this test is about ran
+
+
+def test_a_micro_batch_walks_no_module_tree(tmp_path, monkeypatch):
+    """The teacher's adapters are switched off and autocast's input dtype kept through layers
+    listed once (adapter_layers.py), not by peft's context managers, which walk every module
+    of the model (and build a status report) on each use: host time in every micro-batch."""
+    import inspect
+    from pathlib import Path
+
+    import peft
+
+    trainer = make_trainer(tmp_path, 1, "--max_completion_length", "8")
+    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    trainer.compute_loss(trainer.model, inputs)  # the first lists the layers
+    watched = (Path(opsd_trainer.__file__).resolve().parent, Path(peft.__file__).resolve().parent)
+    walks = []
+
+    def recording(original):
+        def walk(self, *args, **kwargs):
+            caller = inspect.stack()[1]  # a walk started by the project or peft (not a recursion)
+            path = Path(caller.filename).resolve()
+            if caller.function not in ("modules", "named_modules") and any(p in path.parents for p in watched):
+                walks.append(f"{path.name}:{caller.lineno} ({caller.function})")
+            return original(self, *args, **kwargs)
+        return walk
+
+    for name in ("modules", "named_modules"):
+        monkeypatch.setattr(torch.nn.Module, name, recording(getattr(torch.nn.Module, name)))
+    trainer.compute_loss(trainer.model, inputs)
+    monkeypatch.undo()
+    assert walks == []
 
 
 def test_token_clip_run_lowers_true_kl(tmp_path, monkeypatch, capsys):
@@ -907,10 +962,10 @@ def test_chunked_loss_takes_an_fsdp2_sharded_lm_head(tmp_path):
     gen = torch.Generator().manual_seed(0)
     hidden, vocab = 8, 40
     plain = torch.nn.Linear(hidden, vocab, bias=False).double()
-    student = torch.randn(2, 5, hidden, dtype=torch.float64, generator=gen, requires_grad=True)
-    teacher = torch.randn(2, 5, hidden, dtype=torch.float64, generator=gen)
-    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
-    ids = torch.randint(vocab, (2, 5), generator=gen)
+    student = torch.randn(2, 4, hidden, dtype=torch.float64, generator=gen, requires_grad=True)
+    teacher = torch.randn(2, 4, hidden, dtype=torch.float64, generator=gen)
+    ids = torch.randint(vocab, (7,), generator=gen).tolist()
+    batch = build_scoring_batch([[1], [2]], [ids[:4], ids[4:]], pad_id=0, pad_side="right")  # 4 + 3 tokens
     results = []
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
@@ -920,7 +975,7 @@ def test_chunked_loss_takes_an_fsdp2_sharded_lm_head(tmp_path):
         assert isinstance(sharded.weight, DTensor)
         for head in (plain, sharded):
             student.grad = None
-            loss, _ = objective(student, teacher, mask, ids, head)
+            loss, _ = objective(student, teacher, batch, head)
             loss.backward()
             results.append((loss.detach(), student.grad.clone()))
     finally:
