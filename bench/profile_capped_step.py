@@ -15,13 +15,14 @@ Reported (`summary.json`, `summary.txt`, and the log):
   and the training part after it;
 - for the training part: GPU busy time (the union of kernel intervals), so wall - busy is
   time the GPU waited on the host; kernel launches; host waits (synchronising CUDA calls);
-  per micro-batch wall and busy time; the longest GPU idle gaps and the host operation
-  running at each;
+  per micro-batch wall and busy time; the longest GPU idle gaps and what the host ran
+  then (the operation, or the operations on either side when it was in plain Python);
 - the host's own time by operation and the kernels by CUDA time (torch.profiler tables).
 """
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import os
@@ -80,9 +81,18 @@ def analyse(trace: dict, top_gaps: int = 12) -> dict:
             gaps.append((b0 - a1, a1))
     gaps.sort(reverse=True)
 
-    def host_op_at(t):  # the shortest host op covering t: what the host was doing then
+    by_end = sorted(host, key=lambda e: e["ts"] + e["dur"])
+    ends = [e["ts"] + e["dur"] for e in by_end]
+    by_start = sorted(host, key=lambda e: e["ts"])
+    starts = [e["ts"] for e in by_start]
+
+    def host_at(t):  # what the host ran then: the op covering t, else the ops on either side of t
         covering = [e for e in host if e["ts"] <= t <= e["ts"] + e["dur"]]
-        return min(covering, key=lambda e: e["dur"])["name"][:80] if covering else "(no op)"
+        if covering:
+            return "in " + min(covering, key=lambda e: e["dur"])["name"][:70]
+        before, after = bisect.bisect_left(ends, t) - 1, bisect.bisect_right(starts, t)
+        return (f"in no op, after {by_end[before]['name'][:50] if before >= 0 else '-'}, "
+                f"before {by_start[after]['name'][:50] if after < len(by_start) else '-'}")
 
     train_wall = end - rollout_end
     return {
@@ -96,7 +106,7 @@ def analyse(trace: dict, top_gaps: int = 12) -> dict:
         "training_host_wait_ms": sum(w["dur"] for w in waits) / 1e3,
         "micro_batches": per_batch,
         "largest_gpu_gaps": [{"gap_ms": g / 1e3, "at_ms_after_rollout": (t - rollout_end) / 1e3,
-                              "host_op": host_op_at(t + g / 2)} for g, t in gaps[:top_gaps]],
+                              "host": host_at(t + g / 2)} for g, t in gaps[:top_gaps]],
         "gpu_gaps_over_50us_ms": sum(g for g, _ in gaps) / 1e3,
     }
 
@@ -199,7 +209,7 @@ def main(argv=None) -> int:
         lines.append(f"[profile_step]   micro-batch {i}: wall {mb['wall_ms']:.1f} ms, GPU busy {mb['gpu_busy_ms']:.1f} ms")
     for gap in summary["largest_gpu_gaps"]:
         lines.append(f"[profile_step]   GPU idle {gap['gap_ms']:.2f} ms at +{gap['at_ms_after_rollout']:.0f} ms: "
-                     f"host in {gap['host_op']}")
+                     f"host {gap['host']}")
     (opts.out / "summary.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
     return 0

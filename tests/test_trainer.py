@@ -676,7 +676,7 @@ def test_a_micro_batch_walks_no_module_tree(tmp_path, monkeypatch):
     """The teacher's adapters are switched off and autocast's input dtype kept through layers
     listed once (adapter_layers.py), not by peft's context managers, which walk every module
     of the model (and build a status report) on each use: host time in every micro-batch."""
-    import inspect
+    import sys
     from pathlib import Path
 
     import peft
@@ -689,10 +689,10 @@ def test_a_micro_batch_walks_no_module_tree(tmp_path, monkeypatch):
 
     def recording(original):
         def walk(self, *args, **kwargs):
-            caller = inspect.stack()[1]  # a walk started by the project or peft (not a recursion)
-            path = Path(caller.filename).resolve()
-            if caller.function not in ("modules", "named_modules") and any(p in path.parents for p in watched):
-                walks.append(f"{path.name}:{caller.lineno} ({caller.function})")
+            caller = sys._getframe(1)  # a walk started by the project or peft (not a recursion)
+            name, path = caller.f_code.co_name, Path(caller.f_code.co_filename).resolve()
+            if name not in ("modules", "named_modules", "walk") and any(p in path.parents for p in watched):
+                walks.append(f"{path.name}:{caller.f_lineno} ({name})")
             return original(self, *args, **kwargs)
         return walk
 
