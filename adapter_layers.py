@@ -7,7 +7,10 @@ time, which the trainer paid in every micro-batch (the teacher's forward runs wi
 adapters off; both forwards keep autocast's dtype). At micro-batch 4 the training step is
 bound by the host (BENCHMARKS.md section 3), so that time added directly to each step.
 `AdapterLayers` finds the layers once and switches them through each layer's own public
-methods, exactly as those two functions do.
+methods, as those two functions do for LoRA-type adapters (the trainer builds LoRA only; prompt
+learning, which peft disables differently, is not handled). Two differences: after `disabled()`
+only the layers that were on are switched back on (peft switches every layer on), and the
+PeftModel's own `_adapters_disabled` flag, which LoRA layers do not read, is left alone.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ class AdapterLayers:
         from peft.tuners.tuners_utils import BaseTunerLayer
         from peft.utils.other import AuxiliaryTrainingWrapper
 
+        self.model = model
         modules = list(model.modules())
         self.tuner_layers = [m for m in modules if isinstance(m, BaseTunerLayer)]
         # What `disable_adapter` switches: the tuner layers and the modules_to_save-style wrappers.

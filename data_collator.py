@@ -295,6 +295,9 @@ def check_alignment(batch: ScoringBatch, completion_ids: Sequence[Sequence[int]]
         raise AlignmentError(f"[OPSD align] {len(completion_ids)} completions for {batch.input_ids.shape[0]} rows")
     for b, completion in enumerate(completion_ids):
         _check_row(batch, b, list(completion))
+    # The loss picks the tokens by completion_index: it must name exactly the masked ones.
+    if not torch.equal(batch.completion_index.cpu(), batch.completion_mask.flatten().nonzero().flatten().cpu()):
+        raise AlignmentError("[OPSD align] completion_index does not name the masked completion tokens")
     tokens = int(batch.completion_mask.sum())
     summary = f"ok: {len(completion_ids)} rows, {tokens} completion tokens"
     if batch.pad_side == "left":

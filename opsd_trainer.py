@@ -624,9 +624,9 @@ class OPSDTrainer(DistillationTrainer):
         return ScoringForwards(student, teacher, student_hidden, teacher_hidden)
 
     def _adapters(self, unwrapped) -> AdapterLayers:
-        """The model's adapter layers, listed at the first use (peft's own switches walk the
-        whole model each time: adapter_layers.py)."""
-        if self._adapter_layers is None:
+        """The model's adapter layers, listed at the first use with this model (peft's own
+        switches walk the whole model each time: adapter_layers.py)."""
+        if self._adapter_layers is None or self._adapter_layers.model is not unwrapped:
             self._adapter_layers = AdapterLayers(unwrapped)
         return self._adapter_layers
 
@@ -791,22 +791,21 @@ def make_objective(args: OPSDConfig):
     temperature, chunk_size, compile_math = args.temperature, args.loss_chunk_size, args.compile_loss
     if args.loss_implementation == "chunked":  # logits formed chunk by chunk, never [B, C, V] at once
 
-        def tokens(student, teacher, batch):  # [N, H], [N, H], [N]: the real completion tokens only
-            return (select_completion_tokens(student, batch), select_completion_tokens(teacher, batch),
-                    select_completion_tokens(batch.completion_ids, batch))
+        def tokens(*values, batch):  # each [B, C, ...] -> [N, ...]: the real completion tokens only
+            return [select_completion_tokens(v, batch) for v in values]
 
         def chunked_sft(student, teacher, batch, head):  # cross-entropy on the reference solution
-            student, teacher, ids = tokens(student, teacher, batch)
+            student, teacher, ids = tokens(student, teacher, batch.completion_ids, batch=batch)
             return chunked_nll_loss(student, teacher, _whole(head.weight), ids, chunk_size=chunk_size,
                                     lm_head_bias=_whole(head.bias))
 
         def chunked_tinker(student, teacher, batch, head):
-            student, teacher, ids = tokens(student, teacher, batch)
+            student, teacher, ids = tokens(student, teacher, batch.completion_ids, batch=batch)
             return chunked_tinker_loss(student, teacher, _whole(head.weight), ids, temperature=temperature,
                                        chunk_size=chunk_size, lm_head_bias=_whole(head.bias))
 
         def chunked_divergence(student, teacher, batch, head):
-            student, teacher, _ = tokens(student, teacher, batch)
+            student, teacher = tokens(student, teacher, batch=batch)
             return chunked_divergence_loss(student, teacher, _whole(head.weight), **divergence,
                                            chunk_size=chunk_size, lm_head_bias=_whole(head.bias), compile=compile_math)
 

@@ -196,11 +196,15 @@ def profile_decode_step(state, steps: int, log) -> dict:
         log(f"[profile]   {row['us_per_step']:8.1f} us {row['share']:6.1%} x{row['calls_per_step']:.0f} {row['kernel']}")
     # The kernels of the first profiled step in launch order: which small kernels a layer runs
     # between its matrix products (the start covers the embedding and the first two layers).
-    ordered = sorted((e for e in prof.events() if e.device_type.name == kind), key=lambda e: e.time_range.start)
-    per_step = round(sum(e.count for e in events) / steps)
-    sequence = [(e.name[:90], e.time_range.elapsed_us()) for e in ordered[:per_step]]
-    for name, us in sequence[:40] + [("...", 0.0)] + sequence[-14:]:
-        log(f"[profile]   seq {us:7.1f} us {name}")
+    # (CUDA only: on a CPU the profiler's operator events nest, so they are no kernel sequence.)
+    sequence = []
+    if cuda:
+        ordered = sorted((e for e in prof.events() if e.device_type.name == kind), key=lambda e: e.time_range.start)
+        per_step = round(sum(e.count for e in events) / steps)
+        sequence = [(e.name[:90], e.time_range.elapsed_us()) for e in ordered[:per_step]]
+        shown = sequence if len(sequence) <= 54 else sequence[:40] + [("...", 0.0)] + sequence[-14:]
+        for name, us in shown:
+            log(f"[profile]   seq {us:7.1f} us {name}")
     return {"device_ms_per_step": total_us / steps / 1000, "replay_ms_per_step": replay_ms,
             "attention_columns": limit,
             "kernels_per_step": sum(e.count for e in events) / steps, "top": table, "sequence": sequence}

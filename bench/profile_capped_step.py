@@ -15,7 +15,7 @@ Reported (`summary.json`, `summary.txt`, and the log):
   and the training part after it;
 - for the training part: GPU busy time (the union of kernel intervals), so wall - busy is
   time the GPU waited on the host; kernel launches; host waits (synchronising CUDA calls);
-  per micro-batch wall and busy time; the longest GPU idle gaps and what the host ran
+  per micro-batch wall (the first one's without its rollout) and busy time; the longest GPU idle gaps and what the host ran
   then (the operation, or the operations on either side when it was in plain Python);
 - the host's own time by operation and the kernels by CUDA time (torch.profiler tables).
 """
@@ -26,6 +26,7 @@ import bisect
 import gzip
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -72,8 +73,12 @@ def analyse(trace: dict, top_gaps: int = 12) -> dict:
     def busy_between(lo, hi):
         return union_us([(max(a, lo), min(b, hi)) for a, b in train if b > lo and a < hi])
 
-    per_batch = [{"wall_ms": b["dur"] / 1e3, "gpu_busy_ms": busy_between(b["ts"], b["ts"] + b["dur"]) / 1e3}
-                 for b in batches]
+    def rollout_inside(b):  # the first micro-batch samples the step's rollouts (the Trainer prepares its inputs)
+        return sum(max(0, min(r["ts"] + r["dur"], b["ts"] + b["dur"]) - max(r["ts"], b["ts"])) for r in rollout)
+
+    # wall time without the rollout's; the GPU's busy time counts kernels after the rollout only
+    per_batch = [{"wall_ms": (b["dur"] - rollout_inside(b)) / 1e3,
+                  "gpu_busy_ms": busy_between(b["ts"], b["ts"] + b["dur"]) / 1e3} for b in batches]
     gaps = []
     ordered = sorted(train)
     for (a0, a1), (b0, _) in zip(ordered, ordered[1:]):
@@ -191,7 +196,7 @@ def main(argv=None) -> int:
         "--model_name_or_path", str(work / "model"), "--dataset_name", "tiny", "--output_dir", str(work / "run"),
         "--max_steps", str(opts.step), "--per_device_train_batch_size", str(opts.micro_batch),
         "--gradient_accumulation_steps", str(32 // opts.micro_batch), "--max_completion_length", str(completion),
-        "--save_strategy", "no", "--logging_steps", "1", "--report_to", "none", *opts.trainer_args.split(),
+        "--save_strategy", "no", "--logging_steps", "1", "--report_to", "none", *shlex.split(opts.trainer_args),
     ])
     if "step_wall_ms" not in summary:
         print(f"[profile_step] no profile (opsd_train exit {rc})", flush=True)

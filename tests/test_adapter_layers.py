@@ -1,11 +1,17 @@
 """adapter_layers.AdapterLayers switches a peft model's adapters as peft's own context
 managers do (PeftModel.disable_adapter, peft.helpers.disable_input_dtype_casting)."""
+import copy
+import sys
+from pathlib import Path
+
+import peft
 import pytest
 import torch
 from lora_helpers import acting_lora
 from peft.helpers import disable_input_dtype_casting
 from peft.tuners.tuners_utils import BaseTunerLayer
 
+import opsd_trainer
 import tiny_default
 from adapter_layers import AdapterLayers
 
@@ -38,7 +44,7 @@ def test_disabled_gives_the_base_model_and_restores_the_adapters(base, lora):
         off = logits(lora)
         assert all(m.disable_adapters for m in layers.tuner_layers)
     torch.testing.assert_close(off, peft_off, rtol=0, atol=0)
-    torch.testing.assert_close(off, logits(base.double()), rtol=0, atol=1e-12)
+    torch.testing.assert_close(off, logits(copy.deepcopy(base).double()), rtol=0, atol=1e-12)
     assert (adapted - off).abs().max() > 1e-3  # the adapters act
     torch.testing.assert_close(logits(lora), adapted, rtol=0, atol=0)
     assert {n: p.requires_grad for n, p in lora.named_parameters()} == grads
@@ -70,3 +76,28 @@ def test_a_model_without_adapters_cannot_be_switched_off(base):
     with pytest.raises(ValueError, match="no peft adapter layers"):
         with AdapterLayers(base).disabled():
             pass
+
+
+def test_the_trainers_autocast_keeps_the_dtype_without_walking_the_model(lora, monkeypatch):
+    """opsd_trainer.bf16_autocast (every micro-batch on a GPU) switches input casting off through
+    the listed layers: no module walk started by the project or peft (peft's helper walks twice)."""
+    layers = AdapterLayers(lora)
+    watched = (Path(opsd_trainer.__file__).resolve().parent, Path(peft.__file__).resolve().parent)
+    walks = []
+
+    def recording(original):
+        def walk(self, *args, **kwargs):
+            caller = sys._getframe(1)
+            name, path = caller.f_code.co_name, Path(caller.f_code.co_filename).resolve()
+            if name not in ("modules", "named_modules", "walk") and any(p in path.parents for p in watched):
+                walks.append(f"{path.name}:{caller.f_lineno} ({name})")
+            return original(self, *args, **kwargs)
+        return walk
+
+    for name in ("modules", "named_modules"):
+        monkeypatch.setattr(torch.nn.Module, name, recording(getattr(torch.nn.Module, name)))
+    with opsd_trainer.bf16_autocast(lora, layers, enabled=True):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert not any(m.cast_input_dtype_enabled for m in layers.tuner_layers)
+    monkeypatch.undo()
+    assert walks == [] and all(m.cast_input_dtype_enabled for m in layers.tuner_layers)

@@ -256,13 +256,21 @@ def test_selected_tokens_are_the_masked_ones_forward_and_backward(side):
     mask = b.completion_mask.bool()
     assert b.completion_index.tolist() == mask.flatten().nonzero().flatten().tolist() == [0, 1, 3, 4, 5, 6]
     assert select_completion_tokens(b.completion_ids, b).tolist() == [14, 15, 22, 23, 24, 33]
-    values = torch.randn(3, 3, 5, dtype=torch.float64, requires_grad=True)
+    # As the loss uses it: on the strided [B, C, H] view of the hidden states at the completion positions.
+    hidden = torch.randn(3, b.input_ids.shape[1], 5, dtype=torch.float64, requires_grad=True)
+    values = gather_completion_positions(hidden, b)
     weights = torch.randn(6, 5, dtype=torch.float64)
     picked = select_completion_tokens(values, b)
     torch.testing.assert_close(picked, values[mask], rtol=0, atol=0)
-    (grad,) = torch.autograd.grad((picked * weights).sum(), values)
-    (expected,) = torch.autograd.grad((values[mask] * weights).sum(), values)
+    (grad,) = torch.autograd.grad((picked * weights).sum(), hidden)
+    (expected,) = torch.autograd.grad((values[mask] * weights).sum(), hidden)
     torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+
+
+def test_an_empty_completion_selects_nothing_from_its_row():
+    b = build_scoring_batch([[11], [21, 22]], [[12, 13], []], pad_id=PAD, pad_side="left")
+    assert b.completion_index.tolist() == [0, 1]
+    assert select_completion_tokens(b.completion_ids, b).tolist() == [12, 13]
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -286,6 +294,13 @@ def test_alignment_check_catches_a_wrong_mask():
     b = build_scoring_batch(PROMPTS, COMPLETIONS, pad_id=PAD, pad_side="right")
     b.completion_mask[2, 1] = 1  # supervises a pad
     with pytest.raises(AlignmentError, match="row 2: completion_mask covers 2 tokens, the completion has 1"):
+        check_alignment(b, COMPLETIONS)
+
+
+def test_alignment_check_catches_a_wrong_completion_index():
+    b = build_scoring_batch(PROMPTS, COMPLETIONS, pad_id=PAD, pad_side="right")
+    b.completion_index[-1] = 7  # the loss would read a pad instead of row 2's token
+    with pytest.raises(AlignmentError, match="completion_index does not name the masked completion tokens"):
         check_alignment(b, COMPLETIONS)
 
 
