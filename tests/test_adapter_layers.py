@@ -1,13 +1,13 @@
 """adapter_layers.AdapterLayers switches a peft model's adapters as peft's own context
 managers do (PeftModel.disable_adapter, peft.helpers.disable_input_dtype_casting)."""
 import copy
-import sys
 from pathlib import Path
 
 import peft
 import pytest
 import torch
 from lora_helpers import acting_lora
+from module_walks import record_module_walks
 from peft.helpers import disable_input_dtype_casting
 from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -82,20 +82,7 @@ def test_the_trainers_autocast_keeps_the_dtype_without_walking_the_model(lora, m
     """opsd_trainer.bf16_autocast (every micro-batch on a GPU) switches input casting off through
     the listed layers: no module walk started by the project or peft (peft's helper walks twice)."""
     layers = AdapterLayers(lora)
-    watched = (Path(opsd_trainer.__file__).resolve().parent, Path(peft.__file__).resolve().parent)
-    walks = []
-
-    def recording(original):
-        def walk(self, *args, **kwargs):
-            caller = sys._getframe(1)
-            name, path = caller.f_code.co_name, Path(caller.f_code.co_filename).resolve()
-            if name not in ("modules", "named_modules", "walk") and any(p in path.parents for p in watched):
-                walks.append(f"{path.name}:{caller.f_lineno} ({name})")
-            return original(self, *args, **kwargs)
-        return walk
-
-    for name in ("modules", "named_modules"):
-        monkeypatch.setattr(torch.nn.Module, name, recording(getattr(torch.nn.Module, name)))
+    walks = record_module_walks(monkeypatch, [Path(opsd_trainer.__file__).parent, Path(peft.__file__).parent])
     with opsd_trainer.bf16_autocast(lora, layers, enabled=True):
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
         assert not any(m.cast_input_dtype_enabled for m in layers.tuner_layers)

@@ -676,28 +676,15 @@ def test_a_micro_batch_walks_no_module_tree(tmp_path, monkeypatch):
     """The teacher's adapters are switched off and autocast's input dtype kept through layers
     listed once (adapter_layers.py), not by peft's context managers, which walk every module
     of the model (and build a status report) on each use: host time in every micro-batch."""
-    import sys
     from pathlib import Path
 
     import peft
+    from module_walks import record_module_walks
 
     trainer = make_trainer(tmp_path, 1, "--max_completion_length", "8")
     inputs = trainer._generate_and_score_completions(_rows(trainer))
     trainer.compute_loss(trainer.model, inputs)  # the first lists the layers
-    watched = (Path(opsd_trainer.__file__).resolve().parent, Path(peft.__file__).resolve().parent)
-    walks = []
-
-    def recording(original):
-        def walk(self, *args, **kwargs):
-            caller = sys._getframe(1)  # a walk started by the project or peft (not a recursion)
-            name, path = caller.f_code.co_name, Path(caller.f_code.co_filename).resolve()
-            if name not in ("modules", "named_modules", "walk") and any(p in path.parents for p in watched):
-                walks.append(f"{path.name}:{caller.f_lineno} ({name})")
-            return original(self, *args, **kwargs)
-        return walk
-
-    for name in ("modules", "named_modules"):
-        monkeypatch.setattr(torch.nn.Module, name, recording(getattr(torch.nn.Module, name)))
+    walks = record_module_walks(monkeypatch, [Path(opsd_trainer.__file__).parent, Path(peft.__file__).parent])
     trainer.compute_loss(trainer.model, inputs)
     monkeypatch.undo()
     assert walks == []
