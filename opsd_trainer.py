@@ -53,7 +53,7 @@ from data_collator import (
     select_completion_tokens,
 )
 from ema_teacher import AdapterEMA
-from model_utils import causal_lm
+from model_utils import causal_lm, model_device
 from opsd_chunked_loss import chunked_divergence_loss, chunked_nll_loss, chunked_tinker_loss
 from opsd_config import (
     CLIP_MODES,
@@ -613,7 +613,7 @@ class OPSDTrainer(DistillationTrainer):
         if not self._alignment_checked:
             self._report_alignment(student, teacher, completions)
 
-        with (bf16_autocast(unwrapped, self._adapters(unwrapped), enabled=bool(self.args.bf16)),
+        with (bf16_autocast(self._adapters(unwrapped), enabled=bool(self.args.bf16)),
               self._scoring_layers(unwrapped)):
             # Teacher first: the EMA teacher swaps adapter values in place (and back), which
             # must not happen between the student's forward and its backward (autograd checks
@@ -859,8 +859,8 @@ def make_collator(tokenizer, args: OPSDConfig) -> OPSDCollator:
 
 
 @contextmanager
-def bf16_autocast(model, adapters: AdapterLayers, enabled: bool):
-    """Mixed precision for the two backbone forwards (`adapters`: the model's adapter layers).
+def bf16_autocast(adapters: AdapterLayers, enabled: bool):
+    """Mixed precision for the two backbone forwards of `adapters.model` (its adapter layers).
 
     The loss calls the decoder directly, past the wrapper through which the Trainer
     applies its autocast; without this, peft runs its float32 adapters in float32
@@ -870,7 +870,7 @@ def bf16_autocast(model, adapters: AdapterLayers, enabled: bool):
     if not enabled:
         yield
         return
-    device_type = next(model.parameters()).device.type
+    device_type = model_device(adapters.model).type
     with torch.autocast(device_type, dtype=torch.bfloat16), adapters.input_casting_disabled():
         yield
 

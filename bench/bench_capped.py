@@ -55,18 +55,18 @@ def write_random_model(folder: Path, shape: str) -> None:
 
 def run_cli(model_dir: Path, out_dir: Path, micro_batch: int, steps: int, completion: int, log_path: Path,
             timeout_s: float, processes: int = 1, extra: tuple[str, ...] = (), tree: Path | None = None,
-            inductor: tuple[str, ...] = ()) -> dict:
+            inductor: dict | None = None) -> dict:
     """opsd_train.py for `steps` steps; returns the wall time at which each step's log line appeared.
 
     One process runs the script directly; several go through `accelerate launch`
     (one per GPU), as train_capped.sh does. `tree`: the checkout whose opsd_train.py runs
-    (default: this one). `inductor`: KEY=VALUE settings of torch._inductor.config for the
-    whole process (one process only), set before the script runs."""
+    (default: this one). `inductor`: torch._inductor.config settings for the whole process
+    (one process only), made before the script runs."""
     launcher = [sys.executable]
     if inductor:
         if processes > 1:
             raise SystemExit("--inductor takes one process")
-        settings = "; ".join(f"config.{key}={value}" for key, _, value in (item.partition("=") for item in inductor))
+        settings = "; ".join(f"config.{key} = {value!r}" for key, value in inductor.items())
         launcher += ["-c", f"import runpy, sys, torch._inductor.config as config; {settings}; "
                            "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"]
     if processes > 1:
@@ -137,9 +137,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tree", type=Path, default=None,
                         help="run opsd_train.py of another checkout (e.g. a baseline commit unpacked from `git archive`): "
                         "an A/B of two commits on one machine")
-    parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
-                        help="set torch._inductor.config KEY (a Python literal) in the CLI's process, e.g. "
-                        "combo_kernels=True; repeatable")
+    common.add_inductor_argument(parser, "in the CLI's process")
     parser.add_argument("--json", default=None)
     opts = parser.parse_args(argv)
     shape = "tiny" if opts.tiny or not torch.cuda.is_available() else "qwen3-1.7b"
@@ -155,7 +153,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"global batch 32 is not divisible by micro-batch {mb} x {opts.num_processes} processes")
         run = run_cli(work / "model", work / f"run-mb{mb}", mb, opts.steps, completion,
                       out_dir / f"capped_mb{mb}_np{opts.num_processes}.log", opts.timeout_s, opts.num_processes,
-                      tuple(shlex.split(opts.trainer_args)), opts.tree, tuple(opts.inductor))
+                      tuple(shlex.split(opts.trainer_args)), opts.tree, common.inductor_settings(opts.inductor))
         results["runs"].append(summarize(run))
         common.write_json(opts.json, results)
     rows = []

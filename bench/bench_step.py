@@ -27,7 +27,6 @@ after a warm-up), records peak memory, and prints a table last. FLOPs: see
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import math
 import sys
@@ -324,13 +323,10 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-chunk-sweep", action="store_true")
     parser.add_argument("--profile", default="", help="variants to profile for one step, e.g. project_nockpt")
     parser.add_argument("--profile-mb", type=int, default=8)
-    parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
-                        help="set torch._inductor.config KEY (a Python literal) for the whole process, e.g. "
-                        "cpp_wrapper=True; repeatable")
+    common.add_inductor_argument(parser, "for the whole process")
     opts = parser.parse_args(argv)
-    for item in opts.inductor:
-        key, _, value = item.partition("=")
-        setattr(torch._inductor.config, key, ast.literal_eval(value))
+    for key, value in common.inductor_settings(opts.inductor).items():
+        setattr(torch._inductor.config, key, value)
     shape = "tiny" if opts.tiny else (opts.shape or ("qwen3-1.7b" if torch.cuda.is_available() else "tiny"))
     geo = common.TINY if shape == "tiny" else common.FULL
     start = time.time()

@@ -204,6 +204,21 @@ def machine() -> str:
     return ", ".join(parts)
 
 
+def add_inductor_argument(parser, where: str) -> None:
+    """`--inductor KEY=VALUE` (repeatable): torch._inductor.config settings; `inductor_settings` parses them."""
+    parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"set torch._inductor.config KEY (a Python literal) {where}, e.g. combo_kernels=True; "
+                        "repeatable")
+
+
+def inductor_settings(items: list[str]) -> dict:
+    """{KEY: value} from `--inductor KEY=VALUE` items (values are Python literals)."""
+    import ast
+
+    pairs = (item.partition("=") for item in items)
+    return {key: ast.literal_eval(value) for key, _, value in pairs}
+
+
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

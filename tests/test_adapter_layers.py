@@ -83,7 +83,7 @@ def test_the_trainers_autocast_keeps_the_dtype_without_walking_the_model(lora, m
     the listed layers: no module walk started by the project or peft (peft's helper walks twice)."""
     layers = AdapterLayers(lora)
     walks = record_module_walks(monkeypatch, [Path(opsd_trainer.__file__).parent, Path(peft.__file__).parent])
-    with opsd_trainer.bf16_autocast(lora, layers, enabled=True):
+    with opsd_trainer.bf16_autocast(layers, enabled=True):
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
         assert not any(m.cast_input_dtype_enabled for m in layers.tuner_layers)
     monkeypatch.undo()

@@ -614,6 +614,17 @@ def test_logged_stats_are_the_mean_over_the_micro_batches(tmp_path, monkeypatch)
             assert record[f"opsd/{key}"] == pytest.approx((pair[0][key] + pair[1][key]) / 2, rel=1e-6)
 
 
+def _a_later_micro_batch(tmp_path):
+    """A trainer and one micro-batch's inputs, after a first compute_loss (whose [OPSD align]
+    check reads on purpose and which lists the adapter layers), set to be not the step's last
+    micro-batch (that one also checks the step's losses: one wait per step)."""
+    trainer = make_trainer(tmp_path, 1, "--max_completion_length", "8")
+    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    trainer.compute_loss(trainer.model, inputs)
+    trainer.accelerator.gradient_state._set_sync_gradients(False)
+    return trainer, inputs
+
+
 def test_a_micro_batch_reads_no_value_back_from_its_tensors(tmp_path, monkeypatch):
     """compute_loss + backward of a micro-batch never turn a tensor into a Python value in the
     project's code (`.item()`, `.tolist()`, `bool()`, `int()`, ...): on a GPU each such read
@@ -624,11 +635,7 @@ def test_a_micro_batch_reads_no_value_back_from_its_tensors(tmp_path, monkeypatc
     import inspect
     from pathlib import Path
 
-    trainer = make_trainer(tmp_path, 1, "--max_completion_length", "8")
-    inputs = trainer._generate_and_score_completions(_rows(trainer))
-    trainer.compute_loss(trainer.model, inputs)  # the first call's [OPSD align] check reads on purpose
-    # Not the step's last micro-batch: that one also checks the step's losses (one wait per step).
-    trainer.accelerator.gradient_state._set_sync_gradients(False)
+    trainer, inputs = _a_later_micro_batch(tmp_path)
     root = Path(opsd_trainer.__file__).resolve().parent
     reads = []
 
@@ -655,10 +662,7 @@ def test_a_micro_batch_counts_no_tokens_on_the_device(tmp_path):
     selected with an index built on the host (`select_completion_tokens`)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    trainer = make_trainer(tmp_path, 1, "--max_completion_length", "8")
-    inputs = trainer._generate_and_score_completions(_rows(trainer))
-    trainer.compute_loss(trainer.model, inputs)
-    trainer.accelerator.gradient_state._set_sync_gradients(False)
+    trainer, inputs = _a_later_micro_batch(tmp_path)
     seen = []
 
     class Record(TorchDispatchMode):
@@ -681,9 +685,7 @@ def test_a_micro_batch_walks_no_module_tree(tmp_path, monkeypatch):
     import peft
     from module_walks import record_module_walks
 
-    trainer = make_trainer(tmp_path, 1, "--max_completion_length", "8")
-    inputs = trainer._generate_and_score_completions(_rows(trainer))
-    trainer.compute_loss(trainer.model, inputs)  # the first lists the layers
+    trainer, inputs = _a_later_micro_batch(tmp_path)
     walks = record_module_walks(monkeypatch, [Path(opsd_trainer.__file__).parent, Path(peft.__file__).parent])
     trainer.compute_loss(trainer.model, inputs)
     monkeypatch.undo()
