@@ -21,6 +21,8 @@ import sys
 import torch
 from torch import nn
 
+import decode_matmul
+
 # Class name (transformers' own classes only) -> the projections stacked into one product, in order.
 FUSABLE = {
     "Qwen3Attention": ("q_proj", "k_proj", "v_proj"),
@@ -103,7 +105,7 @@ class FusedAttention(nn.Module):
         # transformers 5.2x's signature and cache API (requirements.txt pins the version)
         input_shape = hidden_states.shape[:-1]
         heads = (*input_shape, -1, self.head_dim)
-        query, key, value = (t.view(heads) for t in self.qkv_proj(hidden_states).split(self.sizes, dim=-1))
+        query, key, value = (t.view(heads) for t in project(self.qkv_proj, hidden_states).split(self.sizes, dim=-1))
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -116,7 +118,7 @@ class FusedAttention(nn.Module):
         out, weights = attention(self, query, key, value, attention_mask,
                                  dropout=0.0 if not self.training else self.attention_dropout,
                                  scaling=self.scaling, **extra, **kwargs)
-        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+        return project(self.o_proj, out.reshape(*input_shape, -1).contiguous()), weights
 
 
 class FusedMLP(nn.Module):
@@ -129,5 +131,13 @@ class FusedMLP(nn.Module):
         self.act_fn = mlp.act_fn
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.sizes, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
+        gate, up = project(self.gate_up_proj, x).split(self.sizes, dim=-1)
+        return project(self.down_proj, self.act_fn(gate) * up)
+
+
+def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)`; a plain `nn.Linear` through `decode_matmul.linear` (its split-K kernel
+    for a decode step's few rows on a GPU, `F.linear` otherwise)."""
+    if type(layer) is nn.Linear:
+        return decode_matmul.linear(x, layer.weight, layer.bias)
+    return layer(x)

@@ -35,6 +35,7 @@ from typing import ClassVar
 import torch
 
 import decode_attention
+import decode_matmul
 from merged_student import MergedStudent, MergeUnsupported, has_enabled_adapters
 from model_utils import causal_lm, kv_geometry, left_pad, model_device
 from sampling import SamplingSettings
@@ -186,7 +187,7 @@ class StaticDecoder:
         sampler = _Sampler(settings, network.config.vocab_size)
         key = (len(rows), width, settings.max_new_tokens, sampler.key, tuple(eos_token_ids), int(pad_token_id),
                network is self.model, _adapter_state(self.model), _storage_fingerprint(network), device,
-               KV_WINDOW, DECODE_ATTENTION, decode_attention.launch_settings(),
+               KV_WINDOW, DECODE_ATTENTION, decode_attention.launch_settings(), decode_matmul.launch_settings(),
                DECODE_COMPILE_MODE)  # all baked into the graphs
         with _static_attention(network):
             if self.state is None or self.state.key != key:

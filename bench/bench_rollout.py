@@ -28,13 +28,14 @@ import common
 import torch
 
 import decode_attention
+import decode_matmul
 import static_decode
 from model_utils import causal_lm
 from rollout import TransformersBackend
 from sampling import SamplingSettings
 from static_decode import DECODE_ATTENTION, StaticDecoder
 
-FLAGS = ("merged", "fullkv", "unfused", "autotune")  # configuration suffixes besides attn=NAME
+FLAGS = ("merged", "fullkv", "unfused", "autotune", "torchmm")  # configuration suffixes besides attn=NAME
 
 PAD_ID, EOS_IDS = 151643, [151645, 151643]
 
@@ -283,7 +284,8 @@ def main(argv=None) -> int:
                         help="comma-separated engines; suffixes: '+merged' samples from the merged LoRA copy, "
                         "'+fullkv' attends over the whole preallocated cache (no KV windows), '+unfused' keeps the merged "
                         "copy's q/k/v and gate/up products separate, '+autotune' compiles the step with "
-                        "max-autotune-no-cudagraphs, '+attn=NAME' picks the decode attention kernel "
+                        "max-autotune-no-cudagraphs, '+torchmm' runs the merged copy's products through torch (cuBLAS) instead of "
+                        "decode_matmul's split-K kernel, '+attn=NAME' picks the decode attention kernel "
                         "(decode_attention.IMPLEMENTATIONS)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="profile this many decode steps (CUDA time per kernel) of each graph engine")
@@ -381,11 +383,14 @@ def main(argv=None) -> int:
             overrides["DECODE_COMPILE_MODE"] = "max-autotune-no-cudagraphs"
         defaults = {key: getattr(static_decode, key) for key in overrides}
         vars(static_decode).update(overrides)
+        matmul_default = decode_matmul.IMPLEMENTATION
+        decode_matmul.IMPLEMENTATION = "torch" if "torchmm" in flags else matmul_default
         try:
             timings.append(run_config(model, name, impl, rows, settings, repeats, log, merge_lora,
                                       opts.profile_steps))
         finally:
             vars(static_decode).update(defaults)
+            decode_matmul.IMPLEMENTATION = matmul_default
         results["timings"] = timings
         common.write_json(opts.json, results)
     results["timings"] = timings

@@ -1,0 +1,125 @@
+"""The decode step's matrix products: torch (cuBLAS) against decode_matmul's split-K kernel.
+
+    python bench/bench_decode_matmul.py --json OUT.json            # GPU
+    python bench/bench_decode_matmul.py --sweep --json OUT.json    # and every launch of SWEEP
+
+Qwen3-1.7B's products at the rollout's 32 rows, bf16, as the merged sampling copy runs
+them: q/k/v stacked (2048 -> 4096), o (2048 -> 2048), gate/up stacked (2048 -> 12288),
+down (6144 -> 2048), and the LM head (2048 -> 151936). Per product: 28 calls (one per
+layer, each its own weight, so nothing is served from L2; 2 for the LM head) recorded in
+one CUDA graph and replayed; microseconds per call, the weight read rate, and the largest
+difference from a float64 product relative to the largest output. The kernel's time is
+its own: the sum over splits that `decode_matmul.linear` adds fuses into the next
+elementwise kernel in the compiled decode step.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+import torch
+import torch.nn.functional as F
+
+import decode_matmul
+from decode_matmul import LaunchConfig
+
+ROWS, LAYERS = 32, 28
+SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (12288, 2048), "down": (2048, 6144),
+          "lm_head": (151936, 2048)}  # name -> (n, k)
+# (block_n, block_k, splits, warps, stages) measured with --sweep, for every shape where K divides
+SWEEP = [LaunchConfig(bn, bk, s, 4, st) for bn, bk in ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128))
+         for s in (1, 2, 4, 8) for st in (3, 5)]
+
+
+def graph_time_us(calls, repeats: int = 20) -> float:
+    """Microseconds per call of `calls` (closures), recorded once in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / repeats / len(calls)
+
+
+def measure(name: str, n: int, k: int, configs: list, log) -> list[dict]:
+    count = 2 if name == "lm_head" else LAYERS
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(ROWS, k, device="cuda", generator=gen).bfloat16()
+    weights = [(torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).bfloat16() for _ in range(count)]
+    reference = x.double() @ weights[0].double().T
+    scale = reference.abs().max().item()
+    weight_bytes = n * k * 2
+    rows = []
+
+    def record(label, fn):
+        try:
+            out = fn(weights[0])
+            out = out.sum(0) if out.dim() == 3 else out  # the kernel's partials
+            error = (out.double() - reference).abs().max().item() / scale
+            us = graph_time_us([lambda w=w: fn(w) for w in weights])
+        except Exception as exc:  # noqa: BLE001 - a launch the hardware refuses (shared memory, say)
+            log(f"[matmul] {name} {label}: failed ({type(exc).__name__}: {str(exc)[:200]})")
+            return
+        row = {"product": name, "n": n, "k": k, "implementation": label, "us": us,
+               "tb_per_s": weight_bytes / us / 1e6, "relative_error": error}
+        rows.append(row)
+        log(f"[matmul] {name} {label}: {us:.2f} us, {row['tb_per_s']:.2f} TB/s, error {error:.1e}")
+
+    record("torch", lambda w: F.linear(x, w))
+    default = decode_matmul.launch_config(n, k, decode_matmul._processors(x.device))
+    record(f"split_k default {tuple(default)}", lambda w: decode_matmul.split_k_partials(x, w, default).sum(0))
+    record(f"split_k default {tuple(default)} kernel only", lambda w: decode_matmul.split_k_partials(x, w, default))
+    for config in configs:
+        if k % (config.splits * config.block_k) or config == default:
+            continue
+        if name == "lm_head" and config.splits > 1:
+            continue
+        record(f"split_k {tuple(config)}", lambda w, c=config: decode_matmul.split_k_partials(x, w, c))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json")
+    parser.add_argument("--sweep", action="store_true", help="also every launch configuration of SWEEP")
+    opts = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_decode_matmul: needs a CUDA GPU (the kernel's CPU check is tests/test_decode_matmul.py)")
+        return 1
+    results = {"machine": common.machine(), "rows": ROWS, "products": []}
+    for name, (n, k) in SHAPES.items():
+        results["products"] += measure(name, n, k, SWEEP if opts.sweep else [], print)
+    table = []
+    for name in SHAPES:
+        rows = [r for r in results["products"] if r["product"] == name]
+        torch_row = next(r for r in rows if r["implementation"] == "torch")
+        best = min((r for r in rows if r["implementation"].startswith("split_k") and "kernel only" not in r["implementation"]
+                    and "default" not in r["implementation"]), key=lambda r: r["us"], default=None)
+        shipped = next(r for r in rows if r["implementation"].endswith("kernel only"))
+        table.append([name, f"{torch_row['us']:.2f} ({torch_row['tb_per_s']:.2f})",
+                      f"{shipped['us']:.2f} ({shipped['tb_per_s']:.2f})",
+                      "-" if best is None else f"{best['us']:.2f} ({best['tb_per_s']:.2f}) {best['implementation'][8:]}",
+                      f"{shipped['relative_error']:.1e}"])
+    report = common.markdown_table(["product", "torch: us (TB/s)", "split_k default, kernel", "best of sweep",
+                                    "default rel. error"], table)
+    return common.finish(results, opts.json, report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

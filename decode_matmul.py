@@ -1,0 +1,171 @@
+"""Matrix products of the decode step: a few rows (one new token per sequence) times a weight.
+
+At 32 rows a decode step's projections read megabytes of weights to do a few MFLOPs, so
+they are bound by how fast the weights stream, and cuBLAS's kernels for such shapes do
+not stream them fast: BENCHMARKS.md section 2.4 has Qwen3-1.7B's o projection at 1.4 TB/s
+and its down projection at 2.2 TB/s on an H200 (4.8 TB/s peak), because a [32, 2048] x
+[2048, 2048] product gives too few output tiles to keep every multiprocessor reading.
+
+`split_k`: a Triton kernel that splits the reduction dimension as well as the output
+columns, so that every multiprocessor streams its own slice of the weight. Each program
+multiplies the rows by a [block_k, block_n] tile of the weight at a time and writes its
+float32 sum over its share of K to `partials[split]`; the caller adds the splits (in
+the compiled decode step that addition fuses into the next elementwise kernel, so it
+costs no launch of its own) in a fixed order: the result is the same from run to run,
+unlike atomic additions.
+
+`linear(x, weight, bias)` is what the merged sampling copy's projections call: the
+kernel for CUDA half-precision inputs of at most `MAX_ROWS` rows when `IMPLEMENTATION`
+allows it, torch's `F.linear` otherwise (the prefill, CPU, float32). The tests run the
+same kernel source in Triton's CPU interpreter against float64 products.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+IMPLEMENTATIONS = ("auto", "torch", "split_k")
+# "auto": split_k where it applies (see `applies`); read when the decode step is recorded.
+IMPLEMENTATION = "auto"
+MAX_ROWS = 64  # more rows (a prefill, a large decode batch) are not weight-bound: F.linear
+
+
+class LaunchConfig(NamedTuple):
+    block_n: int  # output columns per program
+    block_k: int  # reduction columns per loop iteration
+    splits: int  # programs sharing one block of output columns, each a contiguous share of K
+    warps: int
+    stages: int
+
+
+def launch_config(n: int, k: int, processors: int) -> LaunchConfig:
+    """The launch for an [rows, k] x [k, n] product: 64-column blocks, and the reduction
+    split until there are at least as many programs as multiprocessors, each keeping
+    at least 4 iterations of 128 columns."""
+    block_n, block_k = 64, 128
+    blocks = -(-n // block_n)
+    splits = 1
+    while blocks * splits < processors and k // (2 * splits) >= 4 * block_k:
+        splits *= 2
+    return LaunchConfig(block_n, block_k, splits, 4, 4)
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` takes the kernel for these operands under `IMPLEMENTATION`."""
+    if IMPLEMENTATION == "torch":
+        return False
+    if IMPLEMENTATION not in IMPLEMENTATIONS:
+        raise ValueError(f"decode matmul {IMPLEMENTATION!r}: expected one of {', '.join(IMPLEMENTATIONS)}")
+    rows = x.numel() // x.shape[-1]
+    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and 0 < rows <= MAX_ROWS and weight.stride(-1) == 1 and _triton_available())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, through the split-K kernel where it `applies`."""
+    if not applies(x, weight):
+        return F.linear(x, weight, bias)
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    config = launch_config(n, k, _processors(x.device))
+    out = _partials_op(rows, weight, *config).sum(0)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def launch_settings() -> tuple:
+    """What a recorded decode step bakes in from this module (part of its key)."""
+    return (IMPLEMENTATION, MAX_ROWS)
+
+
+def split_k_partials(x: torch.Tensor, weight: torch.Tensor, config: LaunchConfig) -> torch.Tensor:
+    """[config.splits, rows, n] float32 partial sums of x [rows, k] @ weight[n, k].T; their
+    sum over the first dimension is the product."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"decode matmul: x has {k} columns, the weight {weight.shape[1]}")
+    if rows > MAX_ROWS:
+        raise ValueError(f"decode matmul: {rows} rows, the kernel takes at most {MAX_ROWS}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    block_n, block_k, splits, warps, stages = config
+    share = -(-k // splits)
+    share = -(-share // block_k) * block_k  # each split a whole number of iterations
+    splits = -(-k // share)
+    partials = torch.empty(config.splits, rows, n, dtype=torch.float32, device=x.device)
+    if splits < config.splits:  # rounding left the last splits without columns
+        partials[splits:].zero_()
+    kernel = _kernel()
+    # K, the share and the loop count are compile-time constants (Triton 3.6's CPU
+    # interpreter, where the tests run the kernel, cannot loop to a run-time bound)
+    kernel[(-(-n // block_n), splits)](
+        x, weight, partials, rows, n, x.stride(0), weight.stride(0),
+        K=k, SHARE=share, ROWS=max(16, _next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
+        ITERATIONS=share // block_k, num_warps=warps, num_stages=stages)
+    return partials
+
+
+@torch.library.custom_op("opsd::decode_matmul_partials", mutates_args=())
+def _partials_op(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, splits: int, warps: int,
+                 stages: int) -> torch.Tensor:
+    """`split_k_partials` as an op torch.compile keeps whole (its sum over splits fuses into
+    the elementwise kernel that follows)."""
+    return split_k_partials(x, weight, LaunchConfig(block_n, block_k, splits, warps, stages))
+
+
+@_partials_op.register_fake
+def _(x, weight, block_n, block_k, splits, warps, stages):
+    return x.new_empty(splits, x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _processors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, built on first use (Triton is imported only here)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, w_ptr, out_ptr, rows, n, x_stride, w_stride,
+               K: tl.constexpr, SHARE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, ITERATIONS: tl.constexpr):
+        """One (block of output columns, share of K): float32 sum over the share."""
+        columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(1)
+        r = tl.arange(0, ROWS)
+        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        for i in range(ITERATIONS):
+            k = split * SHARE + i * BLOCK_K + tl.arange(0, BLOCK_K)
+            inside = k < K
+            a = tl.load(x_ptr + r[:, None] * x_stride + k[None, :], mask=(r[:, None] < rows) & inside[None, :],
+                        other=0.0)
+            # the weight tile transposed: [BLOCK_K, BLOCK_N], contiguous along K
+            b = tl.load(w_ptr + columns[None, :] * w_stride + k[:, None], mask=(columns[None, :] < n) & inside[:, None],
+                        other=0.0)
+            acc += tl.dot(a, b)
+        out = out_ptr + split * rows * n + r[:, None] * n + columns[None, :]
+        tl.store(out, acc, mask=(r[:, None] < rows) & (columns[None, :] < n))
+
+    return kernel
