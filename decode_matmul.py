@@ -60,8 +60,9 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if IMPLEMENTATION not in IMPLEMENTATIONS:
         raise ValueError(f"decode matmul {IMPLEMENTATION!r}: expected one of {', '.join(IMPLEMENTATIONS)}")
     rows = x.numel() // x.shape[-1]
+    n, k = weight.shape
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and 0 < rows <= MAX_ROWS and weight.stride(-1) == 1 and _triton_available())
+            and 0 < rows <= MAX_ROWS and k >= n and weight.stride(-1) == 1 and _triton_available())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -71,7 +72,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n, k = weight.shape
     rows = x.reshape(-1, k)
     config = launch_config(n, k, _processors(x.device))
-    out = _partials_op(rows, weight, *config).sum(0)
+    partials = _partials_op(rows, weight, *config)
+    out = partials[0]
+    for split in range(1, config.splits):  # elementwise, so it fuses into the next kernel when compiled
+        out = out + partials[split]
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).view(*x.shape[:-1], n)

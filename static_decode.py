@@ -36,6 +36,7 @@ import torch
 
 import decode_attention
 import decode_matmul
+import decode_topk
 from merged_student import MergedStudent, MergeUnsupported, has_enabled_adapters
 from model_utils import causal_lm, kv_geometry, left_pad, model_device
 from sampling import SamplingSettings
@@ -188,7 +189,7 @@ class StaticDecoder:
         key = (len(rows), width, settings.max_new_tokens, sampler.key, tuple(eos_token_ids), int(pad_token_id),
                network is self.model, _adapter_state(self.model), _storage_fingerprint(network), device,
                KV_WINDOW, DECODE_ATTENTION, decode_attention.launch_settings(), decode_matmul.launch_settings(),
-               DECODE_COMPILE_MODE)  # all baked into the graphs
+               decode_topk.launch_settings(), DECODE_COMPILE_MODE)  # all baked into the graphs
         with _static_attention(network):
             if self.state is None or self.state.key != key:
                 self.state = None  # free the previous shape's cache and graph first
@@ -207,7 +208,7 @@ class _Sampler:
     """Next token from [B, V] logits: greedy, or temperature -> top-k -> top-p sampling
     (the order of transformers' warpers) by the Gumbel-max trick on `noise`, uniform
     [B, width] drawn outside the step. Ties at the k-th logit keep exactly k entries
-    (transformers keeps all tied ones)."""
+    (transformers keeps all tied ones); the top-k is `decode_topk.top_k`."""
 
     def __init__(self, settings: SamplingSettings, vocab: int):
         self.greedy = settings.temperature <= 0
@@ -217,27 +218,42 @@ class _Sampler:
         self.width = self.top_k or vocab
         self.key = (self.greedy, self.temperature, self.top_k, self.top_p)
 
-    def filtered(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tempered logits, vocabulary ids) of the candidates, best first; -inf = filtered out."""
-        logits = logits.float()
+    def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits of the candidates in float32, best first; their vocabulary ids; the
+        log-sum-exp of every logit of the row)."""
         if self.top_k:
-            values, index = logits.topk(self.top_k, dim=-1)
-        else:
-            values, index = logits.sort(dim=-1, descending=True)
+            return decode_topk.top_k(logits, self.top_k)
+        logits = logits.float()
+        values, index = logits.sort(dim=-1, descending=True)
+        return values, index, logits.logsumexp(-1)
+
+    def filter(self, values: torch.Tensor) -> torch.Tensor:
+        """Candidates' logits (best first) tempered; -inf = filtered out by top-p."""
         values = values / self.temperature
         if self.top_p < 1.0:
             probs = values.softmax(-1)
             mass_before = probs.cumsum(-1) - probs  # probability of the candidates ranked above
             values = values.masked_fill(mass_before >= self.top_p, -math.inf)  # the first one always stays
-        return values, index
+        return values
+
+    def filtered(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tempered logits, vocabulary ids) of the candidates, best first; -inf = filtered out."""
+        values, index, _ = self.candidates(logits)
+        return self.filter(values), index
+
+    def sample(self, logits: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [B], their log-probabilities [B] under the untempered, unfiltered logits)."""
+        if self.greedy:
+            logits = logits.float()
+            tokens = logits.argmax(-1)
+            return tokens, logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(-1)
+        values, index, logsumexp = self.candidates(logits)
+        gumbel = -torch.log(-torch.log(noise))
+        choice = (self.filter(values) + gumbel).argmax(-1, keepdim=True)
+        return index.gather(-1, choice).squeeze(-1), values.gather(-1, choice).squeeze(-1) - logsumexp
 
     def __call__(self, logits: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
-        if self.greedy:
-            return logits.argmax(-1)
-        values, index = self.filtered(logits)
-        gumbel = -torch.log(-torch.log(noise))
-        choice = (values + gumbel).argmax(-1, keepdim=True)
-        return index.gather(-1, choice).squeeze(-1)
+        return self.sample(logits, noise)[0]
 
 
 class _KVCache:
@@ -372,7 +388,7 @@ class _DecodeState:
         position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         logits = self._forward(input_ids, position_ids, mask)
         self._draw_noise()
-        _emit(logits, self.sampler(logits, self.noise), self.finished, self.eos, self.pad_token_id, self.out,
+        _emit(*self.sampler.sample(logits, self.noise), self.finished, self.eos, self.pad_token_id, self.out,
               self.logprobs, self.column, self.tokens)
         self.positions.copy_(prompt_mask.sum(-1, keepdim=True))
         self.slot.fill_(width)
@@ -439,14 +455,13 @@ def _forward_logits(model, cache, cache_argument, input_ids, position_ids, mask)
     # every supported family; Llama's forward takes no {layer type: mask} dict.
     output = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                    use_cache=True, logits_to_keep=1, **{cache_argument: cache})
-    return output.logits[:, -1].float()  # once, for the sampler and the log-probabilities
+    return output.logits[:, -1]  # in the model's dtype: the sampler reads them as they are
 
 
-def _emit(logits, next_tokens, finished, eos, pad_token_id, out, logprobs, column, tokens) -> None:
-    """Record the sampled tokens (pads after a row's EOS) and their log-probabilities, and
-    feed the tokens to the next step (`logits`: float32, as `_forward_logits` gives them)."""
-    chosen = logits.gather(-1, next_tokens[:, None]) - logits.logsumexp(-1, keepdim=True)
-    logprobs.index_copy_(1, column, torch.where(finished[:, None], 0.0, chosen))
+def _emit(next_tokens, chosen, finished, eos, pad_token_id, out, logprobs, column, tokens) -> None:
+    """Record the sampled tokens (pads after a row's EOS) and their log-probabilities
+    (`chosen`), and feed the tokens to the next step."""
+    logprobs.index_copy_(1, column, torch.where(finished, 0.0, chosen)[:, None])
     next_tokens = torch.where(finished, pad_token_id, next_tokens)
     finished |= (next_tokens[:, None] == eos[None, :]).any(-1)
     out.index_copy_(1, column, next_tokens[:, None])
@@ -459,7 +474,7 @@ def _decode_step(model, cache, cache_argument, sampler, tokens, positions, slot,
     """One decode step, entirely on the device: every buffer is updated in place."""
     valid.index_fill_(1, slot, True)
     logits = _forward_logits(model, cache, cache_argument, tokens, positions, valid[:, None, None, :])
-    _emit(logits, sampler(logits, noise), finished, eos, pad_token_id, out, logprobs, column, tokens)
+    _emit(*sampler.sample(logits, noise), finished, eos, pad_token_id, out, logprobs, column, tokens)
     positions.add_(1)
     slot.add_(1)
 

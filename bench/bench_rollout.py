@@ -29,6 +29,7 @@ import torch
 
 import decode_attention
 import decode_matmul
+import decode_topk
 import static_decode
 from model_utils import causal_lm
 from rollout import TransformersBackend
@@ -285,7 +286,8 @@ def main(argv=None) -> int:
                         "'+fullkv' attends over the whole preallocated cache (no KV windows), '+unfused' keeps the merged "
                         "copy's q/k/v and gate/up products separate, '+autotune' compiles the step with "
                         "max-autotune-no-cudagraphs, '+torchmm' runs the merged copy's products through torch (cuBLAS) instead of "
-                        "decode_matmul's split-K kernel, '+attn=NAME' picks the decode attention kernel "
+                        "decode_matmul's split-K kernel, '+topk=NAME' the sampler's top-k (decode_topk.IMPLEMENTATIONS), "
+                        "'+attn=NAME' picks the decode attention kernel "
                         "(decode_attention.IMPLEMENTATIONS)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="profile this many decode steps (CUDA time per kernel) of each graph engine")
@@ -358,7 +360,7 @@ def main(argv=None) -> int:
     for name in opts.configs.split(","):
         engine, *options = name.split("+")
         attn = [o.split("=", 1)[1] for o in options if o.startswith("attn=")]
-        unknown = {o for o in options if not o.startswith("attn=")} - set(FLAGS)
+        unknown = {o for o in options if not o.startswith(("attn=", "topk="))} - set(FLAGS)
         if unknown or any(a not in decode_attention.IMPLEMENTATIONS for a in attn):
             parser.error(f"unknown configuration option(s) in {name!r} ({', '.join(FLAGS)}, attn=NAME with NAME in "
                          f"{', '.join(decode_attention.IMPLEMENTATIONS)})")
@@ -383,14 +385,15 @@ def main(argv=None) -> int:
             overrides["DECODE_COMPILE_MODE"] = "max-autotune-no-cudagraphs"
         defaults = {key: getattr(static_decode, key) for key in overrides}
         vars(static_decode).update(overrides)
-        matmul_default = decode_matmul.IMPLEMENTATION
+        matmul_default, topk_default = decode_matmul.IMPLEMENTATION, decode_topk.IMPLEMENTATION
         decode_matmul.IMPLEMENTATION = "torch" if "torchmm" in flags else matmul_default
+        decode_topk.IMPLEMENTATION = next((o.split("=", 1)[1] for o in flags if o.startswith("topk=")), topk_default)
         try:
             timings.append(run_config(model, name, impl, rows, settings, repeats, log, merge_lora,
                                       opts.profile_steps))
         finally:
             vars(static_decode).update(defaults)
-            decode_matmul.IMPLEMENTATION = matmul_default
+            decode_matmul.IMPLEMENTATION, decode_topk.IMPLEMENTATION = matmul_default, topk_default
         results["timings"] = timings
         common.write_json(opts.json, results)
     results["timings"] = timings
