@@ -1,23 +1,25 @@
 """Matrix products of the decode step: a few rows (one new token per sequence) times a weight.
 
 At 32 rows a decode step's projections read megabytes of weights to do a few MFLOPs, so
-they are bound by how fast the weights stream, and cuBLAS's kernels for such shapes do
-not stream them fast: BENCHMARKS.md section 2.4 has Qwen3-1.7B's o projection at 1.4 TB/s
-and its down projection at 2.2 TB/s on an H200 (4.8 TB/s peak), because a [32, 2048] x
-[2048, 2048] product gives too few output tiles to keep every multiprocessor reading.
+they are bound by how fast the weights stream. cuBLAS's kernels stream the products
+whose output is narrow slowly: a [32, 2048] x [2048, 2048] product (Qwen3-1.7B's o
+projection) gives too few output tiles to keep every multiprocessor reading, and for
+the down projection (6144 -> 2048) cuBLAS splits the reduction and adds a second kernel.
 
 `split_k`: a Triton kernel that splits the reduction dimension as well as the output
 columns, so that every multiprocessor streams its own slice of the weight. Each program
 multiplies the rows by a [block_k, block_n] tile of the weight at a time and writes its
-float32 sum over its share of K to `partials[split]`; the caller adds the splits (in
-the compiled decode step that addition fuses into the next elementwise kernel, so it
-costs no launch of its own) in a fixed order: the result is the same from run to run,
-unlike atomic additions.
+float32 sum over its share of K to `partials[split]`; `linear` adds the splits
+elementwise, in a fixed order (the same result from run to run, unlike atomic
+additions), which in the compiled decode step fuses into the residual addition and
+RMSNorm that follow, so the split costs no kernel of its own.
 
-`linear(x, weight, bias)` is what the merged sampling copy's projections call: the
-kernel for CUDA half-precision inputs of at most `MAX_ROWS` rows when `IMPLEMENTATION`
-allows it, torch's `F.linear` otherwise (the prefill, CPU, float32). The tests run the
-same kernel source in Triton's CPU interpreter against float64 products.
+Where it is used (`applies`, under "auto"): CUDA half-precision inputs of at most
+`MAX_ROWS` rows and weights whose reduction is at least as long as their output (k >= n):
+Qwen3-1.7B's o and down projections, measured faster than cuBLAS in the decode step; the
+wider products (q/k/v, gate/up: n > k) measured slower and stay with cuBLAS
+(BENCHMARKS.md section 2.5). Everything else (the prefill, CPU, float32) runs `F.linear`.
+The tests run the same kernel source in Triton's CPU interpreter against float64 products.
 """
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+# "auto": split_k where it measured faster (see `applies`); "split_k": wherever the kernel
+# can run (Triton's interpreter on CPU included: the tests). Read when a decode step is recorded.
 IMPLEMENTATIONS = ("auto", "torch", "split_k")
-# "auto": split_k where it applies (see `applies`); read when the decode step is recorded.
 IMPLEMENTATION = "auto"
 MAX_ROWS = 64  # more rows (a prefill, a large decode batch) are not weight-bound: F.linear
 
@@ -61,8 +64,11 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         raise ValueError(f"decode matmul {IMPLEMENTATION!r}: expected one of {', '.join(IMPLEMENTATIONS)}")
     rows = x.numel() // x.shape[-1]
     n, k = weight.shape
-    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and 0 < rows <= MAX_ROWS and k >= n and weight.stride(-1) == 1 and _triton_available())
+    fits = 0 < rows <= MAX_ROWS and weight.dtype == x.dtype and weight.stride(-1) == 1
+    if IMPLEMENTATION == "split_k":
+        return fits
+    return (fits and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and k >= n
+            and _triton_available())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,6 +13,11 @@ Qwen3, Qwen2 and Llama attention and MLP, which differ only in q/k norms (Qwen3)
 (Qwen2) and the sliding-window argument (both Qwen). Other classes are left as they are.
 In float64 the fused forward equals the original's to rounding (tested); in bf16 the
 fused product may sum in another order, within bf16 rounding.
+
+In a decode step over `static_decode`'s cache (one token per row, on CUDA) the attention
+runs its q/k norms, rotary embedding and cache writes as one kernel (`decode_qkv.py`), and
+plain projections go through `decode_matmul.linear` (a split-K kernel where it measured
+faster); elsewhere (prefill, CPU, other caches) the original operations run.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import torch
 from torch import nn
 
 import decode_matmul
+import decode_qkv
 
 # Class name (transformers' own classes only) -> the projections stacked into one product, in order.
 FUSABLE = {
@@ -104,15 +110,26 @@ class FusedAttention(nn.Module):
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         # transformers 5.2x's signature and cache API (requirements.txt pins the version)
         input_shape = hidden_states.shape[:-1]
-        heads = (*input_shape, -1, self.head_dim)
-        query, key, value = (t.view(heads) for t in project(self.qkv_proj, hidden_states).split(self.sizes, dim=-1))
-        if self.q_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
-        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        cos, sin = position_embeddings
-        query, key = self._rotary(query, key, cos, sin)
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+        qkv = project(self.qkv_proj, hidden_states)
+        buffers = getattr(cache, "decode_buffers", None)  # static_decode's cache: a decode step's columns
+        if (buffers is not None and input_shape[1] == 1 and decode_qkv.applies(qkv, self.head_dim)
+                and (self.q_norm is None or self.q_norm.variance_epsilon == self.k_norm.variance_epsilon)):
+            key, value, slot = buffers(self.layer_idx)
+            norms = self.q_norm is not None
+            query = decode_qkv.prepare(qkv, self.sizes[0] // self.head_dim, self.sizes[1] // self.head_dim,
+                                       self.q_norm.weight if norms else None, self.k_norm.weight if norms else None,
+                                       self.q_norm.variance_epsilon if norms else 0.0, *position_embeddings,
+                                       key, value, slot)
+        else:
+            heads = (*input_shape, -1, self.head_dim)
+            query, key, value = (t.view(heads) for t in qkv.split(self.sizes, dim=-1))
+            if self.q_norm is not None:
+                query, key = self.q_norm(query), self.k_norm(key)
+            query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+            cos, sin = position_embeddings
+            query, key = self._rotary(query, key, cos, sin)
+            if cache is not None:
+                key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
         attention = self._attention_functions.get_interface(self.config._attn_implementation, self._eager_attention)
         extra = {"sliding_window": self.sliding_window} if self.passes_sliding_window else {}
         out, weights = attention(self, query, key, value, attention_mask,

@@ -15,8 +15,11 @@ on an H200). What makes a step fast: no host synchronisation (one recorded graph
 replays the whole step), compiled kernels, the student's LoRA merged into a sampling
 copy (`merge_lora`, see `merged_student.py`; or run unmerged inside the step), and
 attention that reads only the filled part of the KV cache (`KV_WINDOW`), through a kernel
-made for one query token (`decode_attention.py`, `DECODE_ATTENTION`). Either way
-the frozen base weights, which are the teacher, are only ever read.
+made for one query token (`decode_attention.py`, `DECODE_ATTENTION`); in the merged copy,
+one kernel for a layer's q/k norms, rotary embedding and cache writes (`decode_qkv.py`)
+and split-K kernels for its narrow products (`decode_matmul.py`); the sampler's top-k on
+the logits' own dtype. Either way the frozen base weights, which are the teacher, are
+only ever read.
 
 Supported: full-attention Qwen3 / Qwen2 / Llama models (`SUPPORTED_MODEL_TYPES`);
 `resolve_cache_implementation` falls back to transformers' static cache for others.
@@ -36,7 +39,7 @@ import torch
 
 import decode_attention
 import decode_matmul
-import decode_topk
+import decode_qkv
 from merged_student import MergedStudent, MergeUnsupported, has_enabled_adapters
 from model_utils import causal_lm, kv_geometry, left_pad, model_device
 from sampling import SamplingSettings
@@ -189,7 +192,7 @@ class StaticDecoder:
         key = (len(rows), width, settings.max_new_tokens, sampler.key, tuple(eos_token_ids), int(pad_token_id),
                network is self.model, _adapter_state(self.model), _storage_fingerprint(network), device,
                KV_WINDOW, DECODE_ATTENTION, decode_attention.launch_settings(), decode_matmul.launch_settings(),
-               decode_topk.launch_settings(), DECODE_COMPILE_MODE)  # all baked into the graphs
+               decode_qkv.launch_settings(), DECODE_COMPILE_MODE)  # all baked into the graphs
         with _static_attention(network):
             if self.state is None or self.state.key != key:
                 self.state = None  # free the previous shape's cache and graph first
@@ -208,7 +211,7 @@ class _Sampler:
     """Next token from [B, V] logits: greedy, or temperature -> top-k -> top-p sampling
     (the order of transformers' warpers) by the Gumbel-max trick on `noise`, uniform
     [B, width] drawn outside the step. Ties at the k-th logit keep exactly k entries
-    (transformers keeps all tied ones); the top-k is `decode_topk.top_k`."""
+    (transformers keeps all tied ones)."""
 
     def __init__(self, settings: SamplingSettings, vocab: int):
         self.greedy = settings.temperature <= 0
@@ -220,12 +223,14 @@ class _Sampler:
 
     def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits of the candidates in float32, best first; their vocabulary ids; the
-        log-sum-exp of every logit of the row)."""
+        log-sum-exp of every logit of the row). The top-k runs on the logits' own dtype:
+        on bf16 logits torch's radix select takes half the passes it takes on a float32
+        copy, and the conversion of the k values is exact (BENCHMARKS.md section 2.5)."""
         if self.top_k:
-            return decode_topk.top_k(logits, self.top_k)
-        logits = logits.float()
-        values, index = logits.sort(dim=-1, descending=True)
-        return values, index, logits.logsumexp(-1)
+            values, index = logits.topk(self.top_k, dim=-1)
+        else:
+            values, index = logits.sort(dim=-1, descending=True)
+        return values.float(), index, logits.float().logsumexp(-1)
 
     def filter(self, values: torch.Tensor) -> torch.Tensor:
         """Candidates' logits (best first) tempered; -inf = filtered out by top-p."""
@@ -267,6 +272,11 @@ class _KVCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.index = index
+
+    def decode_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, values, column) for an attention that writes a decode step's new column
+        itself (`fused_projections.FusedAttention` through `decode_qkv`) instead of `update`."""
+        return self.keys[layer_idx], self.values[layer_idx], self.index
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         columns = self.index + torch.arange(key_states.shape[-2], device=key_states.device)

@@ -3,14 +3,17 @@
     python bench/bench_decode_matmul.py --json OUT.json            # GPU
     python bench/bench_decode_matmul.py --sweep --json OUT.json    # and every launch of SWEEP
 
-Qwen3-1.7B's products at the rollout's 32 rows, bf16, as the merged sampling copy runs
-them: q/k/v stacked (2048 -> 4096), o (2048 -> 2048), gate/up stacked (2048 -> 12288),
-down (6144 -> 2048), and the LM head (2048 -> 151936). Per product: 28 calls (one per
-layer, each its own weight, so nothing is served from L2; 2 for the LM head) recorded in
-one CUDA graph and replayed; microseconds per call, the weight read rate, and the largest
+Qwen3-1.7B's products at the rollout's 32 rows, bf16, in the merged sampling copy's
+layout: q/k/v stacked (2048 -> 4096), o (2048 -> 2048), gate/up stacked (2048 -> 12288),
+down (6144 -> 2048), and the LM head (2048 -> 151936); the decode step ships the kernel
+for o and down only (`decode_matmul.applies`), where it measured faster in the step.
+Per product: 28 calls (one per layer, each its own weight, so nothing is served from L2;
+2 for the LM head) recorded in one CUDA graph and replayed; microseconds per call, the weight read rate, and the largest
 difference from a float64 product relative to the largest output. The kernel's time is
 its own: the sum over splits that `decode_matmul.linear` adds fuses into the next
-elementwise kernel in the compiled decode step.
+elementwise kernel in the compiled decode step ("split_k default" rows add it eagerly, a
+kernel of its own, for comparison). torch's error column is the rounding of its bf16
+output; the kernel's partials are float32.
 """
 from __future__ import annotations
 

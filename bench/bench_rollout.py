@@ -29,7 +29,7 @@ import torch
 
 import decode_attention
 import decode_matmul
-import decode_topk
+import decode_qkv
 import static_decode
 from model_utils import causal_lm
 from rollout import TransformersBackend
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
                         "'+fullkv' attends over the whole preallocated cache (no KV windows), '+unfused' keeps the merged "
                         "copy's q/k/v and gate/up products separate, '+autotune' compiles the step with "
                         "max-autotune-no-cudagraphs, '+torchmm' runs the merged copy's products through torch (cuBLAS) instead of "
-                        "decode_matmul's split-K kernel, '+topk=NAME' the sampler's top-k (decode_topk.IMPLEMENTATIONS), "
+                        "decode_matmul's split-K kernel, '+qkv=NAME' the q/k norms, rotary and cache writes (decode_qkv.IMPLEMENTATIONS), "
                         "'+attn=NAME' picks the decode attention kernel "
                         "(decode_attention.IMPLEMENTATIONS)")
     parser.add_argument("--profile-steps", type=int, default=0,
@@ -360,10 +360,13 @@ def main(argv=None) -> int:
     for name in opts.configs.split(","):
         engine, *options = name.split("+")
         attn = [o.split("=", 1)[1] for o in options if o.startswith("attn=")]
-        unknown = {o for o in options if not o.startswith(("attn=", "topk="))} - set(FLAGS)
-        if unknown or any(a not in decode_attention.IMPLEMENTATIONS for a in attn):
+        qkv = [o.split("=", 1)[1] for o in options if o.startswith("qkv=")]
+        unknown = {o for o in options if not o.startswith(("attn=", "qkv="))} - set(FLAGS)
+        if (unknown or any(a not in decode_attention.IMPLEMENTATIONS for a in attn)
+                or any(q not in decode_qkv.IMPLEMENTATIONS for q in qkv)):
             parser.error(f"unknown configuration option(s) in {name!r} ({', '.join(FLAGS)}, attn=NAME with NAME in "
-                         f"{', '.join(decode_attention.IMPLEMENTATIONS)})")
+                         f"{', '.join(decode_attention.IMPLEMENTATIONS)}, qkv=NAME with NAME in "
+                         f"{', '.join(decode_qkv.IMPLEMENTATIONS)})")
         impl = None if engine == "dynamic" else engine
         tokens = dynamic_tokens if engine == "dynamic" else new_tokens
         configs.append((name if tokens == new_tokens else f"{name} ({tokens} new)", impl, tokens,
@@ -385,15 +388,17 @@ def main(argv=None) -> int:
             overrides["DECODE_COMPILE_MODE"] = "max-autotune-no-cudagraphs"
         defaults = {key: getattr(static_decode, key) for key in overrides}
         vars(static_decode).update(overrides)
-        matmul_default, topk_default = decode_matmul.IMPLEMENTATION, decode_topk.IMPLEMENTATION
-        decode_matmul.IMPLEMENTATION = "torch" if "torchmm" in flags else matmul_default
-        decode_topk.IMPLEMENTATION = next((o.split("=", 1)[1] for o in flags if o.startswith("topk=")), topk_default)
+        kernel_defaults = {module: module.IMPLEMENTATION for module in (decode_matmul, decode_qkv)}
+        decode_matmul.IMPLEMENTATION = "torch" if "torchmm" in flags else decode_matmul.IMPLEMENTATION
+        decode_qkv.IMPLEMENTATION = next((o.split("=", 1)[1] for o in flags if o.startswith("qkv=")),
+                                         decode_qkv.IMPLEMENTATION)
         try:
             timings.append(run_config(model, name, impl, rows, settings, repeats, log, merge_lora,
                                       opts.profile_steps))
         finally:
             vars(static_decode).update(defaults)
-            decode_matmul.IMPLEMENTATION, decode_topk.IMPLEMENTATION = matmul_default, topk_default
+            for module, implementation in kernel_defaults.items():
+                module.IMPLEMENTATION = implementation
         results["timings"] = timings
         common.write_json(opts.json, results)
     results["timings"] = timings

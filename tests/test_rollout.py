@@ -499,6 +499,25 @@ def test_sampler_keeps_what_transformers_warpers_keep():
         assert torch.allclose(ours, expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("top_k", [20, 0])
+def test_sampler_reads_bf16_logits_as_their_float32_copy(top_k):
+    """The decode step hands the sampler the model's bf16 logits: the candidates, their ids,
+    the log-sum-exp and the sampled tokens' log-probabilities are those of the float32 copy."""
+    from static_decode import _Sampler
+
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(4, 3000, generator=gen) * 3).bfloat16()
+    full = logits.double().log_softmax(-1)
+    sampler = _Sampler(SamplingSettings(temperature=1.1, top_p=0.95, top_k=top_k, max_new_tokens=1), 3000)
+    values, index, logsumexp = sampler.candidates(logits)
+    assert values.dtype == torch.float32 and values.shape == (4, top_k or 3000)
+    assert torch.equal(values, logits.float().topk(top_k or 3000).values)  # best first, exact
+    assert torch.equal(logits.float().gather(-1, index), values)  # the ids point at those values
+    assert torch.allclose(logsumexp.double(), logits.double().logsumexp(-1), atol=1e-5)
+    tokens, logprobs = sampler.sample(logits, torch.rand(4, sampler.width, generator=gen))
+    assert torch.allclose(logprobs.double(), full.gather(-1, tokens[:, None]).squeeze(-1), atol=1e-5)
+
+
 def test_sampler_draws_from_the_filtered_distribution():
     from static_decode import _Sampler
 

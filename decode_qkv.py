@@ -1,0 +1,172 @@
+"""From a decode step's q/k/v product to attention's inputs, in one kernel: the q and k
+RMSNorms (Qwen3), rotary position embedding, and the new K/V column's cache writes.
+
+Why: compiled, these small operations are 4 kernels a layer of about 1.6 us each
+(BENCHMARKS.md section 2.5): at one token per row they are launch- and latency-bound,
+not work. One program per (row, KV head) does them all for the KV head's query heads.
+
+What it computes is transformers' attention forward for Qwen3 / Qwen2 / Llama up to
+the attention call (`fused_projections.FusedAttention`): per head, RMSNorm in float32
+(rounded to the input dtype, times the norm's weight), then `x * cos + rotate_half(x) *
+sin`; keys and values written to cache column `slot`. Float32 inside, one rounding to
+the output dtype at the end, where the eager forward rounds after each operation:
+the two agree to the activations' rounding (tested in float32 and float16 against a
+float64 reference, and in bf16 on the GPU by the rollout's log-probability check).
+
+`applies` says whether to call `prepare` (the kernel: on CUDA with Triton under "auto";
+"triton" forces it, in Triton's CPU interpreter for the tests); where it does not, the
+caller runs the model's own operations.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+IMPLEMENTATIONS = ("auto", "torch", "triton")
+IMPLEMENTATION = "auto"  # read when a decode step is recorded (part of its key)
+
+
+def launch_settings() -> tuple:
+    """What a recorded decode step bakes in from this module (part of its key)."""
+    return (IMPLEMENTATION,)
+
+
+def applies(qkv: torch.Tensor, head_dim: int) -> bool:
+    """Whether `prepare` should run for this step under `IMPLEMENTATION` (otherwise the
+    caller runs the model's own operations)."""
+    if IMPLEMENTATION not in IMPLEMENTATIONS:
+        raise ValueError(f"decode q/k/v {IMPLEMENTATION!r}: expected one of {', '.join(IMPLEMENTATIONS)}")
+    if IMPLEMENTATION == "torch" or head_dim & (head_dim - 1) or head_dim < 2:
+        return False
+    return IMPLEMENTATION == "triton" or (qkv.is_cuda and _triton_available())
+
+
+def prepare(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torch.Tensor | None,
+            k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+            key_cache: torch.Tensor, value_cache: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """The query [B, heads, 1, D] of one new token per row, its key and value written to
+    `key_cache` / `value_cache` [B, kv_heads, L, D] at column `slot` (a 1-element tensor).
+
+    qkv: [B, 1, (heads + 2 kv_heads) D], the stacked product; q_weight / k_weight: the
+    q/k RMSNorm weights [D] (None: no norms, Qwen2 / Llama); cos, sin: [B, 1, D]."""
+    batch = qkv.shape[0]
+    dim = key_cache.shape[-1]
+    if qkv.shape != (batch, 1, (heads + 2 * kv_heads) * dim):
+        raise ValueError(f"decode q/k/v: expected [{batch}, 1, {(heads + 2 * kv_heads) * dim}], got {list(qkv.shape)}")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("decode q/k/v: q and k norms come together")
+    norm = q_weight is not None
+    stand_in = cos.new_empty(0)  # the op takes tensors only
+    query = _prepare_op(qkv.reshape(batch, -1), heads, kv_heads, norm, q_weight if norm else stand_in,
+                        k_weight if norm else stand_in, float(eps), cos.reshape(batch, dim), sin.reshape(batch, dim),
+                        key_cache, value_cache, slot)
+    return query.view(batch, heads, 1, dim)
+
+
+@torch.library.custom_op("opsd::decode_qkv", mutates_args=("key_cache", "value_cache"))
+def _prepare_op(qkv: torch.Tensor, heads: int, kv_heads: int, norm: bool, q_weight: torch.Tensor,
+                k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """`triton_prepare` as an op torch.compile keeps whole."""
+    return triton_prepare(qkv, heads, kv_heads, q_weight if norm else None, k_weight if norm else None, eps, cos,
+                          sin, key_cache, value_cache, slot)
+
+
+@_prepare_op.register_fake
+def _(qkv, heads, kv_heads, norm, q_weight, k_weight, eps, cos, sin, key_cache, value_cache, slot):
+    return qkv.new_empty(qkv.shape[0], heads, cos.shape[-1])
+
+
+def triton_prepare(qkv, heads, kv_heads, q_weight, k_weight, eps, cos, sin, key_cache, value_cache, slot):
+    """The kernel: qkv [B, (heads + 2 kv_heads) D], cos / sin [B, D] -> query [B, heads, D]."""
+    batch, dim = cos.shape
+    groups = heads // kv_heads
+    for name, tensor in (("qkv", qkv), ("cos", cos), ("sin", sin)):
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"decode q/k/v: {name} must be contiguous in its last dimension")
+    query = torch.empty(batch, heads, dim, dtype=qkv.dtype, device=qkv.device)
+    norm = q_weight is not None
+    kernel = _kernel()
+    kernel[(batch, kv_heads)](
+        qkv, q_weight if norm else cos, k_weight if norm else cos, cos, sin, key_cache, value_cache, slot, query,
+        qkv.stride(0), cos.stride(0), sin.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        float(eps),
+        HEADS=heads, GROUPS=groups, ROWS=max(2, 1 << max(0, groups - 1).bit_length()), HALF=dim // 2, NORM=norm)
+    return query
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, built on first use (Triton is imported only here)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(qkv_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, key_ptr, value_ptr, slot_ptr, query_ptr,
+               qkv_sb, cos_sb, sin_sb, key_sb, key_sh, key_sn, value_sb, value_sh, value_sn, eps,
+               HEADS: tl.constexpr, GROUPS: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
+               NORM: tl.constexpr):
+        """One (row, KV head): its GROUPS query heads, its key and its value. Vectors are
+        handled as their two halves, which rotary position embedding swaps."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        kv_heads = tl.num_programs(1)
+        dim = 2 * HALF
+        d = tl.arange(0, HALF)
+        g = tl.arange(0, ROWS)
+        rows = g[:, None] < GROUPS
+        slot = tl.load(slot_ptr)
+        row = qkv_ptr + b * qkv_sb
+        cos1 = tl.load(cos_ptr + b * cos_sb + d).to(tl.float32)
+        cos2 = tl.load(cos_ptr + b * cos_sb + HALF + d).to(tl.float32)
+        sin1 = tl.load(sin_ptr + b * sin_sb + d).to(tl.float32)
+        sin2 = tl.load(sin_ptr + b * sin_sb + HALF + d).to(tl.float32)
+        # the query heads h * GROUPS + g, then this KV head's key and value
+        q_at = row + (h * GROUPS + g[:, None]) * dim + d[None, :]
+        q1 = tl.load(q_at, mask=rows, other=0.0)
+        q2 = tl.load(q_at + HALF, mask=rows, other=0.0)
+        k_at = row + (HEADS + h) * dim + d
+        k1 = tl.load(k_at)
+        k2 = tl.load(k_at + HALF)
+        v_at = row + (HEADS + kv_heads + h) * dim + d
+        v1 = tl.load(v_at)
+        v2 = tl.load(v_at + HALF)
+        if NORM:  # RMSNorm in float32, rounded to the input dtype, times the weight
+            q_scale = tl.rsqrt((tl.sum(q1.to(tl.float32) * q1.to(tl.float32), 1)
+                                + tl.sum(q2.to(tl.float32) * q2.to(tl.float32), 1)) / dim + eps)
+            qw1 = tl.load(q_weight_ptr + d).to(tl.float32)
+            qw2 = tl.load(q_weight_ptr + HALF + d).to(tl.float32)
+            q1 = (q1.to(tl.float32) * q_scale[:, None]).to(q1.dtype).to(tl.float32) * qw1[None, :]
+            q2 = (q2.to(tl.float32) * q_scale[:, None]).to(q2.dtype).to(tl.float32) * qw2[None, :]
+            k_scale = tl.rsqrt((tl.sum(k1.to(tl.float32) * k1.to(tl.float32), 0)
+                                + tl.sum(k2.to(tl.float32) * k2.to(tl.float32), 0)) / dim + eps)
+            kw1 = tl.load(k_weight_ptr + d).to(tl.float32)
+            kw2 = tl.load(k_weight_ptr + HALF + d).to(tl.float32)
+            k1 = (k1.to(tl.float32) * k_scale).to(k1.dtype).to(tl.float32) * kw1
+            k2 = (k2.to(tl.float32) * k_scale).to(k2.dtype).to(tl.float32) * kw2
+        else:
+            q1, q2, k1, k2 = q1.to(tl.float32), q2.to(tl.float32), k1.to(tl.float32), k2.to(tl.float32)
+        out = query_ptr.dtype.element_ty
+        q_out = query_ptr + (b * HEADS + h * GROUPS + g[:, None]) * dim + d[None, :]
+        tl.store(q_out, (q1 * cos1[None, :] - q2 * sin1[None, :]).to(out), mask=rows)
+        tl.store(q_out + HALF, (q2 * cos2[None, :] + q1 * sin2[None, :]).to(out), mask=rows)
+        k_out = key_ptr + b * key_sb + h * key_sh + slot * key_sn + d
+        tl.store(k_out, (k1 * cos1 - k2 * sin1).to(key_ptr.dtype.element_ty))
+        tl.store(k_out + HALF, (k2 * cos2 + k1 * sin2).to(key_ptr.dtype.element_ty))
+        v_out = value_ptr + b * value_sb + h * value_sh + slot * value_sn + d
+        tl.store(v_out, v1.to(value_ptr.dtype.element_ty))
+        tl.store(v_out + HALF, v2.to(value_ptr.dtype.element_ty))
+
+    return kernel

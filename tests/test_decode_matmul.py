@@ -1,0 +1,104 @@
+"""decode_matmul.py: the split-K kernel of the decode step's narrow products against float64
+products written here, where `linear` uses it, and the decode loop through it.
+
+The Triton kernel runs in Triton's CPU interpreter (conftest switches it on without a GPU),
+the same source the GPU compiles. The interpreter has no bfloat16 matrix product, so the
+half-precision case is float16."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import decode_matmul
+from decode_matmul import LaunchConfig
+
+
+@pytest.fixture
+def interpreted_triton(monkeypatch):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("a GPU is present: the compiled kernel is checked by bench/bench_decode_matmul.py")
+    pytest.importorskip("triton")
+    monkeypatch.setattr(decode_matmul, "IMPLEMENTATION", "split_k")
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-6), (torch.float16, 1e-3)])
+@pytest.mark.parametrize("rows,n,k,config", [
+    (32, 96, 256, LaunchConfig(32, 64, 2, 4, 2)),   # two splits of two iterations each
+    (5, 70, 200, LaunchConfig(32, 64, 3, 4, 2)),    # ragged everything: rows, columns, K past the last block
+    (17, 64, 128, LaunchConfig(64, 128, 1, 4, 2)),  # no split
+    (3, 40, 64, LaunchConfig(16, 16, 8, 4, 2)),     # 8 splits asked, K fills 4: the rest hold zeros
+])
+def test_partials_sum_to_the_float64_product(interpreted_triton, dtype, tolerance, rows, n, k, config):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    partials = decode_matmul.split_k_partials(x, weight, config)
+    assert partials.shape == (config.splits, rows, n) and partials.dtype == torch.float32
+    expected = x.double() @ weight.double().T
+    assert (partials.sum(0).double() - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+def test_linear_through_the_kernel_is_f_linear(interpreted_triton, monkeypatch):
+    """Leading dimensions, a bias, and several splits summed elementwise; more rows than
+    MAX_ROWS go to F.linear."""
+    calls = []
+    kernel = decode_matmul.split_k_partials
+    monkeypatch.setattr(decode_matmul, "split_k_partials", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    monkeypatch.setattr(decode_matmul, "launch_config", lambda n, k, processors: LaunchConfig(32, 32, 4, 4, 2))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 1, 128, generator=gen)
+    weight, bias = torch.randn(48, 128, generator=gen), torch.randn(48, generator=gen)
+    got = decode_matmul.linear(x, weight, bias)
+    assert calls == [(6, 128)]
+    assert got.shape == (6, 1, 48)
+    assert torch.allclose(got, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    many = torch.randn(decode_matmul.MAX_ROWS + 1, 128, generator=gen)
+    assert torch.equal(decode_matmul.linear(many, weight), F.linear(many, weight))
+    assert len(calls) == 1
+
+
+def test_when_the_kernel_applies(monkeypatch):
+    x, square, wide = torch.zeros(4, 64), torch.zeros(64, 64), torch.zeros(128, 64)
+    monkeypatch.setattr(decode_matmul, "IMPLEMENTATION", "auto")
+    assert not decode_matmul.applies(x, square)  # CPU under "auto": F.linear
+    monkeypatch.setattr(decode_matmul, "IMPLEMENTATION", "split_k")
+    assert decode_matmul.applies(x, square) and decode_matmul.applies(x, wide)
+    assert not decode_matmul.applies(torch.zeros(decode_matmul.MAX_ROWS + 1, 64), square)
+    assert not decode_matmul.applies(x, square.double())  # mixed dtypes
+    monkeypatch.setattr(decode_matmul, "IMPLEMENTATION", "torch")
+    assert not decode_matmul.applies(x, square)
+    monkeypatch.setattr(decode_matmul, "IMPLEMENTATION", "cublas")
+    with pytest.raises(ValueError, match="expected one of"):
+        decode_matmul.applies(x, square)
+
+
+def test_launch_config_fills_the_multiprocessors_with_whole_splits():
+    """Qwen3-1.7B's o (2048 -> 2048) and down (6144 -> 2048) projections on an H200's 132
+    multiprocessors: splits until about one program per multiprocessor, each split a whole
+    number of iterations."""
+    for n, k, splits in [(2048, 2048, 4), (2048, 6144, 8)]:
+        config = decode_matmul.launch_config(n, k, 132)
+        assert config.splits == splits
+        assert k % (config.splits * config.block_k) == 0
+    assert decode_matmul.launch_config(151936, 2048, 132).splits == 1  # enough column blocks already
+
+
+def test_decode_loop_samples_the_same_tokens_through_the_kernel(interpreted_triton, monkeypatch):
+    """The merged copy's o and down projections (and every other product: "split_k" forces it
+    wherever it can run) through the kernel sample what F.linear samples."""
+    from test_fused_projections import GREEDY, SAMPLE, random_model, sample, with_lora
+
+    from static_decode import StaticDecoder
+
+    model = with_lora(random_model("qwen3", torch.float32))
+    calls = []
+    kernel = decode_matmul.split_k_partials
+    monkeypatch.setattr(decode_matmul, "split_k_partials", lambda *a: calls.append(1) or kernel(*a))
+    results = {}
+    for implementation in ("torch", "split_k"):
+        monkeypatch.setattr(decode_matmul, "IMPLEMENTATION", implementation)
+        results[implementation] = sample(model, GREEDY), sample(model, SAMPLE)
+        StaticDecoder.for_model(model, merge_lora=True).release()
+        assert bool(calls) == (implementation == "split_k")
+    assert results["torch"] == results["split_k"]
