@@ -14,16 +14,19 @@ elementwise, in a fixed order (the same result from run to run, unlike atomic
 additions), which in the compiled decode step fuses into the residual addition and
 RMSNorm that follow, so the split costs no kernel of its own.
 
-Where it is used (`applies`, under "auto"): CUDA half-precision inputs of at most
-`MAX_ROWS` rows and weights whose reduction is at least as long as their output (k >= n):
+Where it is used (`applies`, under "auto"): one token per row (a decode step), at most
+`MAX_ROWS` rows, half precision on a CUDA GPU of compute capability 8.0 or newer, and
+weights whose reduction is at least as long as their output (k >= n):
 Qwen3-1.7B's o and down projections, measured faster than cuBLAS in the decode step; the
 wider products (q/k/v, gate/up: n > k) measured slower and stay with cuBLAS
-(BENCHMARKS.md section 2.5). Everything else (the prefill, CPU, float32) runs `F.linear`.
+(BENCHMARKS.md section 2.5). Everything else (the prefill, CPU, float32) runs `F.linear`,
+and so does everything after the kernel failed once under "auto" (with a warning).
 The tests run the same kernel source in Triton's CPU interpreter against float64 products.
 """
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -67,8 +70,13 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     fits = 0 < rows <= MAX_ROWS and weight.dtype == x.dtype and weight.stride(-1) == 1
     if IMPLEMENTATION == "split_k":
         return fits
-    return (fits and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and k >= n
-            and _triton_available())
+    one_token = x.dim() < 3 or x.shape[-2] == 1  # a decode step's rows, not a short prefill's
+    return (fits and one_token and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and k >= n
+            and _AUTO_FAILURE is None and _triton_available()
+            and torch.cuda.get_device_capability(x.device) >= (8, 0))
+
+
+_AUTO_FAILURE: str | None = None  # why "auto" stopped choosing the kernel in this process
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,8 +132,22 @@ def split_k_partials(x: torch.Tensor, weight: torch.Tensor, config: LaunchConfig
 def _partials_op(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, splits: int, warps: int,
                  stages: int) -> torch.Tensor:
     """`split_k_partials` as an op torch.compile keeps whole (its sum over splits fuses into
-    the elementwise kernel that follows)."""
-    return split_k_partials(x, weight, LaunchConfig(block_n, block_k, splits, warps, stages))
+    the elementwise kernel that follows). Should the kernel fail under "auto", the product
+    comes from F.linear as the first split, with a warning, and "auto" stops choosing the
+    kernel for the process."""
+    global _AUTO_FAILURE
+    config = LaunchConfig(block_n, block_k, splits, warps, stages)
+    try:
+        return split_k_partials(x, weight, config)
+    except Exception as exc:  # Triton's compile and launch errors share no base class
+        if IMPLEMENTATION != "auto":
+            raise
+        _AUTO_FAILURE = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        warnings.warn(f"decode matmul: the Triton kernel failed ({_AUTO_FAILURE}); using F.linear",
+                      RuntimeWarning, stacklevel=2)
+        partials = torch.zeros(splits, x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+        partials[0] = F.linear(x, weight).float()
+        return partials
 
 
 @_partials_op.register_fake

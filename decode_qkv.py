@@ -13,13 +13,16 @@ the output dtype at the end, where the eager forward rounds after each operation
 the two agree to the activations' rounding (tested in float32 and float16 against a
 float64 reference, and in bf16 on the GPU by the rollout's log-probability check).
 
-`applies` says whether to call `prepare` (the kernel: on CUDA with Triton under "auto";
-"triton" forces it, in Triton's CPU interpreter for the tests); where it does not, the
-caller runs the model's own operations.
+`applies` says whether to call `prepare` (the kernel: under "auto" on a CUDA GPU of compute
+capability 8.0 or newer with Triton, for half-precision or float32 activations; "triton"
+forces it, in Triton's CPU interpreter for the tests); where it does not, the caller runs
+the model's own operations. Should the kernel fail under "auto", `prepare` computes the
+same in torch, warns once, and "auto" stops choosing the kernel for the process.
 """
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -39,7 +42,13 @@ def applies(qkv: torch.Tensor, head_dim: int) -> bool:
         raise ValueError(f"decode q/k/v {IMPLEMENTATION!r}: expected one of {', '.join(IMPLEMENTATIONS)}")
     if IMPLEMENTATION == "torch" or head_dim & (head_dim - 1) or head_dim < 2:
         return False
-    return IMPLEMENTATION == "triton" or (qkv.is_cuda and _triton_available())
+    if qkv.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False  # the kernel computes in float32: float64 keeps the model's own operations
+    return IMPLEMENTATION == "triton" or (qkv.is_cuda and _AUTO_FAILURE is None and _triton_available()
+                                          and torch.cuda.get_device_capability(qkv.device) >= (8, 0))
+
+
+_AUTO_FAILURE: str | None = None  # why "auto" stopped choosing the kernel in this process
 
 
 def prepare(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torch.Tensor | None,
@@ -69,8 +78,42 @@ def _prepare_op(qkv: torch.Tensor, heads: int, kv_heads: int, norm: bool, q_weig
                 k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """`triton_prepare` as an op torch.compile keeps whole."""
-    return triton_prepare(qkv, heads, kv_heads, q_weight if norm else None, k_weight if norm else None, eps, cos,
-                          sin, key_cache, value_cache, slot)
+    global _AUTO_FAILURE
+    weights = (q_weight, k_weight) if norm else (None, None)
+    try:
+        return triton_prepare(qkv, heads, kv_heads, *weights, eps, cos, sin, key_cache, value_cache, slot)
+    except Exception as exc:  # Triton's compile and launch errors share no base class
+        if IMPLEMENTATION != "auto":
+            raise
+        # "auto" must not cost a rollout: torch for the rest of the process, said once
+        _AUTO_FAILURE = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        warnings.warn(f"decode q/k/v: the Triton kernel failed ({_AUTO_FAILURE}); using torch", RuntimeWarning,
+                      stacklevel=2)
+        return _torch_prepare(qkv, heads, kv_heads, *weights, eps, cos, sin, key_cache, value_cache, slot)
+
+
+def _torch_prepare(qkv, heads, kv_heads, q_weight, k_weight, eps, cos, sin, key_cache, value_cache, slot):
+    """The kernel's computation in torch (after a kernel failure): [B, heads, D]."""
+    batch, dim = cos.shape
+    query, key, value = qkv.view(batch, heads + 2 * kv_heads, dim).split([heads, kv_heads, kv_heads], dim=1)
+    if q_weight is not None:
+        query, key = _rms_norm(query, q_weight, eps), _rms_norm(key, k_weight, eps)
+    cos, sin = cos[:, None].float(), sin[:, None].float()
+    query = (query.float() * cos + _rotate_half(query.float()) * sin).to(qkv.dtype)
+    key = key.float() * cos + _rotate_half(key.float()) * sin
+    key_cache.index_copy_(2, slot, key[:, :, None].to(key_cache.dtype))
+    value_cache.index_copy_(2, slot, value[:, :, None].to(value_cache.dtype))
+    return query
+
+
+def _rms_norm(x, weight, eps):
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return weight.float() * normed.to(x.dtype).float()
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 @_prepare_op.register_fake
@@ -82,7 +125,10 @@ def triton_prepare(qkv, heads, kv_heads, q_weight, k_weight, eps, cos, sin, key_
     """The kernel: qkv [B, (heads + 2 kv_heads) D], cos / sin [B, D] -> query [B, heads, D]."""
     batch, dim = cos.shape
     groups = heads // kv_heads
-    for name, tensor in (("qkv", qkv), ("cos", cos), ("sin", sin)):
+    tensors = {"qkv": qkv, "cos": cos, "sin": sin, "key_cache": key_cache, "value_cache": value_cache}
+    if q_weight is not None:
+        tensors.update(q_weight=q_weight, k_weight=k_weight)
+    for name, tensor in tensors.items():
         if tensor.stride(-1) != 1:
             raise ValueError(f"decode q/k/v: {name} must be contiguous in its last dimension")
     query = torch.empty(batch, heads, dim, dtype=qkv.dtype, device=qkv.device)

@@ -111,14 +111,17 @@ def main(argv=None) -> int:
     table = []
     for name in SHAPES:
         rows = [r for r in results["products"] if r["product"] == name]
-        torch_row = next(r for r in rows if r["implementation"] == "torch")
+        torch_row = next((r for r in rows if r["implementation"] == "torch"), None)
         best = min((r for r in rows if r["implementation"].startswith("split_k") and "kernel only" not in r["implementation"]
                     and "default" not in r["implementation"]), key=lambda r: r["us"], default=None)
-        shipped = next(r for r in rows if r["implementation"].endswith("kernel only"))
-        table.append([name, f"{torch_row['us']:.2f} ({torch_row['tb_per_s']:.2f})",
-                      f"{shipped['us']:.2f} ({shipped['tb_per_s']:.2f})",
-                      "-" if best is None else f"{best['us']:.2f} ({best['tb_per_s']:.2f}) {best['implementation'][8:]}",
-                      f"{shipped['relative_error']:.1e}"])
+        shipped = next((r for r in rows if r["implementation"].endswith("kernel only")), None)
+
+        def cell(row, label=""):
+            return "failed" if row is None else f"{row['us']:.2f} ({row['tb_per_s']:.2f}){label}"
+
+        table.append([name, cell(torch_row), cell(shipped),
+                      "-" if best is None else cell(best, " " + best["implementation"][8:]),
+                      "-" if shipped is None else f"{shipped['relative_error']:.1e}"])
     report = common.markdown_table(["product", "torch: us (TB/s)", "split_k default, kernel", "best of sweep",
                                     "default rel. error"], table)
     return common.finish(results, opts.json, report)

@@ -58,6 +58,35 @@ def test_linear_through_the_kernel_is_f_linear(interpreted_triton, monkeypatch):
     assert len(calls) == 1
 
 
+def test_the_op_passes_torchs_custom_op_checks(interpreted_triton):
+    """Schema, fake tensor and tracing checks: what torch.compile relies on when it keeps
+    the op whole in the decode step."""
+    gen = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(3, 64, generator=gen), torch.randn(40, 64, generator=gen)
+    result = torch.library.opcheck(decode_matmul._partials_op, (x, weight, 16, 16, 2, 4, 2))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_a_failing_kernel_falls_back_to_f_linear_under_auto(monkeypatch):
+    monkeypatch.setattr(decode_matmul, "_AUTO_FAILURE", None)
+    monkeypatch.setattr(decode_matmul, "IMPLEMENTATION", "auto")
+
+    def broken(*args):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(decode_matmul, "split_k_partials", broken)
+    gen = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(3, 64, generator=gen), torch.randn(40, 64, generator=gen)
+    with pytest.warns(RuntimeWarning, match="no kernel here"):
+        partials = decode_matmul._partials_op(x, weight, 16, 16, 2, 4, 2)
+    assert partials.shape == (2, 3, 40)
+    assert torch.allclose(partials.sum(0), F.linear(x, weight), atol=1e-6)
+    assert "no kernel here" in decode_matmul._AUTO_FAILURE
+    monkeypatch.setattr(decode_matmul, "IMPLEMENTATION", "split_k")
+    with pytest.raises(RuntimeError, match="no kernel here"):  # a forced kernel's failure is an error
+        decode_matmul._partials_op(x, weight, 16, 16, 2, 4, 2)
+
+
 def test_when_the_kernel_applies(monkeypatch):
     x, square, wide = torch.zeros(4, 64), torch.zeros(64, 64), torch.zeros(128, 64)
     monkeypatch.setattr(decode_matmul, "IMPLEMENTATION", "auto")
