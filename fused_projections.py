@@ -111,10 +111,8 @@ class FusedAttention(nn.Module):
         # transformers 5.2x's signature and cache API (requirements.txt pins the version)
         input_shape = hidden_states.shape[:-1]
         qkv = project(self.qkv_proj, hidden_states)
-        buffers = getattr(cache, "decode_buffers", None)  # static_decode's cache: a decode step's columns
-        if (buffers is not None and input_shape[1] == 1 and decode_qkv.applies(qkv, self.head_dim)
-                and (self.q_norm is None or self.q_norm.variance_epsilon == self.k_norm.variance_epsilon)):
-            key, value, slot = buffers(self.layer_idx)
+        if self._writes_decode_column(qkv, cache):
+            key, value, slot = cache.decode_buffers(self.layer_idx)
             norms = self.q_norm is not None
             query = decode_qkv.prepare(qkv, self.sizes[0] // self.head_dim, self.sizes[1] // self.head_dim,
                                        self.q_norm.weight if norms else None, self.k_norm.weight if norms else None,
@@ -136,6 +134,14 @@ class FusedAttention(nn.Module):
                                  dropout=0.0 if not self.training else self.attention_dropout,
                                  scaling=self.scaling, **extra, **kwargs)
         return project(self.o_proj, out.reshape(*input_shape, -1).contiguous()), weights
+
+
+    def _writes_decode_column(self, qkv: torch.Tensor, cache) -> bool:
+        """Whether this forward is a decode step (one token per row) over static_decode's
+        cache that `decode_qkv`'s kernel can take (q and k norms of one eps)."""
+        if not hasattr(cache, "decode_buffers") or qkv.shape[1] != 1 or not decode_qkv.applies(qkv, self.head_dim):
+            return False
+        return self.q_norm is None or self.q_norm.variance_epsilon == self.k_norm.variance_epsilon
 
 
 class FusedMLP(nn.Module):
