@@ -29,6 +29,8 @@ import warnings
 
 import torch
 
+import triton_support
+
 IMPLEMENTATIONS = ("auto", "sdpa", "split_kv")
 
 
@@ -46,9 +48,8 @@ def resolve(name: str, query: torch.Tensor) -> str:
 
 
 def _split_kv_suits(query: torch.Tensor) -> bool:
-    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
-            and split_kv_unsupported(query.shape[-2], query.shape[-1]) is None
-            and _capability(query.device) >= (8, 0) and _triton_available())
+    return (query.dtype in (torch.float16, torch.bfloat16)
+            and split_kv_unsupported(query.shape[-2], query.shape[-1]) is None and triton_support.runs_on(query))
 
 
 def attention(name: str, query, key, value, mask, scale: float | None = None) -> torch.Tensor:
@@ -61,7 +62,7 @@ def attention(name: str, query, key, value, mask, scale: float | None = None) ->
         if name != "auto":
             raise
         # "auto" must not cost a rollout: sdpa for the rest of the process, said once
-        _AUTO_FAILURE = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        _AUTO_FAILURE = triton_support.failure(exc)
         warnings.warn(f"decode attention: the Triton kernel failed ({_AUTO_FAILURE}); using torch's sdpa",
                       RuntimeWarning, stacklevel=2)
         return sdpa(query, key, value, mask, scale)
@@ -112,7 +113,7 @@ def split_kv(query, key, value, mask, scale=None, chunks: int | None = None, *, 
     scale = dim ** -0.5 if scale is None else scale
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     block, warps, stages = block or SPLIT_BLOCK, warps or SPLIT_WARPS, stages or SPLIT_STAGES
-    chunks = chunks or SPLIT_CHUNKS or split_count(batch * heads, columns, _processors(query.device), block)
+    chunks = chunks or SPLIT_CHUNKS or split_count(batch * heads, columns, triton_support.processors(query.device), block)
     chunk = -(-columns // chunks)
     chunk = -(-chunk // block) * block
     chunks = -(-columns // chunk)
@@ -140,36 +141,13 @@ def split_kv(query, key, value, mask, scale=None, chunks: int | None = None, *, 
         num_warps=warps, num_stages=stages)
     if chunks > 1:
         combine[(batch * heads * groups,)](partial, running, out, chunks, batch * heads * chunks * groups,
-                                           GROUPS=groups, DIM=dim, CHUNKS=_next_power_of_2(chunks))
+                                           GROUPS=groups, DIM=dim, CHUNKS=triton_support.next_power_of_2(chunks))
     return out
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-@functools.cache
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def launch_settings() -> tuple:
     """The SPLIT_* settings, which a recorded CUDA graph bakes in (part of its key)."""
     return SPLIT_BLOCK, SPLIT_WARPS, SPLIT_STAGES, SPLIT_CHUNKS
-
-
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
-@functools.cache
-def _processors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 @functools.cache

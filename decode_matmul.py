@@ -32,6 +32,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+import triton_support
+
 # "auto": split_k where it measured faster (see `applies`); "split_k": wherever the kernel
 # can run (Triton's interpreter on CPU included: the tests). Read when a decode step is recorded.
 IMPLEMENTATIONS = ("auto", "torch", "split_k")
@@ -71,9 +73,8 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if IMPLEMENTATION == "split_k":
         return fits
     one_token = x.dim() < 3 or x.shape[-2] == 1  # a decode step's rows, not a short prefill's
-    return (fits and one_token and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and k >= n
-            and _AUTO_FAILURE is None and _triton_available()
-            and torch.cuda.get_device_capability(x.device) >= (8, 0))
+    return (fits and one_token and x.dtype in (torch.float16, torch.bfloat16) and k >= n
+            and _AUTO_FAILURE is None and triton_support.runs_on(x))
 
 
 _AUTO_FAILURE: str | None = None  # why "auto" stopped choosing the kernel in this process
@@ -85,7 +86,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     n, k = weight.shape
     rows = x.reshape(-1, k)
-    config = launch_config(n, k, _processors(x.device))
+    config = launch_config(n, k, triton_support.processors(x.device))
     partials = _partials_op(rows, weight, *config)
     out = partials[0]
     for split in range(1, config.splits):  # elementwise, so it fuses into the next kernel when compiled
@@ -123,7 +124,7 @@ def split_k_partials(x: torch.Tensor, weight: torch.Tensor, config: LaunchConfig
     # interpreter, where the tests run the kernel, cannot loop to a run-time bound)
     kernel[(-(-n // block_n), splits)](
         x, weight, partials, rows, n, x.stride(0), weight.stride(0),
-        K=k, SHARE=share, ROWS=max(16, _next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
+        K=k, SHARE=share, ROWS=max(16, triton_support.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
         ITERATIONS=share // block_k, num_warps=warps, num_stages=stages)
     return partials
 
@@ -142,7 +143,7 @@ def _partials_op(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: i
     except Exception as exc:  # Triton's compile and launch errors share no base class
         if IMPLEMENTATION != "auto":
             raise
-        _AUTO_FAILURE = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        _AUTO_FAILURE = triton_support.failure(exc)
         warnings.warn(f"decode matmul: the Triton kernel failed ({_AUTO_FAILURE}); using F.linear",
                       RuntimeWarning, stacklevel=2)
         partials = torch.zeros(splits, x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
@@ -153,24 +154,6 @@ def _partials_op(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: i
 @_partials_op.register_fake
 def _(x, weight, block_n, block_k, splits, warps, stages):
     return x.new_empty(splits, x.shape[0], weight.shape[0], dtype=torch.float32)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-@functools.cache
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@functools.cache
-def _processors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 @functools.cache

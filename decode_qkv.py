@@ -26,6 +26,8 @@ import warnings
 
 import torch
 
+import triton_support
+
 IMPLEMENTATIONS = ("auto", "torch", "triton")
 IMPLEMENTATION = "auto"  # read when a decode step is recorded (part of its key)
 
@@ -44,8 +46,7 @@ def applies(qkv: torch.Tensor, head_dim: int) -> bool:
         return False
     if qkv.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False  # the kernel computes in float32: float64 keeps the model's own operations
-    return IMPLEMENTATION == "triton" or (qkv.is_cuda and _AUTO_FAILURE is None and _triton_available()
-                                          and torch.cuda.get_device_capability(qkv.device) >= (8, 0))
+    return IMPLEMENTATION == "triton" or (_AUTO_FAILURE is None and triton_support.runs_on(qkv))
 
 
 _AUTO_FAILURE: str | None = None  # why "auto" stopped choosing the kernel in this process
@@ -86,7 +87,7 @@ def _prepare_op(qkv: torch.Tensor, heads: int, kv_heads: int, norm: bool, q_weig
         if IMPLEMENTATION != "auto":
             raise
         # "auto" must not cost a rollout: torch for the rest of the process, said once
-        _AUTO_FAILURE = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        _AUTO_FAILURE = triton_support.failure(exc)
         warnings.warn(f"decode q/k/v: the Triton kernel failed ({_AUTO_FAILURE}); using torch", RuntimeWarning,
                       stacklevel=2)
         return _torch_prepare(qkv, heads, kv_heads, *weights, eps, cos, sin, key_cache, value_cache, slot)
@@ -140,17 +141,8 @@ def triton_prepare(qkv, heads, kv_heads, q_weight, k_weight, eps, cos, sin, key_
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         float(eps),
-        HEADS=heads, GROUPS=groups, ROWS=max(2, 1 << max(0, groups - 1).bit_length()), HALF=dim // 2, NORM=norm)
+        HEADS=heads, GROUPS=groups, ROWS=max(2, triton_support.next_power_of_2(groups)), HALF=dim // 2, NORM=norm)
     return query
-
-
-@functools.cache
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @functools.cache

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import decode_matmul
+import triton_support
 from decode_matmul import LaunchConfig
 
 ROWS, LAYERS = 32, 28
@@ -85,7 +86,7 @@ def measure(name: str, n: int, k: int, configs: list, log) -> list[dict]:
         log(f"[matmul] {name} {label}: {us:.2f} us, {row['tb_per_s']:.2f} TB/s, error {error:.1e}")
 
     record("torch", lambda w: F.linear(x, w))
-    default = decode_matmul.launch_config(n, k, decode_matmul._processors(x.device))
+    default = decode_matmul.launch_config(n, k, triton_support.processors(x.device))
     record(f"split_k default {tuple(default)}", lambda w: decode_matmul.split_k_partials(x, w, default).sum(0))
     record(f"split_k default {tuple(default)} kernel only", lambda w: decode_matmul.split_k_partials(x, w, default))
     for config in configs:

@@ -27,10 +27,21 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
-# Without a GPU, Triton kernels (decode_attention.split_kv) run in Triton's CPU interpreter.
+# Without a GPU, the Triton kernels (decode_attention, decode_qkv, decode_matmul) run in Triton's CPU interpreter.
 # Triton reads the switch when it is imported, so it is set before any test imports it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+
+@pytest.fixture
+def interpreted_triton():
+    """Triton's CPU interpreter, where the kernels' tests run (the decode_* modules); with a
+    GPU they skip: bench/ checks the compiled kernels (BENCHMARKS.md)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("a GPU is present: the compiled kernels are checked by the benchmarks in bench/")
+    pytest.importorskip("triton")
+
 
 # Module fixtures that train or evaluate: the tests using one of them share a worker.
 SHARED_RUN_FIXTURES = ("base_run", "trained_run", "tiny_run", "probed", "one_process_step")

@@ -5,7 +5,6 @@ kernel source the GPU compiles; install.sh installs Triton on CPU-only machines 
 The interpreter has no bfloat16 matrix product, so the half-precision case is float16.
 """
 import math
-import os
 
 import pytest
 import torch
@@ -36,14 +35,6 @@ def case(batch, heads, groups, dim, columns, dtype, seed=0):
         padding[1] = columns - 1
     valid = torch.arange(columns + 7)[None, :] >= padding[:, None]
     return query, key, value, valid[:, None, None, :columns]
-
-
-@pytest.fixture
-def interpreted_triton():
-    """Triton's CPU interpreter (conftest switches it on when there is no GPU)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("a GPU is present: the compiled kernel is checked by bench/bench_decode_attention.py")
-    pytest.importorskip("triton")
 
 
 # float32: the online softmax's rescalings cost a few float32 roundings (sdpa: ~1e-6 here)

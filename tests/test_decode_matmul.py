@@ -4,7 +4,6 @@ products written here, where `linear` uses it, and the decode loop through it.
 The Triton kernel runs in Triton's CPU interpreter (conftest switches it on without a GPU),
 the same source the GPU compiles. The interpreter has no bfloat16 matrix product, so the
 half-precision case is float16."""
-import os
 
 import pytest
 import torch
@@ -15,10 +14,8 @@ from decode_matmul import LaunchConfig
 
 
 @pytest.fixture
-def interpreted_triton(monkeypatch):
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("a GPU is present: the compiled kernel is checked by bench/bench_decode_matmul.py")
-    pytest.importorskip("triton")
+def interpreted_triton(interpreted_triton, monkeypatch):
+    """conftest's (Triton's CPU interpreter), with the kernel forced."""
     monkeypatch.setattr(decode_matmul, "IMPLEMENTATION", "split_k")
 
 

@@ -4,7 +4,6 @@ one kernel, against a float64 reference written here, and through the decode loo
 The Triton kernel runs in Triton's CPU interpreter (conftest switches it on without a GPU),
 the same source the GPU compiles; on a GPU these tests skip (the rollout benchmark's
 log-probability check covers the compiled kernel)."""
-import os
 
 import pytest
 import torch
@@ -15,10 +14,8 @@ from static_decode import StaticDecoder
 
 
 @pytest.fixture
-def interpreted_triton(monkeypatch):
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("a GPU is present: the compiled kernel is checked by bench/bench_rollout.py")
-    pytest.importorskip("triton")
+def interpreted_triton(interpreted_triton, monkeypatch):
+    """conftest's (Triton's CPU interpreter), with the kernel forced."""
     monkeypatch.setattr(decode_qkv, "IMPLEMENTATION", "triton")
 
 
