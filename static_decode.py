@@ -18,7 +18,7 @@ attention that reads only the filled part of the KV cache (`KV_WINDOW`), through
 made for one query token (`decode_attention.py`, `DECODE_ATTENTION`); in the merged copy,
 one kernel for a layer's q/k norms, rotary embedding and cache writes (`decode_qkv.py`)
 and split-K kernels for its narrow products (`decode_matmul.py`); the sampler's top-k on
-the logits' own dtype. Either way the frozen base weights, which are the teacher, are
+the logits' own dtype, searched only in the vocabulary blocks that can hold it. Either way the frozen base weights, which are the teacher, are
 only ever read.
 
 Supported: full-attention Qwen3 / Qwen2 / Llama models (`SUPPORTED_MODEL_TYPES`);
@@ -66,6 +66,10 @@ FUSE_PROJECTIONS = True
 # torch.compile's mode for the "graph_compiled" step (None: the default; the loop records its
 # own CUDA graphs, so only the "-no-cudagraphs" modes make sense, e.g. "max-autotune-no-cudagraphs").
 DECODE_COMPILE_MODE: str | None = None
+# The sampler's top-k over the vocabulary in blocks of this many logits (`top_k_and_logsumexp`):
+# one pass reads each block's maximum and exp-sum, then only the k blocks with the largest
+# maxima are searched. None: one torch.topk over the whole row and a log-sum-exp of its own.
+SAMPLER_TOPK_BLOCK: int | None = 128
 
 
 def resolve_cache_implementation(name: str | None, model) -> str | None:
@@ -223,13 +227,12 @@ class _Sampler:
 
     def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits of the candidates in float32, best first; their vocabulary ids; the
-        log-sum-exp of every logit of the row). The top-k runs on the logits' own dtype:
-        on bf16 logits torch's radix select takes half the passes it takes on a float32
-        copy, and the conversion of the k values is exact (BENCHMARKS.md section 2.5)."""
+        log-sum-exp of every logit of the row). The top-k runs on the logits' own dtype
+        (on bf16, torch's radix select takes half the passes of a float32 copy; the k values
+        convert exactly) and in blocks (`top_k_and_logsumexp`; BENCHMARKS.md section 2.5)."""
         if self.top_k:
-            values, index = logits.topk(self.top_k, dim=-1)
-        else:
-            values, index = logits.sort(dim=-1, descending=True)
+            return top_k_and_logsumexp(logits, self.top_k, SAMPLER_TOPK_BLOCK)
+        values, index = logits.sort(dim=-1, descending=True)
         return values.float(), index, logits.float().logsumexp(-1)
 
     def filter(self, values: torch.Tensor) -> torch.Tensor:
@@ -259,6 +262,39 @@ class _Sampler:
 
     def __call__(self, logits: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
         return self.sample(logits, noise)[0]
+
+
+def top_k_and_logsumexp(logits: torch.Tensor, k: int, block: int | None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the k largest logits of each row in float32, best first; their vocabulary ids; the
+    row's log-sum-exp in float32) of [B, V] logits.
+
+    With `block`, one pass over the row gives each block of `block` logits its maximum and
+    its exp-sum (which make the log-sum-exp), and the top-k is searched only in the k blocks
+    with the largest maxima: a logit outside them has k larger or equal ones (those blocks'
+    maxima), so it is in the top-k only as a tie at the k-th value, and the k values are
+    exactly torch.topk's. Which of several tied logits at the k-th value is kept may differ.
+    Rows too short for k blocks take one torch.topk."""
+    rows, vocab = logits.shape
+    blocks = -(-vocab // block) if block else 0
+    if blocks < k:
+        values, index = logits.topk(k, dim=-1)
+        return values.float(), index, logits.float().logsumexp(-1)
+    if blocks * block != vocab:  # the last block's missing logits never count: -inf
+        logits = torch.nn.functional.pad(logits, (0, blocks * block - vocab), value=-math.inf)
+    tiles = logits.view(rows, blocks, block)
+    block_max = tiles.amax(-1)
+    row_max = block_max.float().amax(-1, keepdim=True)
+    # Shifts of 0 where a maximum is -inf: a block (or row) of -inf logits adds 0, not NaN.
+    block_shift = torch.where(block_max.isfinite(), block_max.float(), 0.0)
+    row_shift = torch.where(row_max.isfinite(), row_max, 0.0)
+    block_sum = (tiles.float() - block_shift[..., None]).exp().sum(-1)
+    logsumexp = row_shift.squeeze(-1) + (block_sum * (block_max.float() - row_shift).exp()).sum(-1).log()
+    chosen = block_max.topk(k, dim=-1).indices  # [B, k] blocks
+    searched = tiles.gather(1, chosen[..., None].expand(rows, k, block)).view(rows, k * block)
+    values, position = searched.topk(k, dim=-1)
+    index = chosen.gather(1, position // block) * block + position % block
+    return values.float(), index, logsumexp
 
 
 class _KVCache:

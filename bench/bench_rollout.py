@@ -287,6 +287,7 @@ def main(argv=None) -> int:
                         "copy's q/k/v and gate/up products separate, '+autotune' compiles the step with "
                         "max-autotune-no-cudagraphs, '+torchmm' runs the merged copy's products through torch (cuBLAS) instead of "
                         "decode_matmul's split-K kernel, '+qkv=NAME' the q/k norms, rotary and cache writes (decode_qkv.IMPLEMENTATIONS), "
+                        "'+topk=N' searches the sampler's top-k in blocks of N logits ('+topk=torch': one torch.topk), "
                         "'+attn=NAME' picks the decode attention kernel "
                         "(decode_attention.IMPLEMENTATIONS)")
     parser.add_argument("--profile-steps", type=int, default=0,
@@ -361,12 +362,14 @@ def main(argv=None) -> int:
         engine, *options = name.split("+")
         attn = [o.split("=", 1)[1] for o in options if o.startswith("attn=")]
         qkv = [o.split("=", 1)[1] for o in options if o.startswith("qkv=")]
-        unknown = {o for o in options if not o.startswith(("attn=", "qkv="))} - set(FLAGS)
+        topk = [o.split("=", 1)[1] for o in options if o.startswith("topk=")]
+        unknown = {o for o in options if not o.startswith(("attn=", "qkv=", "topk="))} - set(FLAGS)
         if (unknown or any(a not in decode_attention.IMPLEMENTATIONS for a in attn)
-                or any(q not in decode_qkv.IMPLEMENTATIONS for q in qkv)):
+                or any(q not in decode_qkv.IMPLEMENTATIONS for q in qkv)
+                or any(t != "torch" and not (t.isdigit() and int(t) > 0) for t in topk)):
             parser.error(f"unknown configuration option(s) in {name!r} ({', '.join(FLAGS)}, attn=NAME with NAME in "
                          f"{', '.join(decode_attention.IMPLEMENTATIONS)}, qkv=NAME with NAME in "
-                         f"{', '.join(decode_qkv.IMPLEMENTATIONS)})")
+                         f"{', '.join(decode_qkv.IMPLEMENTATIONS)}, topk=N or topk=torch)")
         impl = None if engine == "dynamic" else engine
         tokens = dynamic_tokens if engine == "dynamic" else new_tokens
         configs.append((name if tokens == new_tokens else f"{name} ({tokens} new)", impl, tokens,
@@ -386,6 +389,9 @@ def main(argv=None) -> int:
             overrides["FUSE_PROJECTIONS"] = False
         if "autotune" in flags:
             overrides["DECODE_COMPILE_MODE"] = "max-autotune-no-cudagraphs"
+        for option in (o for o in flags if o.startswith("topk=")):
+            block = option.split("=", 1)[1]
+            overrides["SAMPLER_TOPK_BLOCK"] = None if block == "torch" else int(block)
         defaults = {key: getattr(static_decode, key) for key in overrides}
         vars(static_decode).update(overrides)
         kernel_defaults = {module: module.IMPLEMENTATION for module in (decode_matmul, decode_qkv)}

@@ -518,6 +518,35 @@ def test_sampler_reads_bf16_logits_as_their_float32_copy(top_k):
     assert torch.allclose(logprobs.double(), full.gather(-1, tokens[:, None]).squeeze(-1), atol=1e-5)
 
 
+@pytest.mark.parametrize("vocab, block, dtype", [(151936, 128, torch.bfloat16), (3001, 64, torch.bfloat16),
+                                                 (1000, 16, torch.float32), (300, 16, torch.float32)])
+def test_top_k_in_blocks_is_exact(vocab, block, dtype):
+    """The top-k searched in the k blocks with the largest maxima gives exactly the k
+    largest values (float64 sort here), ids that point at them (distinct, even where most
+    logits tie), and the log-sum-exp of the whole row (-inf, not NaN, for a row of -inf);
+    300 logits in blocks of 16 are fewer than k blocks (one torch.topk instead)."""
+    from static_decode import top_k_and_logsumexp
+
+    gen = torch.Generator().manual_seed(vocab)
+    k = 20
+    rows = [torch.randn(vocab, generator=gen) * 3,                    # distinct values
+            torch.randint(-3, 3, (vocab,), generator=gen).double(),    # ties everywhere
+            torch.randn(vocab, generator=gen) * 3 - 200]               # all far below 0
+    masked = torch.randn(vocab, generator=gen) * 3
+    masked[: vocab // 2] = -math.inf                                  # whole blocks of -inf
+    logits = torch.stack(rows + [masked]).to(dtype)
+    values, index, logsumexp = top_k_and_logsumexp(logits, k, block)
+    exact = logits.double()
+    assert values.dtype == logsumexp.dtype == torch.float32 and index.shape == (4, k)
+    assert torch.equal(values.double(), exact.sort(-1, descending=True).values[:, :k])
+    assert torch.equal(exact.gather(-1, index), values.double())
+    assert all(len(set(row)) == k for row in index.tolist())
+    reference = exact.max(-1).values + (exact - exact.max(-1, keepdim=True).values).exp().sum(-1).log()
+    assert torch.allclose(logsumexp.double(), reference, rtol=0, atol=2e-5)
+    empty = torch.full((2, vocab), -math.inf, dtype=dtype)
+    assert torch.equal(top_k_and_logsumexp(empty, k, block)[2], torch.full((2,), -math.inf))
+
+
 def test_sampler_draws_from_the_filtered_distribution():
     from static_decode import _Sampler
 
@@ -756,3 +785,4 @@ def test_nucleus_filter_matches_transformers_top_p(top_k):
             theirs = TopPLogitsWarper(top_p)(None, scores)
             assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
             assert torch.equal(ours[~torch.isinf(ours)], scores[~torch.isinf(ours)])
+

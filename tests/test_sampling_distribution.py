@@ -20,7 +20,8 @@ stays; transformers' rule), renormalise. The fixed logits are three rows of a
 
 Engines, driven as directly as is cheap:
 - static decoder: `static_decode._Sampler`, called the way its decode loop calls
-  it (logits [B, V] and uniform noise [B, width] filled by `uniform_`);
+  it (logits [B, V] and uniform noise [B, width] filled by `uniform_`), with its
+  top-k as one torch.topk and searched in blocks (`top_k_and_logsumexp`);
 - transformers: `rollout.TransformersBackend.generate` on its `model.generate`
   path (the CPU default) and on its paged path (transformers' continuous batching, the
   evaluation's CUDA default), each running its own forward of a tiny Qwen3 built so
@@ -198,8 +199,19 @@ def paged_draws(logits, temperature, top_p, top_k):
                          batch_size=256)
 
 
-ENGINES = {"static decoder": static_decoder_draws, "transformers generate": generate_draws,
-           "transformers paged": paged_draws}
+def blockwise_top_k_draws(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """The static decoder's sampler with its top-k searched in blocks of 16 logits (the
+    shipped block of 128 leaves this vocabulary's 8 blocks fewer than k, where it takes
+    one torch.topk instead)."""
+    import static_decode
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(static_decode, "SAMPLER_TOPK_BLOCK", 16)
+        return static_decoder_draws(logits, temperature, top_p, top_k)
+
+
+ENGINES = {"static decoder": static_decoder_draws, "static decoder, top-k in blocks": blockwise_top_k_draws,
+           "transformers generate": generate_draws, "transformers paged": paged_draws}
 # The paged engine is slow per sample on CPU: the recipe and the evaluation's kind of
 # setting (top-p over the whole vocabulary) only.
 CASES = [(engine, setting) for engine in ENGINES for setting in SETTINGS
