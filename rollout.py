@@ -24,6 +24,7 @@ import gc
 import importlib.util
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -178,10 +179,10 @@ class TransformersBackend:
 
     def generation_config(self, settings: SamplingSettings, *, processors_passed: bool):
         """The GenerationConfig for `settings`. `processors_passed`: the caller also passes
-        `sampling_processors(settings)` to generate(), so the config's own warpers are
-        switched off when those do the work (top-p on); False (the paged engine, which takes
-        no processors): the config keeps every knob. No default: either wrong choice
-        samples another distribution."""
+        `sampling_processors(settings)` to generate(), which then do the filtering and the
+        draw, and the config is greedy; False (the paged engine, which takes no processors):
+        the config keeps every knob. No default: either wrong choice samples another
+        distribution (or none)."""
         from transformers import GenerationConfig
 
         # Every sampling knob is set explicitly: generate() fills unset (None)
@@ -190,11 +191,11 @@ class TransformersBackend:
         # Greedy: the sampling knobs are inert; these values merely stop the
         # checkpoint's sampling defaults from triggering "flag ignored" warnings.
         sampling = dict(do_sample=False, temperature=1.0, top_p=1.0, top_k=50)
-        if settings.temperature > 0:
+        if settings.temperature > 0 and not processors_passed:
             sampling = dict(do_sample=True, temperature=settings.temperature, top_p=settings.top_p,
                             top_k=max(settings.top_k, 0))  # 0 = no top-k filter
-            if processors_passed and sampling_processors(settings) is not None:  # they do all three, in this order
-                sampling.update(temperature=1.0, top_p=1.0, top_k=0)
+        # With the processors passed, they filter and draw (ending in CandidateDraw), and
+        # generate() runs greedily: its argmax picks the one token they leave.
         return GenerationConfig(
             max_new_tokens=settings.max_new_tokens,
             min_new_tokens=0,
@@ -236,22 +237,46 @@ class NucleusFilter:
         return scores.masked_fill(~keep, -float("inf"))
 
 
+class CandidateDraw:
+    """The draw, as generate()'s last logits processor: samples each row's next token from
+    softmax(scores), among the scores the filters before it left finite, and returns scores
+    in which only that token is finite, for generate() run greedily to pick. Why: generate's
+    own draw, torch.multinomial over all 151,936 probabilities, makes an exponential draw per
+    entry (about 5 ms a row on one CPU thread, as long as the forward of the embedded model),
+    where top-k and top-p usually keep a few dozen tokens. When some row keeps more than
+    `limit` tokens, every row draws over the whole vocabulary, as generate would."""
+
+    def __init__(self, limit: int = 4096):
+        self.limit = limit
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        kept = int(torch.isfinite(scores).sum(-1).max())
+        if kept <= self.limit:
+            values, index = scores.topk(max(kept, 1), dim=-1)
+            tokens = index.gather(-1, torch.multinomial(values.float().softmax(-1), 1))
+        else:
+            tokens = torch.multinomial(scores.float().softmax(-1), 1)
+        return torch.full_like(scores, -math.inf).scatter_(-1, tokens, 0.0)
+
+
 def sampling_processors(settings: SamplingSettings) -> list | None:
-    """generate()'s `logits_processor` for `settings`: None (generate's own warpers
-    do it all) unless top-p is on, then temperature -> top-k -> NucleusFilter, the
-    order of transformers' warpers, with generate's own warpers switched off
-    (`generation_config`). All three are passed because generate() runs the
-    processors it is given *before* the warpers it builds (transformers 5.x
-    `_get_logits_processor`): a NucleusFilter given alone would cut the untempered,
-    untruncated distribution, which is another distribution."""
-    if not (settings.temperature > 0 and settings.top_p < 1.0):
+    """generate()'s `logits_processor` for `settings`: None when greedy, else temperature ->
+    top-k (if on) -> NucleusFilter (if top-p is on), the order of transformers' warpers, then
+    CandidateDraw, with generate() itself greedy (`generation_config`). The filters are
+    passed rather than left to generate's warpers because generate() runs the processors it
+    is given *before* the warpers it builds (transformers 5.x `_get_logits_processor`): a
+    NucleusFilter given alone would cut the untempered, untruncated distribution, which is
+    another distribution; and the draw must come after all of them."""
+    if settings.temperature <= 0:
         return None
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper
 
     processors = [TemperatureLogitsWarper(settings.temperature)]
     if settings.top_k > 0:
         processors.append(TopKLogitsWarper(settings.top_k))
-    return processors + [NucleusFilter(settings.top_p)]
+    if settings.top_p < 1.0:
+        processors.append(NucleusFilter(settings.top_p))
+    return processors + [CandidateDraw()]
 
 
 @contextlib.contextmanager

@@ -786,3 +786,40 @@ def test_nucleus_filter_matches_transformers_top_p(top_k):
             assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
             assert torch.equal(ours[~torch.isinf(ours)], scores[~torch.isinf(ours)])
 
+
+@pytest.mark.parametrize("limit", [4096, 2])
+def test_candidate_draw_leaves_one_kept_token_with_the_kept_probabilities(limit):
+    """CandidateDraw (generate's last processor, generate itself greedy) leaves exactly one
+    finite score per row, at a token the filters kept, drawn with probability softmax over
+    the kept scores; drawing among the candidates (limit 4096) or over the whole row (a row
+    keeps more than limit 2) gives that distribution, and the same draws from the same seed."""
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    scores = torch.full((4000, 50), -math.inf)
+    kept = torch.tensor([7, 21, 40])
+    scores[:, kept] = probs.log() + 3.0  # a shift: the draw normalises over the kept scores
+    scores[::2, kept[2]] = -math.inf  # even rows keep two tokens: 0.6 / 0.9 and 0.3 / 0.9
+    draw = rollout.CandidateDraw(limit=limit)
+    torch.manual_seed(0)
+    out = draw(None, scores)
+    torch.manual_seed(0)
+    assert torch.equal(draw(None, scores), out)
+    assert torch.equal(torch.isfinite(out).sum(-1), torch.ones(4000, dtype=torch.long))
+    tokens = out.argmax(-1)
+    assert bool(torch.isfinite(scores.gather(-1, tokens[:, None])).all())  # only kept tokens
+    for rows, expected in ((slice(1, None, 2), probs), (slice(0, None, 2), torch.tensor([2 / 3, 1 / 3, 0.0]))):
+        freq = torch.stack([(tokens[rows] == t).float().mean() for t in kept])
+        assert torch.allclose(freq, expected, atol=0.04), (freq, expected)
+
+
+def test_generate_is_greedy_when_the_processors_draw():
+    """With the processors passed, generate's config samples nothing itself (they end in
+    the draw); without them (the paged engine) it keeps every sampling knob."""
+    backend = rollout.TransformersBackend(torch.nn.Linear(1, 1), pad_token_id=0, eos_token_ids=[1])
+    recipe = SamplingSettings(temperature=1.1, top_p=0.95, top_k=20, max_new_tokens=8)
+    for settings in (recipe, SamplingSettings(temperature=0.7, top_p=1.0, top_k=0, max_new_tokens=8)):
+        assert isinstance(rollout.sampling_processors(settings)[-1], rollout.CandidateDraw)
+        passed = backend.generation_config(settings, processors_passed=True)
+        assert (passed.do_sample, passed.temperature, passed.top_p) == (False, 1.0, 1.0)
+    alone = backend.generation_config(recipe, processors_passed=False)
+    assert (alone.do_sample, alone.temperature, alone.top_p, alone.top_k) == (True, 1.1, 0.95, 20)
+    assert rollout.sampling_processors(SamplingSettings(0.0, 1.0, 0, 8)) is None

@@ -10,7 +10,7 @@ file found one: the NucleusFilter that rollout.py gave `model.generate` on its o
 ran *before* generate's temperature and top-k (generate runs the processors it is
 given before the warpers it builds), so the recipe's settings kept tokens that the
 tempered top-20 nucleus drops (3-4% of the draws here). rollout.sampling_processors
-now passes temperature, top-k and the filter in that order.
+now passes temperature, top-k, the filter and the draw (`CandidateDraw`) in that order.
 
 The target is computed here in float64, independently of the project's code:
 logits / T, keep the top_k largest (top_k = 0: all), softmax, then keep a token
