@@ -49,8 +49,15 @@ SHARED_RUN_FIXTURES = ("base_run", "trained_run", "tiny_run", "probed", "one_pro
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
+    groups = {}
     for item in items:
         for name in SHARED_RUN_FIXTURES:
             if name in getattr(item, "fixturenames", ()):
-                item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{name}"))
+                groups[item.nodeid] = f"{item.module.__name__}.{name}"
+                item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
                 break
+    # The long runs (marked slow, with the rest of their group) go first: the workers take
+    # tests in this order, so the short ones fill in at the end and both finish together,
+    # instead of one worker running a long test alone at the end.
+    slow_groups = {groups.get(i.nodeid) for i in items if i.get_closest_marker("slow")} - {None}
+    items.sort(key=lambda i: not (i.get_closest_marker("slow") or groups.get(i.nodeid) in slow_groups))

@@ -54,6 +54,7 @@ def test_dry_run_plans_one_gpu_ddp_and_fsdp2_on_the_capped_budget(tmp_path):
     assert (flag(other["ddp"], "--max_steps"), flag(other["ddp"], "--max_completion_length")) == ("12", "256")
 
 
+@pytest.mark.slow
 def test_planned_arguments_are_valid_trainer_arguments(tmp_path):
     """The single arm's flags, on the embedded model, pass the trainer's own validation."""
     single = plan(tmp_path, "--arms", "single")["single"]

@@ -115,6 +115,7 @@ def assert_same_optimisation(single: dict, ranks: dict) -> None:
         assert [len(ids) for ids in ranks["rollouts"][rank]] == [tokens, tokens]
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_process_with_twice_the_accumulation(one_process_step, tmp_path):
     ddp = two_ranks_step(tmp_path / "two.pt", {**os.environ, **CPU_RANKS})
     single = one_process_step()

@@ -26,6 +26,7 @@ def _run(grid_file, out, *extra):
                           capture_output=True, text=True, cwd=REPO, timeout=900)
 
 
+@pytest.mark.slow
 def test_two_arms_two_seeds_end_to_end_and_resume(tmp_path):
     grid_file = tmp_path / "grid.json"
     grid_file.write_text(json.dumps(GRID))

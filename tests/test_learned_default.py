@@ -59,6 +59,7 @@ def _argmax_follows_reference(model, tok, fmt, n=40):
     return hits / n
 
 
+@pytest.mark.slow
 def test_teacher_prompt_knows_far_more_than_the_student_prompt(model, tok):
     """The privileged gap OPSD distils, on held-out problems: with the reference in
     context the model follows it; from the problem alone it often does not."""
@@ -103,6 +104,7 @@ def test_training_examples_use_the_project_prompts(tok):
     assert tok.decode(renderer.response(item, "eval")).startswith("<think>\n\n</think>\n\n")
 
 
+@pytest.mark.slow
 def test_training_script_runs_and_round_trips(tmp_path):
     """A few CPU steps: the compact file it writes loads into the full model."""
     out = tmp_path / "w.safetensors"

@@ -71,6 +71,7 @@ def assert_row_matches(row, loss, stats):
         assert row[key] == pytest.approx(value, rel=1e-5, abs=1e-8), key
 
 
+@pytest.mark.slow
 def test_baseline_row_equals_the_training_steps_loss(probed, tmp_path):
     """Same rollouts, one micro-batch: the probe's numbers are the trainer's loss and diagnostics
     (chunked loss there, per-token reference functions here)."""

@@ -214,7 +214,8 @@ ENGINES = {"static decoder": static_decoder_draws, "static decoder, top-k in blo
            "transformers generate": generate_draws, "transformers paged": paged_draws}
 # The paged engine is slow per sample on CPU: the recipe and the evaluation's kind of
 # setting (top-p over the whole vocabulary) only.
-CASES = [(engine, setting) for engine in ENGINES for setting in SETTINGS
+CASES = [pytest.param(engine, setting, marks=[pytest.mark.slow] if engine == "transformers paged" else [])
+         for engine in ENGINES for setting in SETTINGS
          if engine != "transformers paged" or setting in ("recipe", "top-p over the whole vocabulary")]
 
 

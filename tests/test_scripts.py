@@ -44,6 +44,7 @@ def tiny_run(tmp_path_factory):
     return caller / "runs" / "x", result
 
 
+@pytest.mark.slow
 def test_train_capped_tiny_preset_end_to_end(tiny_run):
     out, result = tiny_run
     assert "8 steps x global batch 4 = 2 per device x 2 accumulation x 1 processes" in result.stdout
@@ -147,6 +148,7 @@ def test_train_capped_rejects_a_bad_recipe_before_loading(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_train_capped_stops_on_sigterm_with_a_checkpoint(tmp_path):
     """Preemption of the script itself: SIGTERM to train_capped.sh's process stops the run at a step
     boundary with a checkpoint and a non-zero status, without a launcher traceback."""
@@ -324,6 +326,7 @@ def test_server_mode_without_enough_training_gpus_is_one_line(fake_gpu_host, ext
     assert message.startswith(f"error: OPSD_VLLM_MODE=server: {fragment}")
 
 
+@pytest.mark.slow
 def test_two_process_launch(tmp_path):
     """Data-parallel training of the CLI: gathers, barriers and the atomic checkpoint rename
     all run with two ranks (gloo on CPU stands in for NCCL). torchrun starts the ranks and
@@ -369,6 +372,7 @@ def _read_until(proc, fragment):
     raise AssertionError(f"{fragment!r} never printed:\n" + "".join(seen)[-3000:])
 
 
+@pytest.mark.slow
 def test_faults_signal_stop_concurrent_run_kill_during_save(tmp_path):
     """One run folder through the faults a cluster job meets, each run a real process:
     SIGTERM mid-run (a checkpoint at the step boundary, exit 143); a resumed run killed

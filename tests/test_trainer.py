@@ -84,6 +84,7 @@ def trained_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_checkpoint_reloads_and_changes_logits(trained_run):
     ckpt = trained_run / "checkpoint-2"
     assert (ckpt / "adapter_model.safetensors").is_file()
@@ -692,6 +693,7 @@ def test_a_micro_batch_walks_no_module_tree(tmp_path, monkeypatch):
     assert walks == []
 
 
+@pytest.mark.slow
 def test_token_clip_run_lowers_true_kl(tmp_path, monkeypatch, capsys):
     """The objective does what it says: an on-policy token-clip run lowers the logged true KL.
 
@@ -1036,6 +1038,7 @@ def _assert_same_step(a, b):
     assert (grad_b - grad_a).norm() / grad_a.norm() < 1e-4
 
 
+@pytest.mark.slow
 def test_compiled_step_matches_the_eager_step(tmp_path):
     """The GPU defaults compile_layers + compile_loss (inductor on CPU here), with the
     trainer's activation checkpointing on: same loss, diagnostics and LoRA gradients as the
