@@ -18,8 +18,8 @@ attention that reads only the filled part of the KV cache (`KV_WINDOW`), through
 made for one query token (`decode_attention.py`, `DECODE_ATTENTION`); in the merged copy,
 one kernel for a layer's q/k norms, rotary embedding and cache writes (`decode_qkv.py`)
 and split-K kernels for its narrow products (`decode_matmul.py`); the sampler's top-k on
-the logits' own dtype, searched only in the vocabulary blocks that can hold it. Either way the frozen base weights, which are the teacher, are
-only ever read.
+the logits' own dtype, searched only in the vocabulary blocks that can hold it. Either way
+the frozen base weights, which are the teacher, are only ever read.
 
 Supported: full-attention Qwen3 / Qwen2 / Llama models (`SUPPORTED_MODEL_TYPES`);
 `resolve_cache_implementation` falls back to transformers' static cache for others.
