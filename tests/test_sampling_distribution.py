@@ -50,6 +50,11 @@ VOCAB = 1000
 ROW_SCALES = (3.0, 1.5, 0.6)  # logits = scale * N(0, 1): peaked, medium, flat rows
 DRAWS = 15_000  # per row and setting; generate costs ~0.1 ms a draw on one core, the controls show the power
 PAGED_DRAWS = 2_000  # the paged engine: one request per draw
+# The paged engine's KV pool here: 1,280 pages, more than its 256 rows in flight take (2 pages
+# each). Its default on a CPU (a share of the RAM, capped at what all 1,500 rows of a call could
+# fill: 3,000 pages) costs time, not samples' validity: with sdpa the library allocates and
+# fills an attention mask of (tokens per forward) x (pool tokens), 9 GB a call at 3,000 pages.
+PAGED_POOL_GIB = 0.02
 SEED = 0
 PASS_P = 1e-3  # a correct sampler fails one row's check with this probability
 CONTROL_P = 1e-6  # a wrong sampler must be rejected this clearly
@@ -175,7 +180,8 @@ def backend_draws(logits: torch.Tensor, temperature: float, top_p: float, top_k:
     """[rows, draws] first tokens sampled by TransformersBackend.generate with `engine`
     from `lookup_model(logits)`, `per_call` samples per prompt and call (seeds SEED, SEED+1, ...)."""
     backend = TransformersBackend(lookup_model(logits), pad_token_id=VOCAB - 1, eos_token_ids=[VOCAB - 2],
-                                  batch_size=batch_size, cache_implementation=engine)
+                                  batch_size=batch_size, cache_implementation=engine,
+                                  paged_cache_gib=PAGED_POOL_GIB if engine == "paged" else None)
     parts = []
     for call in range(draws // per_call):
         settings = SamplingSettings(temperature, top_p, top_k, max_new_tokens=1, seed=SEED + call)
@@ -192,7 +198,7 @@ def generate_draws(logits, temperature, top_p, top_k):
 
 def paged_draws(logits, temperature, top_p, top_k):
     """transformers' continuous batching (the evaluation's CUDA default), PAGED_DRAWS per
-    row: each sample is a request, about 7 ms each on one core, so fewer draws; they
+    row: each sample is a request, about 3 ms each on one core, so fewer draws; they
     still see a filtered-out token or a wrong temperature (the controls' p ~ 1e-44 at
     DRAWS scales down with the draws, not to chance)."""
     return backend_draws(logits, temperature, top_p, top_k, engine="paged", draws=PAGED_DRAWS, per_call=500,
