@@ -213,7 +213,7 @@ def dev_eval(*args, env=None, cwd=None):
 
 
 # 8 held-out problems: the default 30 x 8 samples cost minutes of CPU per evaluation.
-EVAL_SET = "tiny:7:8"
+EVAL_SET = "tiny:7:4"  # 4 problems x 8 samples: two chunks of the batch of 16
 FIRST = 2  # problems re-sampled by the seed and checkpoint tests: one chunk of 8-sample problems
 
 
