@@ -238,20 +238,25 @@ class NucleusFilter:
 
 
 class CandidateDraw:
-    """The draw, as generate()'s last logits processor: samples each row's next token from
-    softmax(scores), among the scores the filters before it left finite, and returns scores
-    in which only that token is finite, for generate() run greedily to pick. Why: generate's
-    own draw, torch.multinomial over all 151,936 probabilities, makes an exponential draw per
-    entry (about 5 ms a row on one CPU thread, as long as the forward of the embedded model),
-    where top-k and top-p usually keep a few dozen tokens. When some row keeps more than
-    `limit` tokens, every row draws over the whole vocabulary, as generate would."""
+    """The draw, as generate()'s last logits processor (generate() itself then runs greedily
+    and picks the one token it leaves finite): samples each row's next token from
+    softmax(scores), over the scores the filters before it left finite.
+
+    On a CPU it draws among the kept tokens only, where generate's own draw,
+    torch.multinomial over all 151,936 probabilities, makes an exponential draw per entry
+    (about 5 ms a row on one thread, as long as the embedded model's forward) although
+    top-k and top-p usually keep a few dozen; when some row keeps more than `limit`
+    tokens, every row draws over the whole row. Elsewhere (and at `limit` 0) it draws
+    exactly as generate() would, torch.multinomial over the whole row from the same random
+    stream, so GPU runs sample what they sampled before this processor existed (the tiny
+    preset's published GPU results)."""
 
     def __init__(self, limit: int = 4096):
         self.limit = limit
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        kept = int(torch.isfinite(scores).sum(-1).max())
-        if kept <= self.limit:
+        kept = int(torch.isfinite(scores).sum(-1).max()) if scores.device.type == "cpu" else None
+        if kept is not None and kept <= self.limit:
             values, index = scores.topk(max(kept, 1), dim=-1)
             tokens = index.gather(-1, torch.multinomial(values.float().softmax(-1), 1))
         else:

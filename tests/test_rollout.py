@@ -823,3 +823,36 @@ def test_generate_is_greedy_when_the_processors_draw():
     alone = backend.generation_config(recipe, processors_passed=False)
     assert (alone.do_sample, alone.temperature, alone.top_p, alone.top_k) == (True, 1.1, 0.95, 20)
     assert rollout.sampling_processors(SamplingSettings(0.0, 1.0, 0, 8)) is None
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.95])
+def test_the_whole_row_draw_samples_what_generate_drew(tiny, prompts, top_p):
+    """CandidateDraw over the whole row (its path off a CPU; limit 0 forces it here) gives
+    the very tokens generate() drew itself before the processor existed: the config and
+    processors of that code (generate's warpers, or the filters as processors when top-p
+    was on), then generate's multinomial, from the same seed."""
+    from transformers import GenerationConfig, TemperatureLogitsWarper, TopKLogitsWarper
+
+    from model_utils import left_pad
+
+    model, tokenizer = tiny
+    settings = SamplingSettings(temperature=1.1, top_p=top_p, top_k=20, max_new_tokens=12)
+    backend = backend_for(tiny)
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id, torch.device("cpu"))
+    common = dict(max_new_tokens=12, min_new_tokens=0, repetition_penalty=1.0, eos_token_id=[tokenizer.eos_token_id],
+                  pad_token_id=tokenizer.pad_token_id, do_sample=True)
+    if top_p < 1:
+        before_config = GenerationConfig(**common, temperature=1.0, top_p=1.0, top_k=0)
+        before_processors = [TemperatureLogitsWarper(1.1), TopKLogitsWarper(20), rollout.NucleusFilter(top_p)]
+    else:
+        before_config, before_processors = GenerationConfig(**common, temperature=1.1, top_p=1.0, top_k=20), None
+    now_processors = rollout.sampling_processors(settings)[:-1] + [rollout.CandidateDraw(limit=0)]
+    outputs = []
+    for config, processors in ((before_config, before_processors),
+                               (backend.generation_config(settings, processors_passed=True), now_processors)):
+        torch.manual_seed(7)
+        with torch.no_grad():
+            outputs.append(model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                          logits_processor=processors))
+    assert torch.equal(outputs[0], outputs[1])
+    assert outputs[0].shape[1] > ids.shape[1] + 1  # something was sampled
