@@ -25,7 +25,6 @@ written in the tests, not here.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 
@@ -61,10 +60,7 @@ def attention(name: str, query, key, value, mask, scale: float | None = None) ->
     except Exception as exc:  # Triton's compile and launch errors share no base class
         if name != "auto":
             raise
-        # "auto" must not cost a rollout: sdpa for the rest of the process, said once
-        _AUTO_FAILURE = triton_support.failure(exc)
-        warnings.warn(f"decode attention: the Triton kernel failed ({_AUTO_FAILURE}); using torch's sdpa",
-                      RuntimeWarning, stacklevel=2)
+        _AUTO_FAILURE = triton_support.give_up("decode attention", exc, "torch's sdpa")
         return sdpa(query, key, value, mask, scale)
 
 

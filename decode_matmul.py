@@ -26,7 +26,6 @@ The tests run the same kernel source in Triton's CPU interpreter against float64
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import NamedTuple
 
 import torch
@@ -143,9 +142,7 @@ def _partials_op(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: i
     except Exception as exc:  # Triton's compile and launch errors share no base class
         if IMPLEMENTATION != "auto":
             raise
-        _AUTO_FAILURE = triton_support.failure(exc)
-        warnings.warn(f"decode matmul: the Triton kernel failed ({_AUTO_FAILURE}); using F.linear",
-                      RuntimeWarning, stacklevel=2)
+        _AUTO_FAILURE = triton_support.give_up("decode matmul", exc, "F.linear")
         partials = torch.zeros(splits, x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
         partials[0] = F.linear(x, weight).float()
         return partials

@@ -22,7 +22,6 @@ same in torch, warns once, and "auto" stops choosing the kernel for the process.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 
@@ -86,10 +85,7 @@ def _prepare_op(qkv: torch.Tensor, heads: int, kv_heads: int, norm: bool, q_weig
     except Exception as exc:  # Triton's compile and launch errors share no base class
         if IMPLEMENTATION != "auto":
             raise
-        # "auto" must not cost a rollout: torch for the rest of the process, said once
-        _AUTO_FAILURE = triton_support.failure(exc)
-        warnings.warn(f"decode q/k/v: the Triton kernel failed ({_AUTO_FAILURE}); using torch", RuntimeWarning,
-                      stacklevel=2)
+        _AUTO_FAILURE = triton_support.give_up("decode q/k/v", exc, "torch")
         return _torch_prepare(qkv, heads, kv_heads, *weights, eps, cos, sin, key_cache, value_cache, slot)
 
 

@@ -135,7 +135,6 @@ class FusedAttention(nn.Module):
                                  scaling=self.scaling, **extra, **kwargs)
         return project(self.o_proj, out.reshape(*input_shape, -1).contiguous()), weights
 
-
     def _writes_decode_column(self, qkv: torch.Tensor, cache) -> bool:
         """Whether this forward is a decode step (one token per row) over static_decode's
         cache that `decode_qkv`'s kernel can take (q and k norms of one eps)."""

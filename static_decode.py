@@ -284,12 +284,13 @@ def top_k_and_logsumexp(logits: torch.Tensor, k: int, block: int | None
         logits = torch.nn.functional.pad(logits, (0, blocks * block - vocab), value=-math.inf)
     tiles = logits.view(rows, blocks, block)
     block_max = tiles.amax(-1)
-    row_max = block_max.float().amax(-1, keepdim=True)
+    block_max32 = block_max.float()
+    row_max = block_max32.amax(-1, keepdim=True)
     # Shifts of 0 where a maximum is -inf: a block (or row) of -inf logits adds 0, not NaN.
-    block_shift = torch.where(block_max.isfinite(), block_max.float(), 0.0)
+    block_shift = torch.where(block_max32.isfinite(), block_max32, 0.0)
     row_shift = torch.where(row_max.isfinite(), row_max, 0.0)
     block_sum = (tiles.float() - block_shift[..., None]).exp().sum(-1)
-    logsumexp = row_shift.squeeze(-1) + (block_sum * (block_max.float() - row_shift).exp()).sum(-1).log()
+    logsumexp = row_shift.squeeze(-1) + (block_sum * (block_max32 - row_shift).exp()).sum(-1).log()
     chosen = block_max.topk(k, dim=-1).indices  # [B, k] blocks
     searched = tiles.gather(1, chosen[..., None].expand(rows, k, block)).view(rows, k * block)
     values, position = searched.topk(k, dim=-1)

@@ -1,9 +1,10 @@
 """What the decode step's Triton kernels (decode_attention, decode_qkv, decode_matmul) share:
 whether a device can run them, its multiprocessor count, and how a failed kernel is named
-in the warning of an "auto" fallback. Triton is imported only to check that it imports."""
+in the warning of an "auto" fallback (`give_up`). Triton is imported only to check that it imports."""
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -42,3 +43,12 @@ def failure(exc: BaseException) -> str:
     """One line naming a kernel's failure (Triton's compile and launch errors share no base class)."""
     message = str(exc).splitlines()[0][:300] if str(exc) else ""
     return f"{type(exc).__name__}: {message}"
+
+
+def give_up(kernel: str, exc: BaseException, fallback: str) -> str:
+    """Under "auto" a kernel's failure must not cost a rollout: warn once that `fallback`
+    takes over and return the failure's one line, which the caller keeps so that "auto"
+    stops choosing the kernel for the rest of the process."""
+    reason = failure(exc)
+    warnings.warn(f"{kernel}: the Triton kernel failed ({reason}); using {fallback}", RuntimeWarning, stacklevel=3)
+    return reason

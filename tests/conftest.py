@@ -33,7 +33,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-
 @pytest.fixture
 def interpreted_triton():
     """Triton's CPU interpreter, where the kernels' tests run (the decode_* modules); with a
