@@ -10,12 +10,14 @@ Every function here takes the decode loop's layout and returns the same thing:
 - `sdpa`: torch's scaled_dot_product_attention, whichever backend torch picks (on an H200
   with a boolean mask, cuDNN's flash kernel: built for long queries, it reads the cache at
   1.3-2.3 TB/s for one token, BENCHMARKS.md section 2.3);
-- `split_kv`: a Triton "flash-decoding" kernel: one program per (row, KV head, chunk of
-  columns) streams K and V once, only the attended columns (left padding and the
-  window's unwritten end are not read), keeping the running max / sum / weighted sum of the
-  online softmax in float32 on chip (the query heads of a KV head are the rows of one
-  tensor-core tile); with several chunks a second kernel rescales each chunk to the
-  overall max and normalises once. Runs wherever Triton does: CUDA, and Triton's CPU
+- `split_kv`: a Triton "flash-decoding" kernel: one program per (row, KV head, chunk)
+  streams K and V once, keeping the running max / sum / weighted sum of the online softmax
+  in float32 on chip (the query heads of a KV head are the rows of one tensor-core tile);
+  with several chunks a second kernel rescales each chunk to the overall max and
+  normalises once. Each row's loop covers only the blocks of columns from its first to
+  its last attended one (`SPLIT_SPAN`), split evenly between its chunks: the left padding
+  of short prompts and the window's unwritten end cost no iterations, and masked columns
+  inside the span are not read. Runs wherever Triton does: CUDA, and Triton's CPU
   interpreter, where the tests run it.
 
 `IMPLEMENTATIONS` names them ("auto": split_kv on CUDA when Triton imports, else sdpa);
@@ -74,15 +76,18 @@ def sdpa(query, key, value, mask, scale=None) -> torch.Tensor:
 # The Triton kernel's launch configuration (BENCHMARKS.md section 2.3 measured the choices):
 # columns per loop iteration, warps, software-pipeline stages; and the query rows a
 # tensor-core tile needs (a KV head's query heads, 2 for Qwen3-1.7B, are padded up to it).
-SPLIT_BLOCK, SPLIT_WARPS, SPLIT_STAGES, SPLIT_ROWS = 64, 4, 4, 16
+SPLIT_BLOCK, SPLIT_WARPS, SPLIT_STAGES, SPLIT_ROWS = 64, 4, 3, 16
 SPLIT_CHUNKS: int | None = None  # chunks per (row, KV head); None: `split_count` decides
+# Loop over each row's attended span only (first to last attended block); False: over every
+# block of the columns passed, masked ones included (the kernel before; kept for comparison).
+SPLIT_SPAN = True
 
 
 def split_count(batch_heads: int, columns: int, processors: int, block: int) -> int:
     """Chunks per (row, KV head): at least one program per multiprocessor, each chunk at
     least two blocks of columns. (At 32 rows x 8 KV heads on an H200 that is one chunk: with
-    4 pipeline stages the fastest configuration measured; two chunks at 4 stages were not
-    measured, and smaller batches, which split, were not measured either.)"""
+    the span loop at 3 pipeline stages the fastest configuration measured, 2 to 4 chunks
+    were slower; smaller batches, which split, were not measured.)"""
     by_occupancy = max(1, -(-processors // batch_heads))
     by_length = max(1, columns // (2 * block))
     return min(by_occupancy, by_length)
@@ -97,8 +102,8 @@ def split_kv_unsupported(groups: int, dim: int) -> str | None:
 
 
 def split_kv(query, key, value, mask, scale=None, chunks: int | None = None, *, block: int | None = None,
-             warps: int | None = None, stages: int | None = None) -> torch.Tensor:
-    """The Triton kernel; `chunks`, `block`, `warps`, `stages` default to the SPLIT_* settings.
+             warps: int | None = None, stages: int | None = None, span: bool | None = None) -> torch.Tensor:
+    """The Triton kernel; `chunks`, `block`, `warps`, `stages`, `span` default to the SPLIT_* settings.
     Every row must attend to at least one column (a fully masked row would be 0 / 0: NaN;
     the decode loop's rows always attend to the token just fed)."""
     batch, heads, groups, dim = query.shape
@@ -109,6 +114,7 @@ def split_kv(query, key, value, mask, scale=None, chunks: int | None = None, *, 
     scale = dim ** -0.5 if scale is None else scale
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     block, warps, stages = block or SPLIT_BLOCK, warps or SPLIT_WARPS, stages or SPLIT_STAGES
+    span = SPLIT_SPAN if span is None else span
     chunks = chunks or SPLIT_CHUNKS or split_count(batch * heads, columns, triton_support.processors(query.device), block)
     chunk = -(-columns // chunks)
     chunk = -(-chunk // block) * block
@@ -124,8 +130,11 @@ def split_kv(query, key, value, mask, scale=None, chunks: int | None = None, *, 
     running = out if chunks == 1 else torch.empty(2, batch, heads, chunks, groups, dtype=torch.float32,
                                                   device=query.device)
     kernel, combine = _split_kv_kernels()
-    # BLOCKS is a compile-time constant: one compilation per chunk length (per KV window), since
-    # Triton 3.6's CPU interpreter, where the tests run the kernel, cannot loop to a run-time bound
+    # Triton 3.6's CPU interpreter, where the tests run the kernel, cannot loop to a run-time
+    # bound: there the loop makes BLOCKS (a compile-time constant, the longest chunk) trips and
+    # masks the blocks outside the program's share of the span; compiled, it makes just as many
+    # trips as its share has blocks. Both attend to the same columns in the same order (a
+    # masked block changes no running sum). Without the span both make BLOCKS trips.
     kernel[(batch * heads, chunks)](
         query, key, value, valid.view(torch.uint8), partial, running,
         query.stride(0), query.stride(1), query.stride(2),
@@ -134,6 +143,7 @@ def split_kv(query, key, value, mask, scale=None, chunks: int | None = None, *, 
         valid.stride(0),
         heads, columns, float(scale),
         GROUPS=groups, ROWS=SPLIT_ROWS, DIM=dim, BLOCK=block, BLOCKS=chunk // block, SINGLE=chunks == 1,
+        SPAN=triton_support.next_power_of_2(columns) if span else 0, RUNTIME_TRIPS=query.is_cuda and span,
         num_warps=warps, num_stages=stages)
     if chunks > 1:
         combine[(batch * heads * groups,)](partial, running, out, chunks, batch * heads * chunks * groups,
@@ -143,7 +153,7 @@ def split_kv(query, key, value, mask, scale=None, chunks: int | None = None, *, 
 
 def launch_settings() -> tuple:
     """The SPLIT_* settings, which a recorded CUDA graph bakes in (part of its key)."""
-    return SPLIT_BLOCK, SPLIT_WARPS, SPLIT_STAGES, SPLIT_CHUNKS
+    return SPLIT_BLOCK, SPLIT_WARPS, SPLIT_STAGES, SPLIT_CHUNKS, SPLIT_SPAN
 
 
 @functools.cache
@@ -157,9 +167,11 @@ def _split_kv_kernels():
                q_sb, q_sh, q_sg, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, valid_sb,
                heads, columns, scale,
                GROUPS: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
-               BLOCKS: tl.constexpr, SINGLE: tl.constexpr):
+               BLOCKS: tl.constexpr, SINGLE: tl.constexpr, SPAN: tl.constexpr, RUNTIME_TRIPS: tl.constexpr):
         """One (row, KV head, chunk): running max / sum / weighted sum of V over the chunk's
-        columns (flash attention's online softmax), float32 on chip."""
+        columns (flash attention's online softmax), float32 on chip. SPAN > 0 (a power of two
+        >= columns): the row's blocks from its first to its last attended column are split
+        between the chunks; 0: every block of the columns is (BLOCKS to a chunk)."""
         row_head = tl.program_id(0)
         part = tl.program_id(1)
         parts = tl.num_programs(1)
@@ -172,10 +184,20 @@ def _split_kv_kernels():
         best = tl.full([ROWS], float("-inf"), tl.float32)
         total = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, DIM], tl.float32)
-        start = part * BLOCKS * BLOCK
-        for i in range(BLOCKS):  # the last chunk may end past the columns
-            n = start + i * BLOCK + tl.arange(0, BLOCK)
-            keep = tl.load(valid_ptr + b * valid_sb + n, mask=n < columns, other=0) != 0
+        if SPAN > 0:
+            c = tl.arange(0, SPAN)
+            attended = tl.load(valid_ptr + b * valid_sb + c, mask=c < columns, other=0) != 0
+            first = tl.min(tl.where(attended, c, columns), 0) // BLOCK
+            end = (tl.max(tl.where(attended, c, -1), 0) + BLOCK) // BLOCK  # one past the last attended block
+            share = tl.maximum(tl.cdiv(end - first, parts), 0)
+            start = first + part * share
+            stop = tl.minimum(start + share, end)
+        else:
+            start = part * BLOCKS
+            stop = start + BLOCKS
+        for i in range(stop - start if RUNTIME_TRIPS else BLOCKS):  # the last chunk may end past the columns
+            n = (start + i) * BLOCK + tl.arange(0, BLOCK)
+            keep = tl.load(valid_ptr + b * valid_sb + n, mask=(n < columns) & (start + i < stop), other=0) != 0
             # Masked columns (left padding, the window's unwritten end) are not read: their
             # scores become -inf below, and predicated-off loads move no memory.
             k = tl.load(k_ptr + b * k_sb + h * k_sh + n[:, None] * k_sn + d[None, :], mask=keep[:, None],

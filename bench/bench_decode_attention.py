@@ -3,14 +3,18 @@
     python bench/bench_decode_attention.py --json OUT.json          # GPU
 
 Qwen3-1.7B's attention shape at the rollout bench's batch: 32 rows x 8 KV heads x 2 query
-heads per KV head x head dim 128, a bf16 cache of 1,216 columns with random left padding,
-read up to a window limit (the decode loop's KV windows). Per implementation and limit:
+heads per KV head x head dim 128, a bf16 cache of 1,216 columns with random left padding
+(`--padding`, default 0-99 columns a row), read up to a window limit (the decode loop's KV
+windows), the last `--unwritten` columns before the limit masked (the window's unwritten
+end). Per implementation and limit:
 28 calls (one per layer, each layer its own K/V buffers, so the cache is not served from
-L2) recorded in one CUDA graph and replayed; microseconds per call, the K/V read rate,
-and the largest difference from a float64 reference.
+L2) recorded in one CUDA graph and replayed; microseconds per call, the K/V read rate over
+the window's columns and over the attended ones only, and the largest difference from a
+float64 reference.
 
 Implementations: those of `decode_attention` (sdpa = torch's pick; split_kv with its
-defaults and with the launch configurations of SPLIT_SWEEP) and, for comparison only, sdpa
+defaults, `split_kv[nospan]` looping over every block of the window, and the launch
+configurations of SPLIT_SWEEP) and, for comparison only, sdpa
 with one backend forced, the bmm-softmax-bmm form (eager and under torch.compile) and
 torch's flex_attention (compiled).
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -30,9 +35,14 @@ import torch
 import decode_attention
 
 LAYERS, BATCH, KV_HEADS, GROUPS, DIM, LENGTH = 28, 32, 8, 2, 128, 1216
-# (block, warps, stages, chunks) of split_kv to measure (chunks None: split_count decides)
-SPLIT_SWEEP = [(64, 4, 2, 1), (64, 4, 2, 2), (64, 4, 2, 4), (32, 4, 2, 1), (128, 4, 2, 1), (128, 8, 2, 1),
-               (64, 4, 3, 1), (64, 4, 4, 1), (128, 8, 3, 1), (32, 2, 3, None), (128, 8, 3, None)]
+# (block, warps, stages, chunks, span) of split_kv to measure (chunks None: split_count decides;
+# span: loop over each row's attended span only, decode_attention.SPLIT_SPAN)
+SPLIT_SWEEP = [(64, 4, 2, 1, False), (64, 4, 2, 2, False), (64, 4, 2, 4, False), (32, 4, 2, 1, False),
+               (128, 4, 2, 1, False), (128, 8, 2, 1, False), (64, 4, 3, 1, False), (64, 4, 4, 1, False),
+               (128, 8, 3, 1, False), (32, 2, 3, None, False), (128, 8, 3, None, False),
+               (64, 4, 2, 1, True), (64, 4, 3, 1, True), (64, 4, 2, 2, True), (64, 4, 3, 2, True),
+               (64, 4, 4, 2, True), (64, 4, 3, 3, True), (64, 4, 4, 4, True), (32, 4, 3, 2, True),
+               (32, 4, 4, 4, True), (128, 8, 3, 2, True), (128, 4, 2, 2, True)]
 
 
 def reference(query, key, value, mask, scale):
@@ -82,11 +92,11 @@ def candidates(limit_names: list[str]) -> dict:
         "sdpa[efficient]": forced(SDPBackend.EFFICIENT_ATTENTION),
         "bmm": bmm,
         "split_kv": decode_attention.split_kv,
+        "split_kv[nospan]": functools.partial(decode_attention.split_kv, span=False),
     }
-    # split_kv launch configurations: chunks at the default block, then block x warps x stages
-    for config in SPLIT_SWEEP:
-        table["split_kv[{},{},{},{}]".format(*config)] = functools.partial(
-            decode_attention.split_kv, block=config[0], warps=config[1], stages=config[2], chunks=config[3])
+    for block, warps, stages, chunks, span in SPLIT_SWEEP:
+        table[f"split_kv[{block},{warps},{stages},{chunks}{',span' if span else ''}]"] = functools.partial(
+            decode_attention.split_kv, block=block, warps=warps, stages=stages, chunks=chunks, span=span)
     table.update({"bmm[compiled]": compiled_bmm, "flex[compiled]": flex})  # last: they compile per limit
     return {name: fn for name, fn in table.items() if not limit_names or name in limit_names}
 
@@ -100,9 +110,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", required=True)
     parser.add_argument("--limits", default="320,768,1216")
-    parser.add_argument("--only", default="", help="comma-separated implementation names (default: all)")
+    parser.add_argument("--only", default="", help="comma-separated implementation names (default: all); "
+                        "the commas inside a name's brackets belong to the name")
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--budget-s", type=float, default=200)
+    parser.add_argument("--padding", default="0,100", help="left padding per row: LOW,HIGH (HIGH excluded)")
+    parser.add_argument("--unwritten", type=int, default=0, help="masked columns before each limit")
     opts = parser.parse_args()
     start = time.time()
     device = torch.device("cuda")
@@ -111,19 +124,21 @@ def main() -> int:
     values = [torch.randn(BATCH, KV_HEADS, LENGTH, DIM, generator=gen).to(device, torch.bfloat16)
               for _ in range(LAYERS)]
     query = (torch.randn(BATCH, KV_HEADS, GROUPS, DIM, generator=gen) * 3).to(device, torch.bfloat16)
-    padding = torch.randint(0, 100, (BATCH,), generator=gen)
+    low, high = (int(x) for x in opts.padding.split(","))
+    padding = torch.randint(low, high, (BATCH,), generator=gen)
     valid = (torch.arange(LENGTH)[None, :] >= padding[:, None]).to(device)
     scale = DIM ** -0.5
     shape = {"layers": LAYERS, "batch": BATCH, "kv_heads": KV_HEADS, "groups": GROUPS, "head_dim": DIM,
-             "cache": LENGTH}
+             "cache": LENGTH, "padding": [low, high], "unwritten": opts.unwritten}
     results = {"machine": common.machine(), "shape": shape, "rows": []}
     limits = [int(x) for x in opts.limits.split(",")]
-    for name, fn in candidates([n for n in opts.only.split(",") if n]).items():
+    for name, fn in candidates([n for n in re.split(r",(?![^\[]*\])", opts.only) if n]).items():
         for limit in limits:
             if time.time() - start > opts.budget_s:
                 results["rows"].append({"impl": name, "limit": limit, "status": "skipped (budget)"})
                 continue
-            mask = valid[:, None, None, :limit]
+            mask = valid[:, None, None, :limit].clone()
+            mask[..., max(0, limit - opts.unwritten):] = False
             row = {"impl": name, "limit": limit}
             try:
                 def layers(fn=fn, limit=limit, mask=mask):
@@ -151,13 +166,16 @@ def main() -> int:
                 torch.cuda.synchronize()
                 us = begin.elapsed_time(end) * 1000 / opts.replays / LAYERS
                 read = 2 * BATCH * KV_HEADS * limit * DIM * 2
-                row.update(status="ok", us_per_call=us, kv_read_tb_s=read / us / 1e6)
+                attended = 2 * KV_HEADS * int(mask.sum()) * DIM * 2
+                row.update(status="ok", us_per_call=us, kv_read_tb_s=read / us / 1e6,
+                           attended_tb_s=attended / us / 1e6)
                 del graph
             except Exception as exc:  # noqa: BLE001 - report any kernel's failure and go on
                 row.update(status=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
             results["rows"].append(row)
             print(f"[attention] {name} limit={limit}: " + (
-                f"{row['us_per_call']:.1f} us/call, {row['kv_read_tb_s']:.2f} TB/s, max err {row['max_abs_err']:.2e}"
+                f"{row['us_per_call']:.1f} us/call, {row['kv_read_tb_s']:.2f} TB/s over the window, "
+                f"{row['attended_tb_s']:.2f} attended, max err {row['max_abs_err']:.2e}"
                 if row.get("status") == "ok" else row["status"]), flush=True)
             common.write_json(opts.json, results)
     results["elapsed_s"] = time.time() - start
@@ -173,15 +191,18 @@ def summarize(results, limits) -> str:
         cells = []
         for limit in limits:
             row = rows.get(limit, {})
-            cells.append(f"{row['us_per_call']:.1f} ({row['kv_read_tb_s']:.2f})" if row.get("status") == "ok"
+            cells.append(f"{row['us_per_call']:.1f} ({row['kv_read_tb_s']:.2f} / {row['attended_tb_s']:.2f})"
+                         if row.get("status") == "ok"
                          else (row.get("status", "-")[:30]))
         errors = [r["max_abs_err"] for r in rows.values() if "max_abs_err" in r]
         table.append([name, *cells, f"{max(errors):.1e}" if errors else "-"])
-    header = ["implementation", *[f"L={limit}: us (TB/s)" for limit in limits], "max |err| vs float64"]
+    header = ["implementation", *[f"L={limit}: us (TB/s window / attended)" for limit in limits],
+              "max |err| vs float64"]
     split = {name: sum(r["us_per_call"] for r in rows.values()) for name, rows in by_impl.items()
              if name.startswith("split_kv") and all(rows.get(x, {}).get("status") == "ok" for x in limits)}
     best = min(split, key=split.get) if split else "-"
-    return (f"## Decode attention per call (x{LAYERS} layers in one graph), {results['machine']}\n\n"
+    return (f"## Decode attention per call (x{LAYERS} layers in one graph), left padding "
+            f"{results['shape']['padding']}, unwritten {results['shape']['unwritten']}, {results['machine']}\n\n"
             + common.markdown_table(header, table) + f"\n\nfastest split_kv (sum over the limits): {best}")
 
 

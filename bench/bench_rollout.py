@@ -36,7 +36,8 @@ from rollout import TransformersBackend
 from sampling import SamplingSettings
 from static_decode import DECODE_ATTENTION, StaticDecoder
 
-FLAGS = ("merged", "fullkv", "unfused", "autotune", "torchmm")  # configuration suffixes besides attn=NAME
+# configuration suffixes besides attn=NAME, qkv=NAME, topk=N
+FLAGS = ("merged", "fullkv", "unfused", "autotune", "torchmm", "nospan")
 
 PAD_ID, EOS_IDS = 151643, [151645, 151643]
 
@@ -152,6 +153,7 @@ def profile_decode_step(state, steps: int, log) -> dict:
     first = state.limits[middle - 1] if middle else state.width
     state.slot.fill_(first)
     state.column.fill_(first - state.width + 1)
+    state.valid[:, first:] = False  # as in a rollout: the columns from the fed token's on are not written yet
     network, was_training = state.model, state.model.training
     network.eval()  # as inside a rollout: no grad, eval mode, the decode attention routed
     cuda = torch.cuda.is_available()
@@ -171,6 +173,7 @@ def profile_decode_step(state, steps: int, log) -> dict:
         if cuda and state.graphs is not None:  # the recorded step's wall time, gaps between kernels included
             state.slot.fill_(first)
             state.column.fill_(first - state.width + 1)
+            state.valid[:, first:] = False
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             replays = min(32, limit - first - 1)
             begin.record()
@@ -289,7 +292,8 @@ def main(argv=None) -> int:
                         "decode_matmul's split-K kernel, '+qkv=NAME' the q/k norms, rotary and cache writes (decode_qkv.IMPLEMENTATIONS), "
                         "'+topk=N' searches the sampler's top-k in blocks of N logits ('+topk=torch': one torch.topk), "
                         "'+attn=NAME' picks the decode attention kernel "
-                        "(decode_attention.IMPLEMENTATIONS)")
+                        "(decode_attention.IMPLEMENTATIONS), '+nospan' makes split_kv loop over every block of the "
+                        "window (SPLIT_SPAN off)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="profile this many decode steps (CUDA time per kernel) of each graph engine")
     parser.add_argument("--split-config", default="",
@@ -395,9 +399,11 @@ def main(argv=None) -> int:
         defaults = {key: getattr(static_decode, key) for key in overrides}
         vars(static_decode).update(overrides)
         kernel_defaults = {module: module.IMPLEMENTATION for module in (decode_matmul, decode_qkv)}
+        span = decode_attention.SPLIT_SPAN
         decode_matmul.IMPLEMENTATION = "torch" if "torchmm" in flags else decode_matmul.IMPLEMENTATION
         decode_qkv.IMPLEMENTATION = next((o.split("=", 1)[1] for o in flags if o.startswith("qkv=")),
                                          decode_qkv.IMPLEMENTATION)
+        decode_attention.SPLIT_SPAN = span and "nospan" not in flags
         try:
             timings.append(run_config(model, name, impl, rows, settings, repeats, log, merge_lora,
                                       opts.profile_steps))
@@ -405,6 +411,7 @@ def main(argv=None) -> int:
             vars(static_decode).update(defaults)
             for module, implementation in kernel_defaults.items():
                 module.IMPLEMENTATION = implementation
+            decode_attention.SPLIT_SPAN = span
         results["timings"] = timings
         common.write_json(opts.json, results)
     results["timings"] = timings

@@ -69,6 +69,24 @@ def test_split_kv_does_not_read_masked_columns(interpreted_triton, chunks):
     assert bool(hidden.any()) and (got.double() - expected).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_split_kv_loops_over_each_rows_attended_span(interpreted_triton, chunks):
+    """Rows whose attended columns start and end anywhere (left padding, holes, an unwritten
+    end, one row attending to a single middle column): the span loop attends to exactly the
+    masked-in columns, as the loop over every block does."""
+    query, key, value, _ = case(4, 2, 2, 16, 150, torch.float32, seed=5)
+    columns = torch.arange(150)
+    mask = torch.stack([(columns >= 3) & (columns < 140),                      # padding and an unwritten end
+                        (columns >= 40) & (columns % 7 != 0) & (columns < 101),  # holes inside the span
+                        columns == 77,                                          # one column, mid-block
+                        torch.ones(150, dtype=torch.bool)])[:, None, None, :]
+    expected = reference(query, key, value, mask, 0.3)
+    spanned = decode_attention.split_kv(query, key, value, mask, 0.3, chunks, block=16, span=True)
+    every_block = decode_attention.split_kv(query, key, value, mask, 0.3, chunks, block=16, span=False)
+    assert (spanned.double() - expected).abs().max().item() < 1e-5
+    assert (every_block.double() - expected).abs().max().item() < 1e-5
+
+
 def test_sdpa_matches_float64_attention():
     query, key, value, mask = case(3, 2, 2, 16, 50, torch.float64)
     got = decode_attention.sdpa(query, key, value, mask, 0.25)
