@@ -429,9 +429,10 @@ class _DecodeState:
         self.slot.zero_()
         self.column.zero_()
         # Prefill: causal and padding mask; a pad row attends to itself only (no all-masked rows).
+        # Over the prompt's columns only: `_attention` reads the cache as far as the mask reaches.
         rows = torch.arange(width, device=input_ids.device)[:, None]
-        cols = torch.arange(self.length, device=input_ids.device)[None, :]
-        mask = ((cols <= rows) & self.valid[:, None, None, :]) | (cols == rows)
+        cols = torch.arange(width, device=input_ids.device)[None, :]
+        mask = ((cols <= rows) & self.valid[:, None, None, :width]) | (cols == rows)
         position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         logits = self._forward(input_ids, position_ids, mask)
         self._draw_noise()
@@ -544,13 +545,15 @@ def _compiled_decode_step():
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """sdpa over the preallocated cache under a boolean mask. One query token: the
     query heads sharing a KV head become query rows of that head (no repeated K/V,
-    the cache is read once); several (the prefill): K/V repeated per query head."""
+    the cache is read once); several (the prefill): the cache's first columns, as many as
+    the mask has (the prompt's: the rest is not written yet), K/V repeated per query head."""
     batch, heads, q_len, dim = query.shape
     groups = heads // key.shape[1]
     if q_len == 1:
         packed = query.reshape(batch, key.shape[1], groups, dim)
         out = _decode_attention(packed, key, value, attention_mask, scaling)
         return out.reshape(batch, heads, 1, dim).transpose(1, 2), None
+    key, value = key[:, :, :attention_mask.shape[-1]], value[:, :, :attention_mask.shape[-1]]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
