@@ -1,0 +1,109 @@
+"""Where one rollout call's time goes: the merged copy's refresh, the prefill, the decode loop.
+
+    python bench/rollout_phases.py                 # GPU: Qwen3-1.7B shape, 32 prompts x 1024 and x 4 new tokens
+    python bench/rollout_phases.py --shape tiny    # CPU smoke run of the same code
+
+The model, prompts and sampling are bench_rollout.py's (the trainer's LoRA model, the
+trainer's engine on CUDA, `graph_compiled` with the merged copy (on a CPU the same loop
+runs uncompiled), recipe sampling). Each phase is timed with the
+device synchronised before and after it, so the phases add up to the call:
+- `refresh`: `StaticDecoder.network` (the merged copy rebuilt from base + LoRA);
+- `prefill`: the one forward over the left-padded prompts;
+- `decode`: the rest of `_DecodeState.run` (the decode loop, EOS checks, the copy to the host);
+- `call`: `TransformersBackend.generate` as the trainer calls it.
+The first call of each length (compilation, graph recording) is not reported.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+import torch
+
+import static_decode
+from bench_rollout import EOS_IDS, PAD_ID, prompts
+from model_utils import causal_lm
+from rollout import TransformersBackend
+from sampling import SamplingSettings
+
+PHASES = (("refresh", static_decode.StaticDecoder, "network"), ("prefill", static_decode._DecodeState, "_forward"),
+          ("run", static_decode._DecodeState, "run"), ("call", TransformersBackend, "generate"))
+
+
+def timed_phases(totals: dict):
+    """Wrap the PHASES' methods so that each call adds its synchronised wall time to `totals`;
+    returns a function that puts the originals back."""
+    originals = []
+    for phase, owner, name in PHASES:
+        method = owner.__dict__[name]
+
+        def wrapper(*args, _method=method, _phase=phase, **kwargs):
+            common.sync()
+            begin = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                common.sync()
+                totals[_phase] += time.perf_counter() - begin
+
+        originals.append((owner, name, method))
+        setattr(owner, name, wrapper)
+
+    def restore():
+        for owner, name, method in originals:
+            setattr(owner, name, method)
+
+    return restore
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default=None, help="qwen3-1.7b (default on a GPU) or tiny (default on a CPU)")
+    parser.add_argument("--new-tokens", default=None, help="comma-separated lengths (default 1024,4; tiny: 16,4)")
+    parser.add_argument("--calls", type=int, default=3, help="timed calls per length, after the first")
+    parser.add_argument("--json", default=None)
+    opts = parser.parse_args(argv)
+    shape = opts.shape or ("qwen3-1.7b" if torch.cuda.is_available() else "tiny")
+    tiny = shape == "tiny"
+    lengths = [int(x) for x in (opts.new_tokens or ("16,4" if tiny else "1024,4")).split(",")]
+    model = common.build_lora_model(shape)
+    model.train()  # as in the trainer between rollouts
+    if not tiny:
+        common.set_checkpointing(model, 1)
+    rows = prompts(32, 8 if tiny else 150, 24 if tiny else 300)
+    results = {"shape": shape, "machine": common.machine(), "prompts": len(rows), "calls": []}
+    totals: dict = collections.defaultdict(float)
+    restore = timed_phases(totals)
+    try:
+        for new_tokens in lengths:
+            settings = SamplingSettings(temperature=1.1, top_p=0.95, top_k=20, max_new_tokens=new_tokens, seed=7)
+            backend = TransformersBackend(model, pad_token_id=PAD_ID, eos_token_ids=EOS_IDS, batch_size=len(rows),
+                                          cache_implementation="graph_compiled", merge_lora=True)
+            backend.generate(rows, settings)  # compiles and records
+            for _ in range(opts.calls):
+                totals.clear()
+                backend.generate(rows, settings)
+                ms = {phase: round(totals[phase] * 1000, 1) for phase, _, _ in PHASES}
+                row = {"new_tokens": new_tokens, "refresh_ms": ms["refresh"], "prefill_ms": ms["prefill"],
+                       "decode_ms": round(ms["run"] - ms["prefill"], 1), "call_ms": ms["call"]}
+                results["calls"].append(row)
+                print("[phases] " + " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+            decoder = static_decode.StaticDecoder._instances.get(causal_lm(model))
+            if decoder is not None:
+                decoder.release()
+            common.free_memory()
+    finally:
+        restore()
+    table = [[r["new_tokens"], r["refresh_ms"], r["prefill_ms"], r["decode_ms"], r["call_ms"]] for r in results["calls"]]
+    report = (f"## One rollout call's phases, {shape}, {len(rows)} prompts ({results['machine']})\n\n"
+              + common.markdown_table(["new tokens", "refresh (ms)", "prefill (ms)", "decode (ms)", "call (ms)"], table))
+    return common.finish(results, opts.json, report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
