@@ -57,6 +57,7 @@ _ATTENTION_NAME = "opsd_static_decode"
 # Decode attention reads the KV cache up to the end of the current window of this many
 # new-token columns (one recorded graph per window), not the whole preallocated cache:
 # on average about half of a long rollout's cache is not written yet. None: read it all.
+# (split_kv's loop also stops at each row's last attended column; sdpa reads the window.)
 KV_WINDOW = 128
 # The kernel of the decode step's attention (`decode_attention.IMPLEMENTATIONS`; "auto" =
 # the Triton split-KV kernel on CUDA, torch's sdpa elsewhere), read when a window's step is recorded.
