@@ -171,7 +171,8 @@ def _split_kv_kernels():
         """One (row, KV head, chunk): running max / sum / weighted sum of V over the chunk's
         columns (flash attention's online softmax), float32 on chip. SPAN > 0 (a power of two
         >= columns): the row's blocks from its first to its last attended column are split
-        between the chunks; 0: every block of the columns is (BLOCKS to a chunk)."""
+        between the chunks; SPAN 0: chunk `part` takes the BLOCKS blocks from part x BLOCKS on,
+        attended or not."""
         row_head = tl.program_id(0)
         part = tl.program_id(1)
         parts = tl.num_programs(1)
