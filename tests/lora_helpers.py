@@ -1,12 +1,15 @@
 """A LoRA adapter that acts, for tests: peft's fresh adapters are no-ops (B = 0)."""
 import copy
+import math
 
 import torch
 
 
 def acting_lora(model, targets, r: int, dtype=None, seed: int = 0):
     """peft LoRA (alpha 2r, no dropout) over a deep copy of `model` (cast to `dtype` if given),
-    every B matrix drawn 0.3 x N(0, 1) from a generator seeded with `seed`."""
+    every A matrix drawn as peft draws it (Kaiming-uniform) and every B matrix 0.3 x N(0, 1),
+    both from a generator seeded with `seed`: peft draws A from the global generator, which
+    would make the adapter depend on whatever ran before in the process."""
     from peft import LoraConfig, get_peft_model
 
     base = copy.deepcopy(model)
@@ -17,6 +20,8 @@ def acting_lora(model, targets, r: int, dtype=None, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
+            if "lora_A" in name:
+                torch.nn.init.kaiming_uniform_(param, a=math.sqrt(5), generator=gen)
+            elif "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=gen).to(param.dtype) * 0.3)
     return peft_model
