@@ -554,8 +554,7 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
         packed = query.reshape(batch, key.shape[1], groups, dim)
         out = _decode_attention(packed, key, value, attention_mask, scaling)
         return out.reshape(batch, heads, 1, dim).transpose(1, 2), None
-    if attention_mask is not None:
-        key, value = key[:, :, :attention_mask.shape[-1]], value[:, :, :attention_mask.shape[-1]]
+    key, value = key[:, :, :attention_mask.shape[-1]], value[:, :, :attention_mask.shape[-1]]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)

@@ -39,16 +39,12 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def failure(exc: BaseException) -> str:
-    """One line naming a kernel's failure (Triton's compile and launch errors share no base class)."""
-    message = str(exc).splitlines()[0][:300] if str(exc) else ""
-    return f"{type(exc).__name__}: {message}"
-
-
 def give_up(kernel: str, exc: BaseException, fallback: str) -> str:
     """Under "auto" a kernel's failure must not cost a rollout: warn once that `fallback`
-    takes over and return the failure's one line, which the caller keeps so that "auto"
-    stops choosing the kernel for the rest of the process."""
-    reason = failure(exc)
+    takes over and return the failure's one line (Triton's compile and launch errors share
+    no base class), which the caller keeps so that "auto" stops choosing the kernel for the
+    rest of the process."""
+    message = str(exc).splitlines()[0][:300] if str(exc) else ""
+    reason = f"{type(exc).__name__}: {message}"
     warnings.warn(f"{kernel}: the Triton kernel failed ({reason}); using {fallback}", RuntimeWarning, stacklevel=3)
     return reason

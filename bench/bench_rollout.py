@@ -48,6 +48,26 @@ def prompts(count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, PAD_ID, (n,), generator=gen).tolist() for n in lengths]
 
 
+def bench_prompts(count: int, tiny: bool) -> list[list[int]]:
+    """The benchmark's prompts: 150-300 tokens (tiny: 8-24), so left padding is exercised."""
+    return prompts(count, 8 if tiny else 150, 24 if tiny else 300)
+
+
+def recipe_sampling(max_new_tokens: int) -> SamplingSettings:
+    """The recipe's sampling (temperature 1.1, top-p 0.95, top-k 20), seeded."""
+    return SamplingSettings(temperature=1.1, top_p=0.95, top_k=20, max_new_tokens=max_new_tokens, seed=7)
+
+
+def trainer_model(shape: str):
+    """The LoRA model as the trainer holds it between rollouts: train mode (the backend
+    switches to eval and back), activation checkpointing on (but on the tiny shape)."""
+    model = common.build_lora_model(shape)
+    model.train()
+    if shape != "tiny":
+        common.set_checkpointing(model, 1)
+    return model
+
+
 def base_fingerprint(model) -> str:
     """sha256 over every non-adapter parameter's bytes: the teacher's weights."""
     digest = hashlib.sha256()
@@ -151,9 +171,14 @@ def profile_decode_step(state, steps: int, log) -> dict:
     middle = len(state.limits) // 2
     limit = state.limits[middle]
     first = state.limits[middle - 1] if middle else state.width
-    state.slot.fill_(first)
-    state.column.fill_(first - state.width + 1)
-    state.valid[:, first:] = False  # as in a rollout: the columns from the fed token's on are not written yet
+
+    def rewind():
+        """To the window's first step, its columns from the fed token's on not written yet."""
+        state.slot.fill_(first)
+        state.column.fill_(first - state.width + 1)
+        state.valid[:, first:] = False
+
+    rewind()
     network, was_training = state.model, state.model.training
     network.eval()  # as inside a rollout: no grad, eval mode, the decode attention routed
     cuda = torch.cuda.is_available()
@@ -171,9 +196,7 @@ def profile_decode_step(state, steps: int, log) -> dict:
             sync()
         replay_ms = None
         if cuda and state.graphs is not None:  # the recorded step's wall time, gaps between kernels included
-            state.slot.fill_(first)
-            state.column.fill_(first - state.width + 1)
-            state.valid[:, first:] = False
+            rewind()
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             replays = min(32, limit - first - 1)
             begin.record()
@@ -313,12 +336,9 @@ def main(argv=None) -> int:
         print(msg, flush=True)
 
     log(f"[bench_rollout] shape={shape} machine: {common.machine()}")
-    model = common.build_lora_model(shape)
-    model.train()  # as in the trainer between rollouts; the backend switches to eval and back
-    if not tiny:
-        common.set_checkpointing(model, 1)  # the trainer's model has checkpointing on
-    rows = prompts(opts.prompts, 8 if tiny else 150, 24 if tiny else 300)
-    sampling = SamplingSettings(temperature=1.1, top_p=0.95, top_k=20, max_new_tokens=new_tokens, seed=7)
+    model = trainer_model(shape)
+    rows = bench_prompts(opts.prompts, tiny)
+    sampling = recipe_sampling(new_tokens)
     results = {"shape": shape, "machine": common.machine(), "prompts": opts.prompts,
                "prompt_lengths": [len(r) for r in rows], "new_tokens": new_tokens}
     teacher_before = base_fingerprint(model)
@@ -386,32 +406,32 @@ def main(argv=None) -> int:
             continue
         settings = SamplingSettings(**{**sampling.__dict__, "max_new_tokens": tokens})
         repeats = 1 if impl in (None, "static") else opts.repeats
-        overrides = {"DECODE_ATTENTION": attn}
+        # (module, setting) -> this configuration's value; every one is put back afterwards
+        overrides = {(static_decode, "DECODE_ATTENTION"): attn}
         if "fullkv" in flags:
-            overrides["KV_WINDOW"] = None  # attend over the whole cache
+            overrides[static_decode, "KV_WINDOW"] = None  # attend over the whole cache
         if "unfused" in flags:
-            overrides["FUSE_PROJECTIONS"] = False
+            overrides[static_decode, "FUSE_PROJECTIONS"] = False
         if "autotune" in flags:
-            overrides["DECODE_COMPILE_MODE"] = "max-autotune-no-cudagraphs"
+            overrides[static_decode, "DECODE_COMPILE_MODE"] = "max-autotune-no-cudagraphs"
         for option in (o for o in flags if o.startswith("topk=")):
             block = option.split("=", 1)[1]
-            overrides["SAMPLER_TOPK_BLOCK"] = None if block == "torch" else int(block)
-        defaults = {key: getattr(static_decode, key) for key in overrides}
-        vars(static_decode).update(overrides)
-        kernel_defaults = {module: module.IMPLEMENTATION for module in (decode_matmul, decode_qkv)}
-        span = decode_attention.SPLIT_SPAN
-        decode_matmul.IMPLEMENTATION = "torch" if "torchmm" in flags else decode_matmul.IMPLEMENTATION
-        decode_qkv.IMPLEMENTATION = next((o.split("=", 1)[1] for o in flags if o.startswith("qkv=")),
-                                         decode_qkv.IMPLEMENTATION)
-        decode_attention.SPLIT_SPAN = span and "nospan" not in flags
+            overrides[static_decode, "SAMPLER_TOPK_BLOCK"] = None if block == "torch" else int(block)
+        if "torchmm" in flags:
+            overrides[decode_matmul, "IMPLEMENTATION"] = "torch"
+        for option in (o for o in flags if o.startswith("qkv=")):
+            overrides[decode_qkv, "IMPLEMENTATION"] = option.split("=", 1)[1]
+        if "nospan" in flags:
+            overrides[decode_attention, "SPLIT_SPAN"] = False
+        saved = {(module, setting): getattr(module, setting) for module, setting in overrides}
         try:
+            for (module, setting), value in overrides.items():
+                setattr(module, setting, value)
             timings.append(run_config(model, name, impl, rows, settings, repeats, log, merge_lora,
                                       opts.profile_steps))
         finally:
-            vars(static_decode).update(defaults)
-            for module, implementation in kernel_defaults.items():
-                module.IMPLEMENTATION = implementation
-            decode_attention.SPLIT_SPAN = span
+            for (module, setting), value in saved.items():
+                setattr(module, setting, value)
         results["timings"] = timings
         common.write_json(opts.json, results)
     results["timings"] = timings

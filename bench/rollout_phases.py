@@ -26,10 +26,9 @@ import common
 import torch
 
 import static_decode
-from bench_rollout import EOS_IDS, PAD_ID, prompts
+from bench_rollout import EOS_IDS, PAD_ID, bench_prompts, recipe_sampling, trainer_model
 from model_utils import causal_lm
 from rollout import TransformersBackend
-from sampling import SamplingSettings
 
 PHASES = (("refresh", static_decode.StaticDecoder, "network"), ("prefill", static_decode._DecodeState, "_forward"),
           ("run", static_decode._DecodeState, "run"), ("call", TransformersBackend, "generate"))
@@ -71,17 +70,14 @@ def main(argv=None) -> int:
     shape = opts.shape or ("qwen3-1.7b" if torch.cuda.is_available() else "tiny")
     tiny = shape == "tiny"
     lengths = [int(x) for x in (opts.new_tokens or ("16,4" if tiny else "1024,4")).split(",")]
-    model = common.build_lora_model(shape)
-    model.train()  # as in the trainer between rollouts
-    if not tiny:
-        common.set_checkpointing(model, 1)
-    rows = prompts(32, 8 if tiny else 150, 24 if tiny else 300)
+    model = trainer_model(shape)
+    rows = bench_prompts(32, tiny)
     results = {"shape": shape, "machine": common.machine(), "prompts": len(rows), "calls": []}
     totals: dict = collections.defaultdict(float)
     restore = timed_phases(totals)
     try:
         for new_tokens in lengths:
-            settings = SamplingSettings(temperature=1.1, top_p=0.95, top_k=20, max_new_tokens=new_tokens, seed=7)
+            settings = recipe_sampling(new_tokens)
             backend = TransformersBackend(model, pad_token_id=PAD_ID, eos_token_ids=EOS_IDS, batch_size=len(rows),
                                           cache_implementation="graph_compiled", merge_lora=True)
             backend.generate(rows, settings)  # compiles and records
