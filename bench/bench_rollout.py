@@ -105,14 +105,19 @@ def run_config(model, name: str, impl, rows, settings, repeats: int, log, merge_
             decoder = StaticDecoder._instances[causal_lm(model)]
             result.update(graph_recorded=state.graphs is not None, graph_error=state.graph_error,
                           merged=decoder.merged is not None, merge_error=decoder.merge_error)
-            result["logprob_vs_trainer_forward"] = logprob_agreement(
-                model, rows, completions, decoder.sampled_logprobs(len(rows)))
+            engine_logprobs = decoder.sampled_logprobs(len(rows))
+            result["logprob_vs_trainer_forward"] = logprob_agreement(model, rows, completions, engine_logprobs)
+            # configurations that must not change the arithmetic can be checked bit for bit
+            result["samples_sha256"] = hashlib.sha256(repr(completions).encode()).hexdigest()[:16]
+            result["engine_logprobs_sha256"] = hashlib.sha256(
+                engine_logprobs.float().cpu().numpy().tobytes()).hexdigest()[:16]
             if profile_steps:
                 result["decode_step_profile"] = profile_decode_step(state, profile_steps, log)
         result["sampled_in_reference_top20"] = reference_consistency(model, rows, completions, k=20)
         log(f"[rollout] {name:22s} first={first:.1f}s timed={[f'{t:.2f}' for t in times]} "
             f"tokens={result['tokens']} tok/s={result['tokens_per_s']:,.0f} peak={result['peak_gib']:.1f}GiB "
-            f"graph={result.get('graph_recorded')} top20={result['sampled_in_reference_top20']['in_top_k']:.4f}")
+            f"graph={result.get('graph_recorded')} top20={result['sampled_in_reference_top20']['in_top_k']:.4f} "
+            f"samples={result.get('samples_sha256')} logprobs={result.get('engine_logprobs_sha256')}")
     except Exception as exc:  # noqa: BLE001 - report and go on with the next configuration
         result.update(status=f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
         log(f"[rollout] {name:22s} FAILED {result['status']}")
