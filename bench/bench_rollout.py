@@ -53,9 +53,9 @@ def bench_prompts(count: int, tiny: bool) -> list[list[int]]:
     return prompts(count, 8 if tiny else 150, 24 if tiny else 300)
 
 
-def recipe_sampling(max_new_tokens: int) -> SamplingSettings:
+def recipe_sampling(max_new_tokens: int, seed: int = 7) -> SamplingSettings:
     """The recipe's sampling (temperature 1.1, top-p 0.95, top-k 20), seeded."""
-    return SamplingSettings(temperature=1.1, top_p=0.95, top_k=20, max_new_tokens=max_new_tokens, seed=7)
+    return SamplingSettings(temperature=1.1, top_p=0.95, top_k=20, max_new_tokens=max_new_tokens, seed=seed)
 
 
 def trainer_model(shape: str):
@@ -110,7 +110,7 @@ def run_config(model, name: str, impl, rows, settings, repeats: int, log, merge_
             # configurations that must not change the arithmetic can be checked bit for bit
             result["samples_sha256"] = hashlib.sha256(repr(completions).encode()).hexdigest()[:16]
             result["engine_logprobs_sha256"] = hashlib.sha256(
-                engine_logprobs.float().cpu().numpy().tobytes()).hexdigest()[:16]
+                engine_logprobs.cpu().numpy().tobytes()).hexdigest()[:16]
             if profile_steps:
                 result["decode_step_profile"] = profile_decode_step(state, profile_steps, log)
         result["sampled_in_reference_top20"] = reference_consistency(model, rows, completions, k=20)
@@ -343,7 +343,6 @@ def main(argv=None) -> int:
     log(f"[bench_rollout] shape={shape} machine: {common.machine()}")
     model = trainer_model(shape)
     rows = bench_prompts(opts.prompts, tiny)
-    sampling = recipe_sampling(new_tokens)
     results = {"shape": shape, "machine": common.machine(), "prompts": opts.prompts,
                "prompt_lengths": [len(r) for r in rows], "new_tokens": new_tokens}
     teacher_before = base_fingerprint(model)
@@ -409,7 +408,7 @@ def main(argv=None) -> int:
             log(f"[bench_rollout] budget reached, skipping {name}")
             timings.append({"config": name, "status": "skipped (time budget)"})
             continue
-        settings = SamplingSettings(**{**sampling.__dict__, "max_new_tokens": tokens})
+        settings = recipe_sampling(tokens)
         repeats = 1 if impl in (None, "static") else opts.repeats
         # (module, setting) -> this configuration's value; every one is put back afterwards
         overrides = {(static_decode, "DECODE_ATTENTION"): attn}

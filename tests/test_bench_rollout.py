@@ -7,17 +7,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_rollout  # noqa: E402
 
-from sampling import SamplingSettings  # noqa: E402
-
 
 def test_digests_repeat_for_a_seed_and_change_with_it():
     model = bench_rollout.trainer_model("tiny")
     rows = bench_rollout.bench_prompts(4, tiny=True)
-    settings = bench_rollout.recipe_sampling(8)
     record = []
     for seed in (7, 7, 8):
         result = bench_rollout.run_config(model, "graph_compiled+merged", "graph_compiled", rows,
-                                          SamplingSettings(**{**settings.__dict__, "seed": seed}), 1,
+                                          bench_rollout.recipe_sampling(8, seed), 1,
                                           lambda msg: None, merge_lora=True)
         assert result["status"] == "ok", result["status"]
         record.append((result["samples_sha256"], result["engine_logprobs_sha256"]))
