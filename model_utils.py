@@ -6,6 +6,8 @@ these helpers never import each other for them.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -21,17 +23,27 @@ def model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+@contextlib.contextmanager
+def eval_mode(model):
+    """Run the model itself for sampling: eval mode switches off dropout (LoRA dropout
+    included) and gradient checkpointing; the caller's mode is restored after. (A walk
+    over every module each way: about 10 ms for a peft-wrapped 1.7B model on a fast CPU,
+    so engines that sample from a copy of their own skip it.)"""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 def left_pad(rows: list[list[int]], pad_token_id: int, device,
              width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack variable-length prompts, padded on the left (to `width`, default the
     longest), with their attention mask."""
     width = max(max(len(row) for row in rows), width or 0)
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            input_ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-            attention_mask[i, width - len(row):] = 1
+    input_ids = torch.tensor([[pad_token_id] * (width - len(row)) + list(row) for row in rows], dtype=torch.long)
+    attention_mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows], dtype=torch.long)
     return input_ids.to(device), attention_mask.to(device)
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from model_utils import left_pad, model_device
+from model_utils import eval_mode, left_pad, model_device
 from paged_decode import PAGED, paged_generate
 from sampling import Completion, SamplingSettings, derive_seed, to_completion
 from static_decode import (
@@ -136,7 +136,10 @@ class TransformersBackend:
             return [completions[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
         completions: list[Completion] = []
         shape_rows = min(self.batch_size, len(rows))  # every batch of this call is run with this many rows
-        with _progress_bar(len(rows), progress) as bar, _inference_mode(self.model), torch.no_grad():
+        # The graph loops switch the model to eval mode themselves, only when they sample from it
+        # rather than from the merged copy (`StaticDecoder.generate`).
+        mode = contextlib.nullcontext() if self.cache_implementation in GRAPH_LOOPS else eval_mode(self.model)
+        with _progress_bar(len(rows), progress) as bar, mode, torch.no_grad():
             for batch_index, start in enumerate(range(0, len(rows), self.batch_size)):
                 batch = rows[start:start + self.batch_size]
                 completions += self._generate_batch(batch, settings, batch_index, shape_rows)
@@ -145,7 +148,7 @@ class TransformersBackend:
 
     def _generate_paged(self, rows: list[list[int]], settings: SamplingSettings, progress: bool) -> list[Completion]:
         """All rows at once through transformers' continuous batching (paged_decode.py)."""
-        with _progress_bar(len(rows), progress) as bar, _inference_mode(self.model), torch.no_grad():
+        with _progress_bar(len(rows), progress) as bar, eval_mode(self.model), torch.no_grad():
             config = self.generation_config(settings, processors_passed=False)
             run = paged_generate(self.model, rows, settings, config, max_rows=self.batch_size,
                                  cache_gib=self.paged_cache_gib, progress=bar)
@@ -294,18 +297,6 @@ def _seeded_rng(seed: int | None, batch_index: int, device: torch.device):
     with torch.random.fork_rng(devices=cuda_devices):
         torch.manual_seed(derive_seed(seed, batch_index))
         yield
-
-
-@contextlib.contextmanager
-def _inference_mode(model):
-    """Sample from the policy itself: eval mode switches off dropout (LoRA dropout
-    included) and gradient checkpointing; the caller's mode is restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 # --------------------------------------------------------------------------

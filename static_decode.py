@@ -27,6 +27,7 @@ Supported: full-attention Qwen3 / Qwen2 / Llama models (`SUPPORTED_MODEL_TYPES`)
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import threading
@@ -41,7 +42,7 @@ import decode_attention
 import decode_matmul
 import decode_qkv
 from merged_student import MergedStudent, MergeUnsupported, has_enabled_adapters
-from model_utils import causal_lm, kv_geometry, left_pad, model_device
+from model_utils import causal_lm, eval_mode, kv_geometry, left_pad, model_device
 from sampling import SamplingSettings
 
 # The engines of rollout.TransformersBackend (None = "dynamic"); "paged" is paged_decode.py.
@@ -67,6 +68,11 @@ FUSE_PROJECTIONS = True
 # torch.compile's mode for the "graph_compiled" step (None: the default; the loop records its
 # own CUDA graphs, so only the "-no-cudagraphs" modes make sense, e.g. "max-autotune-no-cudagraphs").
 DECODE_COMPILE_MODE: str | None = None
+# The prefill runs up to this many forwards, each over rows of similar prompt lengths at
+# their own width (`prefill_groups`), of at least PREFILL_MIN_ROWS rows each; 1: one forward
+# over every row at the batch's bucketed width.
+PREFILL_GROUPS = 4
+PREFILL_MIN_ROWS = 8
 # The sampler's top-k over the vocabulary in blocks of this many logits (`top_k_and_logsumexp`):
 # one pass reads each block's maximum and exp-sum, then only the k blocks with the largest
 # maxima are searched. None: one torch.topk over the whole row and a log-sum-exp of its own.
@@ -163,11 +169,12 @@ class StaticDecoder:
         self.state = None
         self.merged = None
 
-    def network(self):
-        """What samples: the merged copy (refreshed) when adapters are active and can be merged, else the model."""
+    def network(self, fingerprint: int | None = None):
+        """What samples: the merged copy (refreshed) when adapters are active and can be merged, else the model.
+        `fingerprint`: the model's `_storage_fingerprint` when the caller has it already."""
         if not self.merge_lora or self.merge_error is not None or not has_enabled_adapters(self.model):
             return self.model
-        fingerprint = _storage_fingerprint(self.model)
+        fingerprint = _storage_fingerprint(self.model) if fingerprint is None else fingerprint
         stale = self.merged is not None and (self.merged_fingerprint != fingerprint
                                              or self.merged.fused != FUSE_PROJECTIONS)
         if stale:  # the model's tensors moved (`.to()`, new storage): the copy shares stale ones; or the layout changed
@@ -189,21 +196,26 @@ class StaticDecoder:
         caller cuts after the first EOS). RNG: torch's global generator (the caller seeds it)."""
         if settings.max_new_tokens < 1:
             return [[] for _ in rows]
-        network = self.network()
+        adapters, fingerprint = _model_state(self.model)
+        network = self.network(fingerprint)
         device = model_device(network)
         width = bucket_width(max(len(row) for row in rows))
         input_ids, prompt_mask = left_pad(rows, pad_token_id, device, width=width)
         sampler = _Sampler(settings, network.config.vocab_size)
         key = (len(rows), width, settings.max_new_tokens, sampler.key, tuple(eos_token_ids), int(pad_token_id),
-               network is self.model, _adapter_state(self.model), _storage_fingerprint(network), device,
+               network is self.model, adapters,
+               fingerprint if network is self.model else _storage_fingerprint(network), device,
                KV_WINDOW, DECODE_ATTENTION, decode_attention.launch_settings(), decode_matmul.launch_settings(),
                decode_qkv.launch_settings(), DECODE_COMPILE_MODE)  # all baked into the graphs
-        with _static_attention(network):
+        # Sampling from the model itself needs eval mode (dropout, checkpointing off); the merged
+        # copy is in eval mode of its own, and switching the model walks every module twice.
+        mode = eval_mode(self.model) if network is self.model else contextlib.nullcontext()
+        with _static_attention(network), mode:
             if self.state is None or self.state.key != key:
                 self.state = None  # free the previous shape's cache and graph first
                 self.state = _DecodeState(network, key, len(rows), width, settings.max_new_tokens, sampler,
                                           list(eos_token_ids), int(pad_token_id), self.compiled)
-            return self.state.run(input_ids, prompt_mask)
+            return self.state.run(input_ids, prompt_mask, [len(row) for row in rows])
 
 
     def sampled_logprobs(self, rows: int) -> torch.Tensor | None:
@@ -292,7 +304,8 @@ def top_k_and_logsumexp(logits: torch.Tensor, k: int, block: int | None
     row_shift = torch.where(row_max.isfinite(), row_max, 0.0)
     block_sum = (tiles.float() - block_shift[..., None]).exp().sum(-1)
     logsumexp = row_shift.squeeze(-1) + (block_sum * (block_max32 - row_shift).exp()).sum(-1).log()
-    chosen = block_max.topk(k, dim=-1).indices  # [B, k] blocks
+    # The blocks' order does not matter (the second top-k sorts their logits): unsorted saves a sort.
+    chosen = block_max.topk(k, dim=-1, sorted=False).indices  # [B, k] blocks
     searched = tiles.gather(1, chosen[..., None].expand(rows, k, block)).view(rows, k * block)
     values, position = searched.topk(k, dim=-1)
     index = chosen.gather(1, position // block) * block + position % block
@@ -321,6 +334,35 @@ class _KVCache:
         self.keys[layer_idx].index_copy_(2, columns, key_states)
         self.values[layer_idx].index_copy_(2, columns, value_states)
         return self.keys[layer_idx], self.values[layer_idx]
+
+
+class _PrefillWriter:
+    """The cache as a group of rows' prefill sees it: `update` writes the group's keys and
+    values into its rows of the decode cache, at columns start, start + 1, ..., and returns
+    them as they are (a prefill attends only to its own prompt's columns)."""
+
+    is_compileable = False
+
+    def __init__(self, cache: _KVCache, rows: torch.Tensor, start: int):
+        self.cache, self.rows, self.start = cache, rows, start
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        end = self.start + key_states.shape[-2]
+        self.cache.keys[layer_idx][:, :, self.start:end].index_copy_(0, self.rows, key_states)
+        self.cache.values[layer_idx][:, :, self.start:end].index_copy_(0, self.rows, value_states)
+        return key_states, value_states
+
+
+def prefill_groups(lengths: list[int], groups: int) -> list[tuple[list[int], int]]:
+    """(rows, width) of each prefill forward: the rows sorted by prompt length and cut into
+    at most `groups` groups of consecutive lengths, each at least `PREFILL_MIN_ROWS` rows
+    (fewer rows per forward would leave the products narrow); a group's width is its
+    longest prompt (at least 1 column)."""
+    order = sorted(range(len(lengths)), key=lambda row: lengths[row])
+    count = max(1, min(groups, len(order) // PREFILL_MIN_ROWS))
+    bounds = [len(order) * i // count for i in range(count + 1)]
+    chunks = [order[begin:end] for begin, end in zip(bounds, bounds[1:])]
+    return [(sorted(rows), max(1, max(lengths[row] for row in rows))) for rows in chunks]
 
 
 class _DecodeState:
@@ -362,8 +404,28 @@ class _DecodeState:
     def model(self):
         return self._model()
 
-    def _forward(self, input_ids, position_ids, mask) -> torch.Tensor:
-        return _forward_logits(self.model, self.cache, self.cache_argument, input_ids, position_ids, mask)
+    def prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """Write the prompts' keys and values into the cache; return the logits [B, V] of each
+        row's last prompt token. One forward per group of `prefill_groups` (rows of similar
+        prompt lengths), over the group's own width: the padding the widest prompt of the
+        batch would impose on every row is not computed (masked, it changes nothing)."""
+        width = self.width
+        logits = None
+        for rows, group_width in prefill_groups(lengths, PREFILL_GROUPS):
+            start = width - group_width  # the group's prompts lie in the last group_width columns
+            index = torch.tensor(rows, device=input_ids.device)
+            valid = prompt_mask[index, start:].bool()
+            # causal and padding mask; a pad row attends to itself only (no all-masked rows)
+            causal = torch.ones(group_width, group_width, dtype=torch.bool, device=valid.device).tril()
+            mask = (causal & valid[:, None, None, :]) | torch.eye(group_width, dtype=torch.bool, device=valid.device)
+            positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+            writer = _PrefillWriter(self.cache, index, start)
+            group_logits = _forward_logits(self.model, writer, self.cache_argument, input_ids[index, start:],
+                                           positions, mask)
+            if logits is None:
+                logits = group_logits.new_empty(len(lengths), group_logits.shape[-1])
+            logits.index_copy_(0, index, group_logits)
+        return logits
 
     def _step(self) -> None:
         self.step_fn(self.model, self.cache, self.cache_argument, self.sampler, self.tokens,
@@ -420,7 +482,7 @@ class _DecodeState:
         if self.noise is not None:
             self.noise.uniform_()
 
-    def run(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
+    def run(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, lengths: list[int]) -> list[list[int]]:
         width = self.width
         self.valid.zero_()
         self.valid[:, :width] = prompt_mask.bool()
@@ -429,13 +491,7 @@ class _DecodeState:
         self.logprobs.zero_()
         self.slot.zero_()
         self.column.zero_()
-        # Prefill: causal and padding mask; a pad row attends to itself only (no all-masked rows).
-        # Over the prompt's columns only: `_attention` reads the cache as far as the mask reaches.
-        rows = torch.arange(width, device=input_ids.device)[:, None]
-        cols = torch.arange(width, device=input_ids.device)[None, :]
-        mask = ((cols <= rows) & self.valid[:, None, None, :width]) | (cols == rows)
-        position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self._forward(input_ids, position_ids, mask)
+        logits = self.prefill(input_ids, prompt_mask, lengths)
         self._draw_noise()
         _emit(*self.sampler.sample(logits, self.noise), self.finished, self.eos, self.pad_token_id, self.out,
               self.logprobs, self.column, self.tokens)
@@ -582,15 +638,25 @@ def _cache_argument(model) -> str | None:
     return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
-def _adapter_state(model) -> tuple:
-    """Enabled / active / merged state of every peft tuner layer (baked into a recorded step)."""
-    states = set()
+def _model_state(model) -> tuple[tuple, int]:
+    """(enabled / active / merged state of every peft tuner layer, `_storage_fingerprint`) in
+    one walk over the modules: both are baked into a recorded step, and a peft-wrapped model
+    has thousands of modules, walked before every call."""
+    states, pointers = set(), []
     for module in model.modules():
-        if hasattr(module, "active_adapters") and hasattr(module, "disable_adapters") and hasattr(module, "merged"):
+        if _is_tuner_layer(type(module)):
             states.add((bool(module.disable_adapters), tuple(module.active_adapters), bool(module.merged)))
-    return tuple(sorted(states))
+        pointers.extend(p.data_ptr() for p in module.parameters(recurse=False))
+    return tuple(sorted(states)), hash(tuple(pointers))
+
+
+@functools.cache
+def _is_tuner_layer(cls) -> bool:
+    """peft's tuner layers, by their class's properties (an instance lookup of a missing
+    attribute goes through nn.Module.__getattr__, slow for thousands of modules)."""
+    return all(hasattr(cls, name) for name in ("active_adapters", "disable_adapters", "merged"))
 
 
 def _storage_fingerprint(model) -> int:
     """Changes when any parameter gets new storage (a recorded step reads fixed addresses)."""
-    return hash(tuple(p.data_ptr() for p in model.parameters()))
+    return hash(tuple(p.data_ptr() for module in model.modules() for p in module.parameters(recurse=False)))

@@ -30,7 +30,7 @@ from bench_rollout import EOS_IDS, PAD_ID, bench_prompts, recipe_sampling, train
 from model_utils import causal_lm
 from rollout import TransformersBackend
 
-PHASES = (("refresh", static_decode.StaticDecoder, "network"), ("prefill", static_decode._DecodeState, "_forward"),
+PHASES = (("refresh", static_decode.StaticDecoder, "network"), ("prefill", static_decode._DecodeState, "prefill"),
           ("run", static_decode._DecodeState, "run"), ("call", TransformersBackend, "generate"))
 
 

@@ -3,6 +3,7 @@
 The EOS cases are made exact with a hook on lm_head that sets the EOS token's
 probability to a chosen value: 1 (every sample is just EOS), 0 (every sample
 runs out of tokens) or in between (a mix, to check the cutting invariants)."""
+import copy
 import math
 import os
 import sys
@@ -254,6 +255,62 @@ def test_graph_loop_matches_dynamic_cache_greedy(tiny, prompts):
     assert [graph.generate([p], GREEDY)[0] for p in prompts] == graph.generate(prompts, GREEDY)
 
 
+def test_prefill_groups_cover_every_row_once_at_its_groups_longest_prompt():
+    from static_decode import PREFILL_MIN_ROWS, prefill_groups
+
+    lengths = [30, 5, 17, 0, 12, 29, 8, 21, 3, 25] * PREFILL_MIN_ROWS
+    groups = prefill_groups(lengths, 4)
+    assert len(groups) == 4 and sorted(r for rows, _ in groups for r in rows) == list(range(len(lengths)))
+    assert all(rows == sorted(rows) and len(rows) == len(lengths) // 4 for rows, _ in groups)
+    assert [width for _, width in groups] == [max(1, max(lengths[r] for r in rows)) for rows, _ in groups]
+    longest = [max(lengths[r] for r in rows) for rows, _ in groups]
+    shortest = [min(lengths[r] for r in rows) for rows, _ in groups]
+    assert all(a <= b for a, b in zip(longest, shortest[1:]))  # consecutive lengths, shortest group first
+    assert prefill_groups(lengths, 1) == [(list(range(len(lengths))), 30)]
+    # too few rows for two groups of PREFILL_MIN_ROWS: one forward
+    assert prefill_groups([4, 9, 1], 4) == [([0, 1, 2], 9)]
+    assert prefill_groups([0, 0], 2) == [([0, 1], 1)]  # empty prompts: one column (a pad attending to itself)
+
+
+def test_grouped_prefill_writes_the_cache_and_samples_as_one_forward(tiny, monkeypatch):
+    """Rows of similar prompt lengths prefilled together at their own width (float64): the same
+    last-token logits and cached keys / values at every attended column as one forward over
+    the batch's width, and the same greedy completions."""
+    import static_decode
+
+    model, tokenizer = tiny
+    model = copy.deepcopy(model).double()
+    gen = torch.Generator().manual_seed(5)
+    rows = [torch.randint(10, 1000, (n,), generator=gen).tolist() for n in (3, 40, 7, 22, 1, 35, 12, 28)]
+    monkeypatch.setattr(static_decode, "PREFILL_MIN_ROWS", 2)
+    decoder = static_decode.StaticDecoder(model, compiled=False)
+    settings = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=6)
+
+    def prefill(groups):
+        monkeypatch.setattr(static_decode, "PREFILL_GROUPS", groups)
+        ids = decoder.generate(rows, settings, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[-5])
+        state = decoder.state
+        width = state.width
+        input_ids, prompt_mask = static_decode.left_pad(rows, tokenizer.pad_token_id, torch.device("cpu"), width=width)
+        with static_decode._static_attention(model):
+            logits = state.prefill(input_ids, prompt_mask, [len(r) for r in rows])
+        attended = prompt_mask.bool()
+        keys = [k[:, :, :width].transpose(1, 2)[attended] for k in state.cache.keys]
+        values = [v[:, :, :width].transpose(1, 2)[attended] for v in state.cache.values]
+        return ids, logits, keys, values
+
+    assert static_decode.prefill_groups([len(r) for r in rows], 4) != static_decode.prefill_groups(
+        [len(r) for r in rows], 1)
+    one_ids, one_logits, one_keys, one_values = prefill(1)
+    ids, logits, keys, values = prefill(4)
+    assert ids == one_ids
+    assert torch.allclose(logits, one_logits, rtol=0, atol=1e-10)
+    with torch.no_grad():  # and each prompt alone, unpadded, through the model's own forward
+        alone = torch.stack([model(torch.tensor([row])).logits[0, -1] for row in rows])
+    assert torch.allclose(logits, alone, rtol=0, atol=1e-9)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-10) for a, b in zip(keys + values, one_keys + one_values))
+
+
 def test_graph_loop_short_last_batch_and_n(tiny, prompts):
     """Batches of 2 over 3 prompts x 2 samples: the short last batch is filled up and cut back."""
     reference = all_ids(backend_for(tiny).generate(prompts, GREEDY, n=2))
@@ -326,6 +383,36 @@ def test_graph_loop_sees_in_place_adapter_updates(tiny, prompts):
     assert all_ids(graph.generate(prompts, GREEDY)) == all_ids(backend_for(tiny, model=model).generate(prompts, GREEDY))
     assert all_ids(graph.generate(prompts, GREEDY)) != first
 
+
+
+@pytest.mark.parametrize("merge_lora", [False, True])
+def test_graph_loop_samples_in_eval_mode_and_switches_the_model_only_when_it_samples(tiny, prompts, merge_lora):
+    """LoRA dropout is live in train mode: the graph loop samples as in eval mode either way
+    and leaves the caller's mode as it was. Unmerged it samples from the model, so it switches
+    the model to eval and back; from the merged copy (eval mode of its own) it does not switch
+    the model at all (a walk over every module, twice, per call)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(copy.deepcopy(tiny[0]), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5,
+                                                                    target_modules=ALL_PROJECTIONS))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5, generator=torch.Generator().manual_seed(3))
+    graph = backend_for(tiny, model=peft_model, cache_implementation="graph", merge_lora=merge_lora)
+    peft_model.eval()
+    in_eval = all_ids(graph.generate(prompts, GREEDY))
+    peft_model.train()
+    switches = []
+    inner = type(peft_model.get_base_model())  # the decoder runs the CausalLM under the peft wrapper
+    original_train = inner.train
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(inner, "train", lambda self, mode=True: switches.append(mode) or original_train(self, mode))
+        assert all_ids(graph.generate(prompts, GREEDY)) == in_eval
+    assert peft_model.training and peft_model.get_base_model().training
+    assert switches == ([] if merge_lora else [False, True])
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_merged_student_samples_what_the_adapters_sample(tiny, prompts, dtype):
