@@ -21,15 +21,21 @@ Every function here takes the decode loop's layout and returns the same thing:
   interpreter, where the tests run it.
 
 `IMPLEMENTATIONS` names them ("auto": split_kv on CUDA when Triton imports, else sdpa);
-`attention(name, ...)` dispatches. The float64 reference the tests compare against is
+`attention(name, ...)` dispatches. `new_token_attention(name, ...)` starts one step earlier,
+from the new token's q/k/v product: split_kv then also does `decode_qkv`'s work (q/k norms,
+rotary embedding, the new K/V column written to the cache) in the same kernel
+(`split_kv_new_token`, SPLIT_NEW_TOKEN), one launch a layer fewer; otherwise decode_qkv
+runs first. The float64 reference the tests compare against is
 written in the tests, not here.
 """
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
+import decode_qkv
 import triton_support
 
 IMPLEMENTATIONS = ("auto", "sdpa", "split_kv")
@@ -41,16 +47,21 @@ def resolve(name: str, query: torch.Tensor) -> str:
     half-precision activations (in float32 Triton's products would round to TF32, below
     sdpa's precision), a head geometry the kernel takes, Triton importable and not failed
     before in this process; sdpa otherwise."""
+    return _resolve(name, query, query.shape[-2], query.shape[-1])
+
+
+def _resolve(name: str, like: torch.Tensor, groups: int, dim: int) -> str:
+    """`resolve` for queries of `like`'s dtype and device and this head geometry."""
     if name == "auto":
-        return "split_kv" if _AUTO_FAILURE is None and _split_kv_suits(query) else "sdpa"
+        return "split_kv" if _AUTO_FAILURE is None and _split_kv_suits(like, groups, dim) else "sdpa"
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"decode attention {name!r}: expected one of {', '.join(IMPLEMENTATIONS)}")
     return name
 
 
-def _split_kv_suits(query: torch.Tensor) -> bool:
-    return (query.dtype in (torch.float16, torch.bfloat16)
-            and split_kv_unsupported(query.shape[-2], query.shape[-1]) is None and triton_support.runs_on(query))
+def _split_kv_suits(like: torch.Tensor, groups: int, dim: int) -> bool:
+    return (like.dtype in (torch.float16, torch.bfloat16) and split_kv_unsupported(groups, dim) is None
+            and triton_support.runs_on(like))
 
 
 def attention(name: str, query, key, value, mask, scale: float | None = None) -> torch.Tensor:
@@ -69,6 +80,25 @@ def attention(name: str, query, key, value, mask, scale: float | None = None) ->
 _AUTO_FAILURE: str | None = None  # why "auto" stopped choosing split_kv in this process
 
 
+def new_token_attention(name: str, new: NewToken, key, value, mask, scale: float | None = None) -> torch.Tensor:
+    """`decode_qkv.prepare` (the new token's query; its key and value written to the cache at
+    `new.slot`), then `attention`: in one kernel (`split_kv_new_token`) where `name` resolves
+    to split_kv and SPLIT_NEW_TOKEN is on. -> [B, kv_heads, groups, D]."""
+    global _AUTO_FAILURE
+    batch, dim = new.cos.shape
+    kv_heads = key.shape[1]
+    if SPLIT_NEW_TOKEN and _resolve(name, new.qkv, new.heads // kv_heads, dim) == "split_kv":
+        try:
+            return split_kv_new_token(new, key, value, mask, scale)
+        except Exception as exc:  # Triton's compile and launch errors share no base class
+            if name != "auto":
+                raise
+            _AUTO_FAILURE = triton_support.give_up("decode attention", exc, "decode_qkv and torch's sdpa")
+    query = decode_qkv.prepare(new.qkv[:, None], new.heads, kv_heads, new.q_weight, new.k_weight, new.eps,
+                               new.cos[:, None], new.sin[:, None], key, value, new.slot)
+    return attention(name, query.view(batch, kv_heads, new.heads // kv_heads, dim), key, value, mask, scale)
+
+
 def sdpa(query, key, value, mask, scale=None) -> torch.Tensor:
     return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
 
@@ -81,6 +111,9 @@ SPLIT_CHUNKS: int | None = None  # chunks per (row, KV head); None: `split_count
 # Loop over each row's attended span only (first to last attended block); False: over every
 # block of the columns passed, masked ones included (the kernel before; kept for comparison).
 SPLIT_SPAN = True
+# `new_token_attention` makes the new token's query, key and value inside the split_kv kernel
+# (`split_kv_new_token`); False: decode_qkv's kernel first, then split_kv (for comparison).
+SPLIT_NEW_TOKEN = True
 
 
 def split_count(batch_heads: int, columns: int, processors: int, block: int) -> int:
@@ -107,43 +140,90 @@ def split_kv(query, key, value, mask, scale=None, chunks: int | None = None, *, 
     Every row must attend to at least one column (a fully masked row would be 0 / 0: NaN;
     the decode loop's rows always attend to the token just fed)."""
     batch, heads, groups, dim = query.shape
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    return _launch(query, None, batch, heads, groups, dim, key, value, mask, scale, chunks, block, warps, stages, span)
+
+
+class NewToken(NamedTuple):
+    """A decode step's new token as the q/k/v product gives it (`decode_qkv.prepare`'s inputs):
+    `split_kv_new_token` makes its query and its key / value column in the attention kernel."""
+    qkv: torch.Tensor  # [B, (heads + 2 kv_heads) D]
+    heads: int  # query heads
+    q_weight: torch.Tensor | None  # q / k RMSNorm weights [D] (None: no norms)
+    k_weight: torch.Tensor | None
+    eps: float
+    cos: torch.Tensor  # [B, D]
+    sin: torch.Tensor
+    slot: torch.Tensor  # 1-element: the cache column the new key and value go to
+
+
+def split_kv_new_token(new: NewToken, key, value, mask, scale=None, chunks: int | None = None, *,
+                       block: int | None = None, warps: int | None = None, stages: int | None = None,
+                       span: bool | None = None) -> torch.Tensor:
+    """`decode_qkv.prepare` and then `split_kv`, in one kernel: each program makes its row's
+    query heads and the new key and value (decode_qkv's own Triton function, so the same
+    bits), writes the new column to the cache (one program per row and KV head) and uses the
+    column from its registers where its loop reaches it, in the order `split_kv` adds it."""
+    batch, dim = new.cos.shape
+    heads = key.shape[1]
+    groups = new.heads // heads
+    if new.qkv.shape != (batch, (new.heads + 2 * heads) * dim):
+        raise ValueError(f"decode attention: expected q/k/v [{batch}, {(new.heads + 2 * heads) * dim}], "
+                         f"got {list(new.qkv.shape)}")
+    decode_qkv.check_contiguous_rows(new.qkv, new.q_weight, new.k_weight, new.cos, new.sin, key, value)
+    return _launch(None, new, batch, heads, groups, dim, key, value, mask, scale, chunks, block, warps, stages, span)
+
+
+def _launch(query, new, batch, heads, groups, dim, key, value, mask, scale, chunks, block, warps, stages, span):
+    """The kernel over `query` [B, heads, groups, D], or over the query `new` makes."""
     columns = key.shape[-2]
     problem = split_kv_unsupported(groups, dim)
     if problem:
         raise ValueError(problem)
     scale = dim ** -0.5 if scale is None else scale
-    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (key, value))
     block, warps, stages = block or SPLIT_BLOCK, warps or SPLIT_WARPS, stages or SPLIT_STAGES
     span = SPLIT_SPAN if span is None else span
-    chunks = chunks or SPLIT_CHUNKS or split_count(batch * heads, columns, triton_support.processors(query.device), block)
+    chunks = chunks or SPLIT_CHUNKS or split_count(batch * heads, columns, triton_support.processors(key.device), block)
     chunk = -(-columns // chunks)
     chunk = -(-chunk // block) * block
     chunks = -(-columns // chunk)
     valid = mask.reshape(batch, mask.shape[-1])
     if valid.stride(-1) != 1:
         valid = valid.contiguous()
-    out = torch.empty(batch, heads, groups, dim, dtype=query.dtype, device=query.device)
+    dtype = query.dtype if new is None else new.qkv.dtype
+    out = torch.empty(batch, heads, groups, dim, dtype=dtype, device=key.device)
     # one chunk: the kernel normalises and writes `out`; several: float32 partials, then a combine
     partial = out if chunks == 1 else torch.empty(batch, heads, chunks, groups, dim, dtype=torch.float32,
-                                                  device=query.device)
+                                                  device=key.device)
     # one chunk needs no running max / sum: `out` only stands in for the unused pointer
     running = out if chunks == 1 else torch.empty(2, batch, heads, chunks, groups, dtype=torch.float32,
-                                                  device=query.device)
+                                                  device=key.device)
     kernel, combine = _split_kv_kernels()
+    if new is None:  # the new-token operands are not read: stand-ins
+        new_args = (out, out, out, out, out, out, 0, 0, 0, 0.0)
+        q_strides = (query.stride(0), query.stride(1), query.stride(2))
+    else:
+        norm = new.q_weight is not None
+        new_args = (new.qkv, new.q_weight if norm else new.cos, new.k_weight if norm else new.cos, new.cos, new.sin,
+                    new.slot, new.qkv.stride(0), new.cos.stride(0), new.sin.stride(0), float(new.eps))
+        query, q_strides = out, (0, 0, 0)
     # Triton 3.6's CPU interpreter, where the tests run the kernel, cannot loop to a run-time
     # bound: there the loop makes BLOCKS (a compile-time constant, the longest chunk) trips and
     # masks the blocks outside the program's share of the span; compiled, it makes just as many
     # trips as its share has blocks. Both attend to the same columns in the same order (a
     # masked block changes no running sum). Without the span both make BLOCKS trips.
     kernel[(batch * heads, chunks)](
-        query, key, value, valid.view(torch.uint8), partial, running,
-        query.stride(0), query.stride(1), query.stride(2),
+        query, key, value, valid.view(torch.uint8), partial, running, *new_args,
+        *q_strides,
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         valid.stride(0),
         heads, columns, float(scale),
         GROUPS=groups, ROWS=SPLIT_ROWS, DIM=dim, BLOCK=block, BLOCKS=chunk // block, SINGLE=chunks == 1,
-        SPAN=triton_support.next_power_of_2(columns) if span else 0, RUNTIME_TRIPS=query.is_cuda and span,
+        SPAN=triton_support.next_power_of_2(columns) if span else 0, RUNTIME_TRIPS=key.is_cuda and span,
+        NEW=new is not None, NORM=new is not None and new.q_weight is not None,
+        NEW_TOKEN=decode_qkv.new_token_function(),
         num_warps=warps, num_stages=stages)
     if chunks > 1:
         combine[(batch * heads * groups,)](partial, running, out, chunks, batch * heads * chunks * groups,
@@ -153,7 +233,7 @@ def split_kv(query, key, value, mask, scale=None, chunks: int | None = None, *, 
 
 def launch_settings() -> tuple:
     """The SPLIT_* settings, which a recorded CUDA graph bakes in (part of its key)."""
-    return SPLIT_BLOCK, SPLIT_WARPS, SPLIT_STAGES, SPLIT_CHUNKS, SPLIT_SPAN
+    return SPLIT_BLOCK, SPLIT_WARPS, SPLIT_STAGES, SPLIT_CHUNKS, SPLIT_SPAN, SPLIT_NEW_TOKEN
 
 
 @functools.cache
@@ -164,15 +244,19 @@ def _split_kv_kernels():
 
     @triton.jit
     def kernel(q_ptr, k_ptr, v_ptr, valid_ptr, partial_ptr, running_ptr,
+               qkv_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, slot_ptr, qkv_sb, cos_sb, sin_sb, eps,
                q_sb, q_sh, q_sg, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, valid_sb,
                heads, columns, scale,
                GROUPS: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
-               BLOCKS: tl.constexpr, SINGLE: tl.constexpr, SPAN: tl.constexpr, RUNTIME_TRIPS: tl.constexpr):
+               BLOCKS: tl.constexpr, SINGLE: tl.constexpr, SPAN: tl.constexpr, RUNTIME_TRIPS: tl.constexpr,
+               NEW: tl.constexpr, NORM: tl.constexpr, NEW_TOKEN: tl.constexpr):
         """One (row, KV head, chunk): running max / sum / weighted sum of V over the chunk's
         columns (flash attention's online softmax), float32 on chip. SPAN > 0 (a power of two
         >= columns): the row's blocks from its first to its last attended column are split
         between the chunks; SPAN 0: chunk `part` takes the BLOCKS blocks from part x BLOCKS on,
-        attended or not."""
+        attended or not. NEW: the query, and the key and value of cache column `slot`, come
+        from the q/k/v product through NEW_TOKEN (decode_qkv's function); chunk 0 writes the
+        column to the cache, and every program takes it from its registers, not the cache."""
         row_head = tl.program_id(0)
         part = tl.program_id(1)
         parts = tl.num_programs(1)
@@ -181,7 +265,19 @@ def _split_kv_kernels():
         g = tl.arange(0, ROWS)
         d = tl.arange(0, DIM)
         rows = g[:, None] < GROUPS
-        q = tl.load(q_ptr + b * q_sb + h * q_sh + g[:, None] * q_sg + d[None, :], mask=rows, other=0.0)
+        if NEW:
+            query, new_k, new_v = NEW_TOKEN(qkv_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, b, h, heads,
+                                            qkv_sb, cos_sb, sin_sb, eps, heads * GROUPS, GROUPS, ROWS, DIM, NORM)
+            q = query.to(qkv_ptr.dtype.element_ty)  # rounded as decode_qkv's kernel stores it
+            new_k = new_k.to(k_ptr.dtype.element_ty)
+            new_v = new_v.to(v_ptr.dtype.element_ty)
+            slot = tl.load(slot_ptr)
+            writes = (d < DIM) & (part == 0)
+            tl.store(k_ptr + b * k_sb + h * k_sh + slot * k_sn + d, new_k, mask=writes)
+            tl.store(v_ptr + b * v_sb + h * v_sh + slot * v_sn + d, new_v, mask=writes)
+        else:
+            q = tl.load(q_ptr + b * q_sb + h * q_sh + g[:, None] * q_sg + d[None, :], mask=rows, other=0.0)
+            slot = -1
         best = tl.full([ROWS], float("-inf"), tl.float32)
         total = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, DIM], tl.float32)
@@ -200,11 +296,17 @@ def _split_kv_kernels():
             n = (start + i) * BLOCK + tl.arange(0, BLOCK)
             keep = tl.load(valid_ptr + b * valid_sb + n, mask=(n < columns) & (start + i < stop), other=0) != 0
             # Masked columns (left padding, the window's unwritten end) are not read: their
-            # scores become -inf below, and predicated-off loads move no memory.
-            k = tl.load(k_ptr + b * k_sb + h * k_sh + n[:, None] * k_sn + d[None, :], mask=keep[:, None],
+            # scores become -inf below, and predicated-off loads move no memory. Nor is the new
+            # column (NEW), which this kernel writes: it comes from the registers.
+            fresh = n == slot
+            read = keep & (n != slot)
+            k = tl.load(k_ptr + b * k_sb + h * k_sh + n[:, None] * k_sn + d[None, :], mask=read[:, None],
                         other=0.0)
-            v = tl.load(v_ptr + b * v_sb + h * v_sh + n[:, None] * v_sn + d[None, :], mask=keep[:, None],
+            v = tl.load(v_ptr + b * v_sb + h * v_sh + n[:, None] * v_sn + d[None, :], mask=read[:, None],
                         other=0.0)
+            if NEW:
+                k = tl.where(fresh[:, None], new_k[None, :], k)
+                v = tl.where(fresh[:, None], new_v[None, :], v)
             s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where(keep[None, :], s, float("-inf"))
             new_best = tl.maximum(best, tl.max(s, 1))

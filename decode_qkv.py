@@ -4,6 +4,10 @@ RMSNorms (Qwen3), rotary position embedding, and the new K/V column's cache writ
 Why: compiled, these small operations are 4 kernels a layer of about 1.6 us each
 (BENCHMARKS.md section 2.5): at one token per row they are launch- and latency-bound,
 not work. One program per (row, KV head) does them all for the KV head's query heads.
+The computation itself is a Triton function (`decode_qkv_triton.new_token`) that
+`decode_attention`'s split_kv kernel runs too: in the decode loop the attention kernel
+makes its query and the new column itself, and this kernel runs only where the attention
+is not split_kv (`decode_attention.new_token_attention`).
 
 What it computes is transformers' attention forward for Qwen3 / Qwen2 / Llama up to
 the attention call (`fused_projections.FusedAttention`): per head, RMSNorm in float32
@@ -122,85 +126,64 @@ def triton_prepare(qkv, heads, kv_heads, q_weight, k_weight, eps, cos, sin, key_
     """The kernel: qkv [B, (heads + 2 kv_heads) D], cos / sin [B, D] -> query [B, heads, D]."""
     batch, dim = cos.shape
     groups = heads // kv_heads
-    tensors = {"qkv": qkv, "cos": cos, "sin": sin, "key_cache": key_cache, "value_cache": value_cache}
-    if q_weight is not None:
-        tensors.update(q_weight=q_weight, k_weight=k_weight)
-    for name, tensor in tensors.items():
-        if tensor.stride(-1) != 1:
-            raise ValueError(f"decode q/k/v: {name} must be contiguous in its last dimension")
+    check_contiguous_rows(qkv, q_weight, k_weight, cos, sin, key_cache, value_cache)
     query = torch.empty(batch, heads, dim, dtype=qkv.dtype, device=qkv.device)
     norm = q_weight is not None
-    kernel = _kernel()
+    kernel, new_token = _kernels()
     kernel[(batch, kv_heads)](
         qkv, q_weight if norm else cos, k_weight if norm else cos, cos, sin, key_cache, value_cache, slot, query,
         qkv.stride(0), cos.stride(0), sin.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         float(eps),
-        HEADS=heads, GROUPS=groups, ROWS=max(2, triton_support.next_power_of_2(groups)), HALF=dim // 2, NORM=norm)
+        HEADS=heads, GROUPS=groups, ROWS=max(2, triton_support.next_power_of_2(groups)), DIM=dim, NORM=norm,
+        NEW_TOKEN=new_token)
     return query
 
 
+def check_contiguous_rows(qkv, q_weight, k_weight, cos, sin, key_cache, value_cache) -> None:
+    """The kernels address every operand's last dimension as contiguous."""
+    tensors = {"qkv": qkv, "cos": cos, "sin": sin, "key_cache": key_cache, "value_cache": value_cache,
+               "q_weight": q_weight, "k_weight": k_weight}
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.stride(-1) != 1:
+            raise ValueError(f"decode q/k/v: {name} must be contiguous in its last dimension")
+
+
+def new_token_function():
+    """The Triton function the kernel runs (`_kernels`), for kernels elsewhere that do its work too."""
+    return _kernels()[1]
+
+
 @functools.cache
-def _kernel():
-    """The Triton kernel, built on first use (Triton is imported only here)."""
+def _kernels():
+    """(the kernel, `decode_qkv_triton.new_token`), built on first use (Triton is imported only here).
+
+    `new_token` is the computation itself, a Triton function that `decode_attention`'s
+    kernel also runs (its query and new column made in the attention kernel, one launch
+    fewer). Kernels take it as a compile-time argument: Triton resolves a called function's
+    name in the caller's module globals, where Triton is not imported."""
     import triton
     import triton.language as tl
+
+    from decode_qkv_triton import new_token
 
     @triton.jit
     def kernel(qkv_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, key_ptr, value_ptr, slot_ptr, query_ptr,
                qkv_sb, cos_sb, sin_sb, key_sb, key_sh, key_sn, value_sb, value_sh, value_sn, eps,
-               HEADS: tl.constexpr, GROUPS: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
-               NORM: tl.constexpr):
-        """One (row, KV head): its GROUPS query heads, its key and its value. Vectors are
-        handled as their two halves, which rotary position embedding swaps."""
+               HEADS: tl.constexpr, GROUPS: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
+               NORM: tl.constexpr, NEW_TOKEN: tl.constexpr):
+        """One (row, KV head): its GROUPS query heads, its key and its value."""
         b = tl.program_id(0)
         h = tl.program_id(1)
-        kv_heads = tl.num_programs(1)
-        dim = 2 * HALF
-        d = tl.arange(0, HALF)
+        query, key, value = NEW_TOKEN(qkv_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, b, h, tl.num_programs(1),
+                                      qkv_sb, cos_sb, sin_sb, eps, HEADS, GROUPS, ROWS, DIM, NORM)
+        d = tl.arange(0, DIM)
         g = tl.arange(0, ROWS)
-        rows = g[:, None] < GROUPS
+        q_out = query_ptr + (b * HEADS + h * GROUPS + g[:, None]) * DIM + d[None, :]
+        tl.store(q_out, query.to(query_ptr.dtype.element_ty), mask=g[:, None] < GROUPS)
         slot = tl.load(slot_ptr)
-        row = qkv_ptr + b * qkv_sb
-        cos1 = tl.load(cos_ptr + b * cos_sb + d).to(tl.float32)
-        cos2 = tl.load(cos_ptr + b * cos_sb + HALF + d).to(tl.float32)
-        sin1 = tl.load(sin_ptr + b * sin_sb + d).to(tl.float32)
-        sin2 = tl.load(sin_ptr + b * sin_sb + HALF + d).to(tl.float32)
-        # the query heads h * GROUPS + g, then this KV head's key and value
-        q_at = row + (h * GROUPS + g[:, None]) * dim + d[None, :]
-        q1 = tl.load(q_at, mask=rows, other=0.0)
-        q2 = tl.load(q_at + HALF, mask=rows, other=0.0)
-        k_at = row + (HEADS + h) * dim + d
-        k1 = tl.load(k_at)
-        k2 = tl.load(k_at + HALF)
-        v_at = row + (HEADS + kv_heads + h) * dim + d
-        v1 = tl.load(v_at)
-        v2 = tl.load(v_at + HALF)
-        if NORM:  # RMSNorm in float32, rounded to the input dtype, times the weight
-            q_scale = tl.rsqrt((tl.sum(q1.to(tl.float32) * q1.to(tl.float32), 1)
-                                + tl.sum(q2.to(tl.float32) * q2.to(tl.float32), 1)) / dim + eps)
-            qw1 = tl.load(q_weight_ptr + d).to(tl.float32)
-            qw2 = tl.load(q_weight_ptr + HALF + d).to(tl.float32)
-            q1 = (q1.to(tl.float32) * q_scale[:, None]).to(q1.dtype).to(tl.float32) * qw1[None, :]
-            q2 = (q2.to(tl.float32) * q_scale[:, None]).to(q2.dtype).to(tl.float32) * qw2[None, :]
-            k_scale = tl.rsqrt((tl.sum(k1.to(tl.float32) * k1.to(tl.float32), 0)
-                                + tl.sum(k2.to(tl.float32) * k2.to(tl.float32), 0)) / dim + eps)
-            kw1 = tl.load(k_weight_ptr + d).to(tl.float32)
-            kw2 = tl.load(k_weight_ptr + HALF + d).to(tl.float32)
-            k1 = (k1.to(tl.float32) * k_scale).to(k1.dtype).to(tl.float32) * kw1
-            k2 = (k2.to(tl.float32) * k_scale).to(k2.dtype).to(tl.float32) * kw2
-        else:
-            q1, q2, k1, k2 = q1.to(tl.float32), q2.to(tl.float32), k1.to(tl.float32), k2.to(tl.float32)
-        out = query_ptr.dtype.element_ty
-        q_out = query_ptr + (b * HEADS + h * GROUPS + g[:, None]) * dim + d[None, :]
-        tl.store(q_out, (q1 * cos1[None, :] - q2 * sin1[None, :]).to(out), mask=rows)
-        tl.store(q_out + HALF, (q2 * cos2[None, :] + q1 * sin2[None, :]).to(out), mask=rows)
-        k_out = key_ptr + b * key_sb + h * key_sh + slot * key_sn + d
-        tl.store(k_out, (k1 * cos1 - k2 * sin1).to(key_ptr.dtype.element_ty))
-        tl.store(k_out + HALF, (k2 * cos2 + k1 * sin2).to(key_ptr.dtype.element_ty))
-        v_out = value_ptr + b * value_sb + h * value_sh + slot * value_sn + d
-        tl.store(v_out, v1.to(value_ptr.dtype.element_ty))
-        tl.store(v_out + HALF, v2.to(value_ptr.dtype.element_ty))
+        tl.store(key_ptr + b * key_sb + h * key_sh + slot * key_sn + d, key.to(key_ptr.dtype.element_ty))
+        tl.store(value_ptr + b * value_sb + h * value_sh + slot * value_sn + d, value.to(value_ptr.dtype.element_ty))
 
-    return kernel
+    return kernel, new_token

@@ -15,9 +15,11 @@ In float64 the fused forward equals the original's to rounding (tested); in bf16
 fused product may sum in another order, within bf16 rounding.
 
 In a decode step over `static_decode`'s cache (one token per row, on CUDA) the attention
-runs its q/k norms, rotary embedding and cache writes as one kernel (`decode_qkv.py`), and
-plain projections go through `decode_matmul.linear` (a split-K kernel where it measured
-faster); elsewhere (prefill, CPU, other caches) the original operations run.
+goes from the q/k/v product to its output through the cache (`attend_new_token`: the q/k
+norms, rotary embedding, cache writes and attention in one kernel, see `decode_qkv.py` and
+`decode_attention.py`), and plain projections go through `decode_matmul.linear` (a split-K
+kernel where it measured faster); elsewhere (prefill, CPU, other caches) the original
+operations run.
 """
 from __future__ import annotations
 
@@ -111,23 +113,22 @@ class FusedAttention(nn.Module):
         # transformers 5.2x's signature and cache API (requirements.txt pins the version)
         input_shape = hidden_states.shape[:-1]
         qkv = project(self.qkv_proj, hidden_states)
-        if self._writes_decode_column(qkv, cache):
-            key, value, slot = cache.decode_buffers(self.layer_idx)
+        if self._attends_new_token(qkv, cache):
             norms = self.q_norm is not None
-            query = decode_qkv.prepare(qkv, self.sizes[0] // self.head_dim, self.sizes[1] // self.head_dim,
-                                       self.q_norm.weight if norms else None, self.k_norm.weight if norms else None,
-                                       self.q_norm.variance_epsilon if norms else 0.0, *position_embeddings,
-                                       key, value, slot)
-        else:
-            heads = (*input_shape, -1, self.head_dim)
-            query, key, value = (t.view(heads) for t in qkv.split(self.sizes, dim=-1))
-            if self.q_norm is not None:
-                query, key = self.q_norm(query), self.k_norm(key)
-            query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-            cos, sin = position_embeddings
-            query, key = self._rotary(query, key, cos, sin)
-            if cache is not None:
-                key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+            out = cache.attend_new_token(self.layer_idx, qkv, self.sizes[0] // self.head_dim,
+                                         self.q_norm.weight if norms else None, self.k_norm.weight if norms else None,
+                                         self.q_norm.variance_epsilon if norms else 0.0, *position_embeddings,
+                                         attention_mask, self.scaling)
+            return project(self.o_proj, out.reshape(*input_shape, -1)), None
+        heads = (*input_shape, -1, self.head_dim)
+        query, key, value = (t.view(heads) for t in qkv.split(self.sizes, dim=-1))
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = self._rotary(query, key, cos, sin)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
         attention = self._attention_functions.get_interface(self.config._attn_implementation, self._eager_attention)
         extra = {"sliding_window": self.sliding_window} if self.passes_sliding_window else {}
         out, weights = attention(self, query, key, value, attention_mask,
@@ -135,10 +136,10 @@ class FusedAttention(nn.Module):
                                  scaling=self.scaling, **extra, **kwargs)
         return project(self.o_proj, out.reshape(*input_shape, -1).contiguous()), weights
 
-    def _writes_decode_column(self, qkv: torch.Tensor, cache) -> bool:
+    def _attends_new_token(self, qkv: torch.Tensor, cache) -> bool:
         """Whether this forward is a decode step (one token per row) over static_decode's
         cache that `decode_qkv`'s kernel can take (q and k norms of one eps)."""
-        if not hasattr(cache, "decode_buffers") or qkv.shape[1] != 1 or not decode_qkv.applies(qkv, self.head_dim):
+        if not hasattr(cache, "attend_new_token") or qkv.shape[1] != 1 or not decode_qkv.applies(qkv, self.head_dim):
             return False
         return self.q_norm is None or self.q_norm.variance_epsilon == self.k_norm.variance_epsilon
 

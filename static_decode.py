@@ -16,10 +16,12 @@ replays the whole step), compiled kernels, the student's LoRA merged into a samp
 copy (`merge_lora`, see `merged_student.py`; or run unmerged inside the step), and
 attention that reads only the filled part of the KV cache (`KV_WINDOW`), through a kernel
 made for one query token (`decode_attention.py`, `DECODE_ATTENTION`); in the merged copy,
-one kernel for a layer's q/k norms, rotary embedding and cache writes (`decode_qkv.py`)
-and split-K kernels for its narrow products (`decode_matmul.py`); the sampler's top-k on
-the logits' own dtype, searched only in the vocabulary blocks that can hold it. Either way
-the frozen base weights, which are the teacher, are only ever read.
+that kernel also makes the new token's query and K/V column from the q/k/v product (q/k
+norms, rotary embedding, cache writes: `decode_qkv.py`), and split-K kernels run its narrow
+products (`decode_matmul.py`); the sampler's top-k on the logits' own dtype, searched only
+in the vocabulary blocks that can hold it; the prefill as a few forwards over rows of
+similar prompt lengths (`PREFILL_GROUPS`). Either way the frozen base weights, which are
+the teacher, are only ever read.
 
 Supported: full-attention Qwen3 / Qwen2 / Llama models (`SUPPORTED_MODEL_TYPES`);
 `resolve_cache_implementation` falls back to transformers' static cache for others.
@@ -324,10 +326,21 @@ class _KVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.index = index
 
-    def decode_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(keys, values, column) for an attention that writes a decode step's new column
-        itself (`fused_projections.FusedAttention` through `decode_qkv`) instead of `update`."""
-        return self.keys[layer_idx], self.values[layer_idx], self.index
+    def attend_new_token(self, layer_idx: int, qkv: torch.Tensor, heads: int, q_weight: torch.Tensor | None,
+                         k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                         mask: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """A decode step's attention straight from its q/k/v product [B, 1, (heads + 2 kv_heads) D]
+        (`fused_projections.FusedAttention`): the q/k norms, rotary embedding and the new
+        column's cache writes of `decode_qkv`, then attention over the window, through
+        `decode_attention.new_token_attention` (one kernel for all of it on a GPU); no `update`.
+        cos, sin: [B, 1, D]. -> [B, kv_heads, heads / kv_heads, D]."""
+        batch, dim = qkv.shape[0], cos.shape[-1]
+        norm = q_weight is not None
+        stand_in = cos.new_empty(0)  # the op takes tensors only
+        return _new_token_attention(qkv.reshape(batch, -1), heads, norm, q_weight if norm else stand_in,
+                                    k_weight if norm else stand_in, float(eps), cos.reshape(batch, dim),
+                                    sin.reshape(batch, dim), self.keys[layer_idx], self.values[layer_idx], self.index,
+                                    mask, scale)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         columns = self.index + torch.arange(key_states.shape[-2], device=key_states.device)
@@ -553,6 +566,24 @@ def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 @_decode_attention.register_fake
 def _(query, key, value, mask, scale):
     return query.new_empty(query.shape)
+
+
+@torch.library.custom_op("opsd::decode_new_token_attention", mutates_args=("key", "value"))
+def _new_token_attention(qkv: torch.Tensor, heads: int, norm: bool, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                         eps: float, cos: torch.Tensor, sin: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         slot: torch.Tensor, mask: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """`_KVCache.attend_new_token` as an op torch.compile keeps whole: the new column written
+    to `key` / `value` at `slot`, attention over their first `attention_limit` columns."""
+    limit = getattr(_ATTENTION_LIMIT, "columns", None) or key.shape[-2]
+    new = decode_attention.NewToken(qkv, heads, q_weight if norm else None, k_weight if norm else None, eps, cos, sin,
+                                    slot)
+    return decode_attention.new_token_attention(DECODE_ATTENTION, new, key[:, :, :limit], value[:, :, :limit],
+                                                mask[..., :limit], scale).contiguous()
+
+
+@_new_token_attention.register_fake
+def _(qkv, heads, norm, q_weight, k_weight, eps, cos, sin, key, value, slot, mask, scale):
+    return qkv.new_empty(qkv.shape[0], key.shape[1], heads // key.shape[1], cos.shape[-1])
 
 
 def _forward_logits(model, cache, cache_argument, input_ids, position_ids, mask) -> torch.Tensor:

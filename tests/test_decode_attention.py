@@ -95,7 +95,7 @@ def test_sdpa_matches_float64_attention():
 
 def test_auto_falls_back_to_sdpa_once_when_the_kernel_fails(monkeypatch):
     monkeypatch.setattr(decode_attention, "_AUTO_FAILURE", None)
-    monkeypatch.setattr(decode_attention, "_split_kv_suits", lambda query: True)
+    monkeypatch.setattr(decode_attention, "_split_kv_suits", lambda *args: True)
     calls = []
 
     def broken(*args):
@@ -160,3 +160,136 @@ def test_decode_loop_with_the_kernel_samples_what_sdpa_samples(interpreted_trito
         decoder.release()
     assert results["split_kv"][0] == results["sdpa"][0]
     assert torch.allclose(results["split_kv"][1], results["sdpa"][1], atol=1e-5)
+
+
+def new_token_case(batch, kv_heads, groups, dim, columns, dtype, norm, seed=0):
+    """A decode step's q/k/v product, norm weights, cos / sin (test_decode_qkv's), a cache whose
+    column `slot` holds stale values (NaN: the kernel must neither read them nor keep them)
+    and a mask that attends to the slot: (NewToken, key, value, mask)."""
+    from test_decode_qkv import case as qkv_case
+
+    heads = kv_heads * groups
+    qkv, (q_weight, k_weight), cos, sin = qkv_case(batch, heads, kv_heads, dim, dtype, norm, seed)
+    _, key, value, mask = case(batch, kv_heads, groups, dim, columns, dtype, seed)
+    slot = columns - 5
+    key[:, :, slot], value[:, :, slot] = math.nan, math.nan
+    mask = mask.clone()
+    mask[..., slot] = True
+    new = decode_attention.NewToken(qkv.view(batch, -1), heads, q_weight, k_weight, 1e-6, cos.view(batch, dim),
+                                    sin.view(batch, dim), torch.tensor([slot]))
+    return new, key, value, mask
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 2e-5), (torch.float16, 4e-3)])
+@pytest.mark.parametrize("shape,chunks,norm", [
+    ((3, 2, 2, 16, 40), 1, True),     # Qwen3: q/k norms; one chunk
+    ((3, 2, 2, 16, 200), 3, True),    # three chunks: one writes the column, the slot's own reads it from registers
+    ((2, 1, 4, 32, 130), 2, False),   # four query heads per KV head, no norms (Qwen2 / Llama)
+    ((2, 3, 1, 16, 70), 1, True),     # no GQA
+])
+def test_split_kv_new_token_matches_float64(interpreted_triton, dtype, tolerance, shape, chunks, norm):
+    """The query, key and value made from the q/k/v product (float64 reference: test_decode_qkv's),
+    the new column written to the cache (every other column untouched), the attention output
+    against float64 attention over the cache with that column."""
+    from test_decode_qkv import reference as qkv_reference
+
+    batch, kv_heads, groups, dim, columns = shape
+    new, key, value, mask = new_token_case(*shape, dtype, norm)
+    before_key, before_value = key.clone(), value.clone()
+    got = decode_attention.split_kv_new_token(new, key, value, mask, 0.3, chunks, block=16)
+    query, new_key, new_value = qkv_reference(new.qkv[:, None], new.heads, kv_heads, new.q_weight, new.k_weight,
+                                              new.eps, new.cos[:, None], new.sin[:, None])
+    slot = int(new.slot)
+    scale = max(query.abs().max(), new_key.abs().max())
+    assert (key[:, :, slot].double() - new_key).abs().max() <= tolerance * scale
+    assert torch.equal(value[:, :, slot].double(), new_value)
+    others = torch.arange(columns) != slot
+    assert torch.equal(key[:, :, others], before_key[:, :, others])
+    assert torch.equal(value[:, :, others], before_value[:, :, others])
+    expected = reference(query.view(batch, kv_heads, groups, dim), key.double(), value.double(), mask, 0.3)
+    assert got.shape == (batch, kv_heads, groups, dim) and got.dtype == dtype
+    assert (got.double() - expected).abs().max().item() < tolerance * 10
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_split_kv_new_token_is_decode_qkv_then_split_kv_bit_for_bit(interpreted_triton, monkeypatch, chunks):
+    """One kernel or two (decode_qkv's, then split_kv): the same query, cache column and output, bit for bit."""
+    import decode_qkv
+
+    monkeypatch.setattr(decode_qkv, "IMPLEMENTATION", "triton")
+    new, key, value, mask = new_token_case(3, 2, 2, 16, 200, torch.float32, True, seed=2)
+    key2, value2 = key.clone(), value.clone()
+    fused = decode_attention.split_kv_new_token(new, key, value, mask, 0.3, chunks, block=16)
+    query = decode_qkv.prepare(new.qkv[:, None], new.heads, 2, new.q_weight, new.k_weight, new.eps,
+                               new.cos[:, None], new.sin[:, None], key2, value2, new.slot)
+    separate = decode_attention.split_kv(query.view(3, 2, 2, 16), key2, value2, mask, 0.3, chunks, block=16)
+    assert torch.equal(fused, separate)
+    assert torch.equal(key, key2) and torch.equal(value, value2)
+
+
+def test_new_token_attention_dispatch_and_fallback(interpreted_triton, monkeypatch):
+    """split_kv with SPLIT_NEW_TOKEN: the one kernel; off, or under sdpa: decode_qkv then the
+    attention; under "auto", a failing kernel warns once and decode_qkv + sdpa take over."""
+    import decode_qkv
+
+    monkeypatch.setattr(decode_qkv, "IMPLEMENTATION", "triton")
+    monkeypatch.setattr(decode_attention, "_AUTO_FAILURE", None)
+    new, key, value, mask = new_token_case(2, 2, 2, 16, 40, torch.float32, True, seed=3)
+    kernels = []
+    for name in ("split_kv_new_token", "split_kv", "sdpa"):
+        original = getattr(decode_attention, name)
+        monkeypatch.setattr(decode_attention, name,
+                            lambda *args, _name=name, _original=original, **kw: kernels.append(_name)
+                            or _original(*args, **kw))
+    expected = decode_attention.new_token_attention("split_kv", new, key.clone(), value.clone(), mask, 0.3)
+    assert kernels == ["split_kv_new_token"]
+    monkeypatch.setattr(decode_attention, "SPLIT_NEW_TOKEN", False)
+    kernels.clear()
+    assert torch.equal(decode_attention.new_token_attention("split_kv", new, key.clone(), value.clone(), mask, 0.3),
+                       expected)
+    assert kernels == ["split_kv"]
+    monkeypatch.setattr(decode_attention, "SPLIT_NEW_TOKEN", True)
+    kernels.clear()
+    by_sdpa = decode_attention.new_token_attention("sdpa", new, key.clone(), value.clone(), mask, 0.3)
+    assert kernels == ["sdpa"] and torch.allclose(by_sdpa, expected, atol=1e-5)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX assembly failed\ndetails")
+
+    monkeypatch.setattr(decode_attention, "split_kv_new_token", broken)
+    monkeypatch.setattr(decode_attention, "_split_kv_suits", lambda *args: True)
+    kernels.clear()
+    with pytest.warns(RuntimeWarning, match="Triton kernel failed .RuntimeError: PTX assembly failed.; using decode_qkv"):
+        fallback = decode_attention.new_token_attention("auto", new, key.clone(), value.clone(), mask, 0.3)
+    assert kernels == ["sdpa"] and torch.allclose(fallback, expected, atol=1e-5)
+    assert decode_attention.resolve("auto", torch.zeros(1, 2, 2, 16, dtype=torch.float16)) == "sdpa"  # stays off
+
+
+def test_decode_loop_through_the_one_kernel_samples_what_two_kernels_sample(interpreted_triton, monkeypatch):
+    """The merged copy's decode steps (Qwen3, float32) with split_kv making the new token itself, against
+    decode_qkv's kernel and then split_kv: the same tokens, greedy and seeded, and the same
+    log-probabilities, bit for bit; against the model's own operations and sdpa, to rounding."""
+    import decode_qkv
+    from test_fused_projections import GREEDY, SAMPLE, random_model, sample, with_lora
+
+    model = with_lora(random_model("qwen3", torch.float32, head_dim=16))  # split_kv takes head dims from 16
+    launches = []
+    fused = decode_attention.split_kv_new_token
+    monkeypatch.setattr(decode_attention, "split_kv_new_token",
+                        lambda *args, **kwargs: launches.append(1) or fused(*args, **kwargs))
+    results = {}
+    for name, implementation, one_kernel, attention in (("one kernel", "triton", True, "split_kv"),
+                                                        ("two kernels", "triton", False, "split_kv"),
+                                                        ("torch", "torch", True, "sdpa")):
+        monkeypatch.setattr(decode_qkv, "IMPLEMENTATION", implementation)
+        monkeypatch.setattr(decode_attention, "SPLIT_NEW_TOKEN", one_kernel)
+        monkeypatch.setattr(static_decode, "DECODE_ATTENTION", attention)
+        launches.clear()
+        tokens = sample(model, GREEDY), sample(model, SAMPLE)
+        decoder = static_decode.StaticDecoder.for_model(model, merge_lora=True)
+        results[name] = tokens, decoder.sampled_logprobs(3).clone()
+        decoder.release()
+        assert bool(launches) == (name == "one kernel")
+    assert results["one kernel"][0] == results["two kernels"][0] == results["torch"][0]
+    assert torch.equal(results["one kernel"][1], results["two kernels"][1])
+    assert torch.allclose(results["one kernel"][1], results["torch"][1], atol=1e-5)

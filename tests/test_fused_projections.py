@@ -18,8 +18,9 @@ SAMPLE = SamplingSettings(temperature=1.1, top_p=0.95, top_k=20, max_new_tokens=
 PAD, EOS = 0, 1
 
 
-def random_model(family: str, dtype=torch.float64):
-    """A small random model of `family`, with biases wherever the family allows them."""
+def random_model(family: str, dtype=torch.float64, head_dim: int = 8):
+    """A small random model of `family`, with biases wherever the family allows them
+    (`head_dim`: Qwen3 and Llama; Qwen2's is hidden size / heads, 8)."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -34,11 +35,11 @@ def random_model(family: str, dtype=torch.float64):
              "pad_token_id": PAD, "eos_token_id": EOS}
     torch.manual_seed(0)
     if family == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=8, attention_bias=True, **shape))
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=head_dim, attention_bias=True, **shape))
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**shape))  # q, k, v always have biases
     else:
-        model = LlamaForCausalLM(LlamaConfig(attention_bias=True, mlp_bias=True, **shape))
+        model = LlamaForCausalLM(LlamaConfig(head_dim=head_dim, attention_bias=True, mlp_bias=True, **shape))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".bias"):  # transformers starts biases at zero; make them count
