@@ -162,8 +162,9 @@ def split_kv_new_token(new: NewToken, key, value, mask, scale=None, chunks: int 
                        span: bool | None = None) -> torch.Tensor:
     """`decode_qkv.prepare` and then `split_kv`, in one kernel: each program makes its row's
     query heads and the new key and value (decode_qkv's own Triton function, so the same
-    bits), writes the new column to the cache (one program per row and KV head) and uses the
-    column from its registers where its loop reaches it, in the order `split_kv` adds it."""
+    bits), writes the new column to the cache (one program per row and KV head) and adds it
+    to its sums first, from its registers (`split_kv` adds it in its block: the two agree to
+    float32 rounding of the sums)."""
     batch, dim = new.cos.shape
     heads = key.shape[1]
     groups = new.heads // heads
@@ -256,7 +257,7 @@ def _split_kv_kernels():
         between the chunks; SPAN 0: chunk `part` takes the BLOCKS blocks from part x BLOCKS on,
         attended or not. NEW: the query, and the key and value of cache column `slot`, come
         from the q/k/v product through NEW_TOKEN (decode_qkv's function); chunk 0 writes the
-        column to the cache, and every program takes it from its registers, not the cache."""
+        column to the cache and adds it first, from its registers; no program reads it."""
         row_head = tl.program_id(0)
         part = tl.program_id(1)
         parts = tl.num_programs(1)
@@ -272,15 +273,22 @@ def _split_kv_kernels():
             new_k = new_k.to(k_ptr.dtype.element_ty)
             new_v = new_v.to(v_ptr.dtype.element_ty)
             slot = tl.load(slot_ptr)
-            writes = (d < DIM) & (part == 0)
-            tl.store(k_ptr + b * k_sb + h * k_sh + slot * k_sn + d, new_k, mask=writes)
-            tl.store(v_ptr + b * v_sb + h * v_sh + slot * v_sn + d, new_v, mask=writes)
+            first = part == 0
+            tl.store(k_ptr + b * k_sb + h * k_sh + slot * k_sn + d, new_k, mask=(d < DIM) & first)
+            tl.store(v_ptr + b * v_sb + h * v_sh + slot * v_sn + d, new_v, mask=(d < DIM) & first)
+            # Chunk 0 starts its running max / sum / weighted sum from the new column (weight
+            # exp(0) = 1); the loop skips it. (Swapping it into the loaded K/V tiles instead kept
+            # Triton from pipelining the loads into the products: 40 us a layer, not 35.)
+            fresh = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], 1) * scale
+            best = tl.where(first, fresh, float("-inf"))
+            total = tl.where(first, 1.0, 0.0) + tl.zeros([ROWS], tl.float32)
+            acc = tl.where(first, new_v.to(tl.float32)[None, :], 0.0) + tl.zeros([ROWS, DIM], tl.float32)
         else:
             q = tl.load(q_ptr + b * q_sb + h * q_sh + g[:, None] * q_sg + d[None, :], mask=rows, other=0.0)
             slot = -1
-        best = tl.full([ROWS], float("-inf"), tl.float32)
-        total = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, DIM], tl.float32)
+            best = tl.full([ROWS], float("-inf"), tl.float32)
+            total = tl.zeros([ROWS], tl.float32)
+            acc = tl.zeros([ROWS, DIM], tl.float32)
         if SPAN > 0:
             c = tl.arange(0, SPAN)
             attended = tl.load(valid_ptr + b * valid_sb + c, mask=c < columns, other=0) != 0
@@ -297,16 +305,12 @@ def _split_kv_kernels():
             keep = tl.load(valid_ptr + b * valid_sb + n, mask=(n < columns) & (start + i < stop), other=0) != 0
             # Masked columns (left padding, the window's unwritten end) are not read: their
             # scores become -inf below, and predicated-off loads move no memory. Nor is the new
-            # column (NEW), which this kernel writes: it comes from the registers.
-            fresh = n == slot
-            read = keep & (n != slot)
-            k = tl.load(k_ptr + b * k_sb + h * k_sh + n[:, None] * k_sn + d[None, :], mask=read[:, None],
+            # column under NEW (this kernel writes it; it is in the running sums already).
+            keep = keep & (n != slot)
+            k = tl.load(k_ptr + b * k_sb + h * k_sh + n[:, None] * k_sn + d[None, :], mask=keep[:, None],
                         other=0.0)
-            v = tl.load(v_ptr + b * v_sb + h * v_sh + n[:, None] * v_sn + d[None, :], mask=read[:, None],
+            v = tl.load(v_ptr + b * v_sb + h * v_sh + n[:, None] * v_sn + d[None, :], mask=keep[:, None],
                         other=0.0)
-            if NEW:
-                k = tl.where(fresh[:, None], new_k[None, :], k)
-                v = tl.where(fresh[:, None], new_v[None, :], v)
             s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where(keep[None, :], s, float("-inf"))
             new_best = tl.maximum(best, tl.max(s, 1))

@@ -19,8 +19,7 @@ made for one query token (`decode_attention.py`, `DECODE_ATTENTION`); in the mer
 that kernel also makes the new token's query and K/V column from the q/k/v product (q/k
 norms, rotary embedding, cache writes: `decode_qkv.py`), and split-K kernels run its narrow
 products (`decode_matmul.py`); the sampler's top-k on the logits' own dtype, searched only
-in the vocabulary blocks that can hold it; the prefill as a few forwards over rows of
-similar prompt lengths (`PREFILL_GROUPS`). Either way the frozen base weights, which are
+in the vocabulary blocks that can hold it. Either way the frozen base weights, which are
 the teacher, are only ever read.
 
 Supported: full-attention Qwen3 / Qwen2 / Llama models (`SUPPORTED_MODEL_TYPES`);
@@ -70,11 +69,6 @@ FUSE_PROJECTIONS = True
 # torch.compile's mode for the "graph_compiled" step (None: the default; the loop records its
 # own CUDA graphs, so only the "-no-cudagraphs" modes make sense, e.g. "max-autotune-no-cudagraphs").
 DECODE_COMPILE_MODE: str | None = None
-# The prefill runs up to this many forwards, each over rows of similar prompt lengths at
-# their own width (`prefill_groups`), of at least PREFILL_MIN_ROWS rows each; 1: one forward
-# over every row at the batch's bucketed width.
-PREFILL_GROUPS = 4
-PREFILL_MIN_ROWS = 8
 # The sampler's top-k over the vocabulary in blocks of this many logits (`top_k_and_logsumexp`):
 # one pass reads each block's maximum and exp-sum, then only the k blocks with the largest
 # maxima are searched. None: one torch.topk over the whole row and a log-sum-exp of its own.
@@ -217,7 +211,7 @@ class StaticDecoder:
                 self.state = None  # free the previous shape's cache and graph first
                 self.state = _DecodeState(network, key, len(rows), width, settings.max_new_tokens, sampler,
                                           list(eos_token_ids), int(pad_token_id), self.compiled)
-            return self.state.run(input_ids, prompt_mask, [len(row) for row in rows])
+            return self.state.run(input_ids, prompt_mask)
 
 
     def sampled_logprobs(self, rows: int) -> torch.Tensor | None:
@@ -349,35 +343,6 @@ class _KVCache:
         return self.keys[layer_idx], self.values[layer_idx]
 
 
-class _PrefillWriter:
-    """The cache as a group of rows' prefill sees it: `update` writes the group's keys and
-    values into its rows of the decode cache, at columns start, start + 1, ..., and returns
-    them as they are (a prefill attends only to its own prompt's columns)."""
-
-    is_compileable = False
-
-    def __init__(self, cache: _KVCache, rows: torch.Tensor, start: int):
-        self.cache, self.rows, self.start = cache, rows, start
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        end = self.start + key_states.shape[-2]
-        self.cache.keys[layer_idx][:, :, self.start:end].index_copy_(0, self.rows, key_states)
-        self.cache.values[layer_idx][:, :, self.start:end].index_copy_(0, self.rows, value_states)
-        return key_states, value_states
-
-
-def prefill_groups(lengths: list[int], groups: int) -> list[tuple[list[int], int]]:
-    """(rows, width) of each prefill forward: the rows sorted by prompt length and cut into
-    at most `groups` groups of consecutive lengths, each at least `PREFILL_MIN_ROWS` rows
-    (fewer rows per forward would leave the products narrow); a group's width is its
-    longest prompt (at least 1 column)."""
-    order = sorted(range(len(lengths)), key=lambda row: lengths[row])
-    count = max(1, min(groups, len(order) // PREFILL_MIN_ROWS))
-    bounds = [len(order) * i // count for i in range(count + 1)]
-    chunks = [order[begin:end] for begin, end in zip(bounds, bounds[1:])]
-    return [(sorted(rows), max(1, max(lengths[row] for row in rows))) for rows in chunks]
-
-
 class _DecodeState:
     """Buffers (and, on CUDA, the recorded step) of one shape."""
 
@@ -417,28 +382,17 @@ class _DecodeState:
     def model(self):
         return self._model()
 
-    def prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
         """Write the prompts' keys and values into the cache; return the logits [B, V] of each
-        row's last prompt token. One forward per group of `prefill_groups` (rows of similar
-        prompt lengths), over the group's own width: the padding the widest prompt of the
-        batch would impose on every row is not computed (masked, it changes nothing)."""
+        row's last prompt token. One forward over the left-padded prompts, under a causal and
+        padding mask in which a pad row attends to itself only (no all-masked rows), over
+        the prompt's columns only (`_attention` reads the cache as far as the mask reaches)."""
         width = self.width
-        logits = None
-        for rows, group_width in prefill_groups(lengths, PREFILL_GROUPS):
-            start = width - group_width  # the group's prompts lie in the last group_width columns
-            index = torch.tensor(rows, device=input_ids.device)
-            valid = prompt_mask[index, start:].bool()
-            # causal and padding mask; a pad row attends to itself only (no all-masked rows)
-            causal = torch.ones(group_width, group_width, dtype=torch.bool, device=valid.device).tril()
-            mask = (causal & valid[:, None, None, :]) | torch.eye(group_width, dtype=torch.bool, device=valid.device)
-            positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-            writer = _PrefillWriter(self.cache, index, start)
-            group_logits = _forward_logits(self.model, writer, self.cache_argument, input_ids[index, start:],
-                                           positions, mask)
-            if logits is None:
-                logits = group_logits.new_empty(len(lengths), group_logits.shape[-1])
-            logits.index_copy_(0, index, group_logits)
-        return logits
+        rows = torch.arange(width, device=input_ids.device)[:, None]
+        cols = torch.arange(width, device=input_ids.device)[None, :]
+        mask = ((cols <= rows) & self.valid[:, None, None, :width]) | (cols == rows)
+        position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        return _forward_logits(self.model, self.cache, self.cache_argument, input_ids, position_ids, mask)
 
     def _step(self) -> None:
         self.step_fn(self.model, self.cache, self.cache_argument, self.sampler, self.tokens,
@@ -495,7 +449,7 @@ class _DecodeState:
         if self.noise is not None:
             self.noise.uniform_()
 
-    def run(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, lengths: list[int]) -> list[list[int]]:
+    def run(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
         width = self.width
         self.valid.zero_()
         self.valid[:, :width] = prompt_mask.bool()
@@ -504,7 +458,7 @@ class _DecodeState:
         self.logprobs.zero_()
         self.slot.zero_()
         self.column.zero_()
-        logits = self.prefill(input_ids, prompt_mask, lengths)
+        logits = self.prefill(input_ids, prompt_mask)
         self._draw_noise()
         _emit(*self.sampler.sample(logits, self.noise), self.finished, self.eos, self.pad_token_id, self.out,
               self.logprobs, self.column, self.tokens)

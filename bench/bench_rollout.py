@@ -320,8 +320,6 @@ def main(argv=None) -> int:
                         "max-autotune-no-cudagraphs, '+torchmm' runs the merged copy's products through torch (cuBLAS) instead of "
                         "decode_matmul's split-K kernel, '+qkv=NAME' the q/k norms, rotary and cache writes (decode_qkv.IMPLEMENTATIONS), "
                         "'+topk=N' searches the sampler's top-k in blocks of N logits ('+topk=torch': one torch.topk), "
-                        "'+prefill=N' runs the prefill as up to N forwards over rows of similar prompt lengths "
-                        "(static_decode.PREFILL_GROUPS; 1: one forward at the batch's width), "
                         "'+attn=NAME' picks the decode attention kernel "
                         "(decode_attention.IMPLEMENTATIONS), '+nospan' makes split_kv loop over every block of the "
                         "window (SPLIT_SPAN off), '+separateqkv' runs decode_qkv's kernel before split_kv instead of "
@@ -395,15 +393,13 @@ def main(argv=None) -> int:
         attn = [o.split("=", 1)[1] for o in options if o.startswith("attn=")]
         qkv = [o.split("=", 1)[1] for o in options if o.startswith("qkv=")]
         topk = [o.split("=", 1)[1] for o in options if o.startswith("topk=")]
-        prefill = [o.split("=", 1)[1] for o in options if o.startswith("prefill=")]
-        unknown = {o for o in options if not o.startswith(("attn=", "qkv=", "topk=", "prefill="))} - set(FLAGS)
+        unknown = {o for o in options if not o.startswith(("attn=", "qkv=", "topk="))} - set(FLAGS)
         if (unknown or any(a not in decode_attention.IMPLEMENTATIONS for a in attn)
                 or any(q not in decode_qkv.IMPLEMENTATIONS for q in qkv)
-                or any(t != "torch" and not (t.isdigit() and int(t) > 0) for t in topk)
-                or any(not (p.isdigit() and int(p) > 0) for p in prefill)):
+                or any(t != "torch" and not (t.isdigit() and int(t) > 0) for t in topk)):
             parser.error(f"unknown configuration option(s) in {name!r} ({', '.join(FLAGS)}, attn=NAME with NAME in "
                          f"{', '.join(decode_attention.IMPLEMENTATIONS)}, qkv=NAME with NAME in "
-                         f"{', '.join(decode_qkv.IMPLEMENTATIONS)}, topk=N or topk=torch, prefill=N)")
+                         f"{', '.join(decode_qkv.IMPLEMENTATIONS)}, topk=N or topk=torch)")
         impl = None if engine == "dynamic" else engine
         tokens = dynamic_tokens if engine == "dynamic" else new_tokens
         configs.append((name if tokens == new_tokens else f"{name} ({tokens} new)", impl, tokens,
@@ -427,8 +423,6 @@ def main(argv=None) -> int:
         for option in (o for o in flags if o.startswith("topk=")):
             block = option.split("=", 1)[1]
             overrides[static_decode, "SAMPLER_TOPK_BLOCK"] = None if block == "torch" else int(block)
-        for option in (o for o in flags if o.startswith("prefill=")):
-            overrides[static_decode, "PREFILL_GROUPS"] = int(option.split("=", 1)[1])
         if "torchmm" in flags:
             overrides[decode_matmul, "IMPLEMENTATION"] = "torch"
         for option in (o for o in flags if o.startswith("qkv=")):

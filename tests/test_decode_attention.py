@@ -212,8 +212,10 @@ def test_split_kv_new_token_matches_float64(interpreted_triton, dtype, tolerance
 
 
 @pytest.mark.parametrize("chunks", [1, 3])
-def test_split_kv_new_token_is_decode_qkv_then_split_kv_bit_for_bit(interpreted_triton, monkeypatch, chunks):
-    """One kernel or two (decode_qkv's, then split_kv): the same query, cache column and output, bit for bit."""
+def test_split_kv_new_token_is_decode_qkv_then_split_kv(interpreted_triton, monkeypatch, chunks):
+    """One kernel or two (decode_qkv's, then split_kv): the same cache column bit for bit (one
+    Triton function makes it), the same output to float32 rounding (the new column is added
+    first instead of in its block)."""
     import decode_qkv
 
     monkeypatch.setattr(decode_qkv, "IMPLEMENTATION", "triton")
@@ -223,7 +225,7 @@ def test_split_kv_new_token_is_decode_qkv_then_split_kv_bit_for_bit(interpreted_
     query = decode_qkv.prepare(new.qkv[:, None], new.heads, 2, new.q_weight, new.k_weight, new.eps,
                                new.cos[:, None], new.sin[:, None], key2, value2, new.slot)
     separate = decode_attention.split_kv(query.view(3, 2, 2, 16), key2, value2, mask, 0.3, chunks, block=16)
-    assert torch.equal(fused, separate)
+    assert torch.allclose(fused, separate, rtol=0, atol=1e-6) and not torch.isnan(fused).any()
     assert torch.equal(key, key2) and torch.equal(value, value2)
 
 
@@ -245,8 +247,8 @@ def test_new_token_attention_dispatch_and_fallback(interpreted_triton, monkeypat
     assert kernels == ["split_kv_new_token"]
     monkeypatch.setattr(decode_attention, "SPLIT_NEW_TOKEN", False)
     kernels.clear()
-    assert torch.equal(decode_attention.new_token_attention("split_kv", new, key.clone(), value.clone(), mask, 0.3),
-                       expected)
+    assert torch.allclose(decode_attention.new_token_attention("split_kv", new, key.clone(), value.clone(), mask, 0.3),
+                          expected, rtol=0, atol=1e-6)
     assert kernels == ["split_kv"]
     monkeypatch.setattr(decode_attention, "SPLIT_NEW_TOKEN", True)
     kernels.clear()
@@ -267,8 +269,8 @@ def test_new_token_attention_dispatch_and_fallback(interpreted_triton, monkeypat
 
 def test_decode_loop_through_the_one_kernel_samples_what_two_kernels_sample(interpreted_triton, monkeypatch):
     """The merged copy's decode steps (Qwen3, float32) with split_kv making the new token itself, against
-    decode_qkv's kernel and then split_kv: the same tokens, greedy and seeded, and the same
-    log-probabilities, bit for bit; against the model's own operations and sdpa, to rounding."""
+    decode_qkv's kernel and then split_kv, and against the model's own operations and sdpa:
+    the same tokens, greedy and seeded, and the same log-probabilities to float32 rounding."""
     import decode_qkv
     from test_fused_projections import GREEDY, SAMPLE, random_model, sample, with_lora
 
@@ -291,5 +293,5 @@ def test_decode_loop_through_the_one_kernel_samples_what_two_kernels_sample(inte
         decoder.release()
         assert bool(launches) == (name == "one kernel")
     assert results["one kernel"][0] == results["two kernels"][0] == results["torch"][0]
-    assert torch.equal(results["one kernel"][1], results["two kernels"][1])
+    assert torch.allclose(results["one kernel"][1], results["two kernels"][1], atol=1e-5)
     assert torch.allclose(results["one kernel"][1], results["torch"][1], atol=1e-5)

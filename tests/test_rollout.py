@@ -255,60 +255,34 @@ def test_graph_loop_matches_dynamic_cache_greedy(tiny, prompts):
     assert [graph.generate([p], GREEDY)[0] for p in prompts] == graph.generate(prompts, GREEDY)
 
 
-def test_prefill_groups_cover_every_row_once_at_its_groups_longest_prompt():
-    from static_decode import PREFILL_MIN_ROWS, prefill_groups
-
-    lengths = [30, 5, 17, 0, 12, 29, 8, 21, 3, 25] * PREFILL_MIN_ROWS
-    groups = prefill_groups(lengths, 4)
-    assert len(groups) == 4 and sorted(r for rows, _ in groups for r in rows) == list(range(len(lengths)))
-    assert all(rows == sorted(rows) and len(rows) == len(lengths) // 4 for rows, _ in groups)
-    assert [width for _, width in groups] == [max(1, max(lengths[r] for r in rows)) for rows, _ in groups]
-    longest = [max(lengths[r] for r in rows) for rows, _ in groups]
-    shortest = [min(lengths[r] for r in rows) for rows, _ in groups]
-    assert all(a <= b for a, b in zip(longest, shortest[1:]))  # consecutive lengths, shortest group first
-    assert prefill_groups(lengths, 1) == [(list(range(len(lengths))), 30)]
-    # too few rows for two groups of PREFILL_MIN_ROWS: one forward
-    assert prefill_groups([4, 9, 1], 4) == [([0, 1, 2], 9)]
-    assert prefill_groups([0, 0], 2) == [([0, 1], 1)]  # empty prompts: one column (a pad attending to itself)
-
-
-def test_grouped_prefill_writes_the_cache_and_samples_as_one_forward(tiny, monkeypatch):
-    """Rows of similar prompt lengths prefilled together at their own width (float64): the same
-    last-token logits and cached keys / values at every attended column as one forward over
-    the batch's width, and the same greedy completions."""
+def test_prefill_writes_the_cache_and_gives_each_prompts_last_logits(tiny):
+    """float64: the prefill over left-padded prompts of many lengths gives each row the logits
+    of its prompt alone, unpadded, through the model's own forward, and writes its keys and
+    values at the prompt's columns of the cache (the attention of each prompt alone, again)."""
     import static_decode
 
     model, tokenizer = tiny
     model = copy.deepcopy(model).double()
     gen = torch.Generator().manual_seed(5)
-    rows = [torch.randint(10, 1000, (n,), generator=gen).tolist() for n in (3, 40, 7, 22, 1, 35, 12, 28)]
-    monkeypatch.setattr(static_decode, "PREFILL_MIN_ROWS", 2)
+    rows = [torch.randint(10, 1000, (n,), generator=gen).tolist() for n in (3, 40, 7, 22, 1, 35)]
     decoder = static_decode.StaticDecoder(model, compiled=False)
-    settings = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=6)
-
-    def prefill(groups):
-        monkeypatch.setattr(static_decode, "PREFILL_GROUPS", groups)
-        ids = decoder.generate(rows, settings, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[-5])
-        state = decoder.state
-        width = state.width
-        input_ids, prompt_mask = static_decode.left_pad(rows, tokenizer.pad_token_id, torch.device("cpu"), width=width)
-        with static_decode._static_attention(model):
-            logits = state.prefill(input_ids, prompt_mask, [len(r) for r in rows])
-        attended = prompt_mask.bool()
-        keys = [k[:, :, :width].transpose(1, 2)[attended] for k in state.cache.keys]
-        values = [v[:, :, :width].transpose(1, 2)[attended] for v in state.cache.values]
-        return ids, logits, keys, values
-
-    assert static_decode.prefill_groups([len(r) for r in rows], 4) != static_decode.prefill_groups(
-        [len(r) for r in rows], 1)
-    one_ids, one_logits, one_keys, one_values = prefill(1)
-    ids, logits, keys, values = prefill(4)
-    assert ids == one_ids
-    assert torch.allclose(logits, one_logits, rtol=0, atol=1e-10)
-    with torch.no_grad():  # and each prompt alone, unpadded, through the model's own forward
-        alone = torch.stack([model(torch.tensor([row])).logits[0, -1] for row in rows])
-    assert torch.allclose(logits, alone, rtol=0, atol=1e-9)
-    assert all(torch.allclose(a, b, rtol=0, atol=1e-10) for a, b in zip(keys + values, one_keys + one_values))
+    settings = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=2)
+    decoder.generate(rows, settings, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[-5])
+    state = decoder.state
+    input_ids, prompt_mask = static_decode.left_pad(rows, tokenizer.pad_token_id, torch.device("cpu"), width=state.width)
+    state.valid[:, :state.width] = prompt_mask.bool()
+    state.slot.zero_()  # as `run` leaves them for its prefill
+    with static_decode._static_attention(model), torch.no_grad():
+        logits = state.prefill(input_ids, prompt_mask)
+    with torch.no_grad():
+        alone = [model(torch.tensor([row]), use_cache=True) for row in rows]
+    assert torch.allclose(logits, torch.stack([out.logits[0, -1] for out in alone]), rtol=0, atol=1e-9)
+    for i, (row, out) in enumerate(zip(rows, alone)):
+        columns = slice(state.width - len(row), state.width)
+        for layer in range(len(state.cache.keys)):
+            key, value = out.past_key_values.layers[layer].keys, out.past_key_values.layers[layer].values
+            assert torch.allclose(state.cache.keys[layer][i, :, columns], key[0], rtol=0, atol=1e-9)
+            assert torch.allclose(state.cache.values[layer][i, :, columns], value[0], rtol=0, atol=1e-9)
 
 
 def test_graph_loop_short_last_batch_and_n(tiny, prompts):
