@@ -277,8 +277,8 @@ def _split_kv_kernels():
             tl.store(k_ptr + b * k_sb + h * k_sh + slot * k_sn + d, new_k, mask=(d < DIM) & first)
             tl.store(v_ptr + b * v_sb + h * v_sh + slot * v_sn + d, new_v, mask=(d < DIM) & first)
             # Chunk 0 starts its running max / sum / weighted sum from the new column (weight
-            # exp(0) = 1); the loop skips it. (Swapping it into the loaded K/V tiles instead kept
-            # Triton from pipelining the loads into the products: 40 us a layer, not 35.)
+            # exp(0) = 1); the loop skips it. (Swapping it into the loaded K/V tiles instead
+            # measured slower: the loads no longer fed the products directly; BENCHMARKS.md 2.8.)
             fresh = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], 1) * scale
             best = tl.where(first, fresh, float("-inf"))
             total = tl.where(first, 1.0, 0.0) + tl.zeros([ROWS], tl.float32)

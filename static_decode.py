@@ -69,9 +69,6 @@ FUSE_PROJECTIONS = True
 # torch.compile's mode for the "graph_compiled" step (None: the default; the loop records its
 # own CUDA graphs, so only the "-no-cudagraphs" modes make sense, e.g. "max-autotune-no-cudagraphs").
 DECODE_COMPILE_MODE: str | None = None
-# "graph_compiled" also compiles the prefill's forward (dynamic shapes: one compilation for
-# every prompt width); False: the prefill runs eagerly.
-COMPILE_PREFILL = True
 # The sampler's top-k over the vocabulary in blocks of this many logits (`top_k_and_logsumexp`):
 # one pass reads each block's maximum and exp-sum, then only the k blocks with the largest
 # maxima are searched. None: one torch.topk over the whole row and a log-sum-exp of its own.
@@ -205,7 +202,7 @@ class StaticDecoder:
                network is self.model, adapters,
                fingerprint if network is self.model else _storage_fingerprint(network), device,
                KV_WINDOW, DECODE_ATTENTION, decode_attention.launch_settings(), decode_matmul.launch_settings(),
-               decode_qkv.launch_settings(), DECODE_COMPILE_MODE, COMPILE_PREFILL)  # all baked into the graphs
+               decode_qkv.launch_settings(), DECODE_COMPILE_MODE)  # all baked into the graphs
         # Sampling from the model itself needs eval mode (dropout, checkpointing off); the merged
         # copy is in eval mode of its own, and switching the model walks every module twice.
         mode = eval_mode(self.model) if network is self.model else contextlib.nullcontext()
@@ -374,8 +371,6 @@ class _DecodeState:
         self.noise = None if sampler.greedy else torch.zeros(batch, sampler.width, device=device)
         self.eos = torch.tensor(eos_token_ids or [-1], dtype=torch.long, device=device)
         self.step_fn = _compiled_decode_step() if compiled and device.type == "cuda" else _decode_step
-        self.prefill_fn = _compiled_prefill() if compiled and device.type == "cuda" and COMPILE_PREFILL \
-            else _forward_logits
         # Decode step n feeds the token at cache column width + n - 1; each window's graph
         # attends to columns [0, limit) (KV_WINDOW: the filled part, rounded up).
         self.limits = decode_limits(width, max_new_tokens, KV_WINDOW)
@@ -397,15 +392,7 @@ class _DecodeState:
         cols = torch.arange(width, device=input_ids.device)[None, :]
         mask = ((cols <= rows) & self.valid[:, None, None, :width]) | (cols == rows)
         position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        try:
-            return self.prefill_fn(self.model, self.cache, self.cache_argument, input_ids, position_ids, mask)
-        except Exception as exc:  # noqa: BLE001 - compiler errors have no common base
-            if self.prefill_fn is _forward_logits:
-                raise
-            warnings.warn(f"rollout: the compiled prefill failed ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-                          f"); using the eager forward", RuntimeWarning, stacklevel=2)
-            self.prefill_fn = _forward_logits
-            return _forward_logits(self.model, self.cache, self.cache_argument, input_ids, position_ids, mask)
+        return _forward_logits(self.model, self.cache, self.cache_argument, input_ids, position_ids, mask)
 
     def _step(self) -> None:
         self.step_fn(self.model, self.cache, self.cache_argument, self.sampler, self.tokens,
@@ -583,17 +570,6 @@ def _decode_step(model, cache, cache_argument, sampler, tokens, positions, slot,
 
 
 _COMPILED_STEPS: dict = {}  # torch.compile mode -> the compiled step
-_COMPILED_PREFILLS: dict = {}  # torch.compile mode -> the compiled prefill forward
-
-
-def _compiled_prefill():
-    """The prefill's forward, compiled with dynamic shapes (one graph for every prompt width
-    and batch): eager, its RMSNorms, rotary embedding and gating are dozens of memory-bound
-    kernels over every prompt token, which inductor fuses."""
-    if DECODE_COMPILE_MODE not in _COMPILED_PREFILLS:
-        _COMPILED_PREFILLS[DECODE_COMPILE_MODE] = torch.compile(_forward_logits, dynamic=True,
-                                                                mode=DECODE_COMPILE_MODE)
-    return _COMPILED_PREFILLS[DECODE_COMPILE_MODE]
 
 
 def _compiled_decode_step():

@@ -14,7 +14,10 @@ float64 reference.
 
 Implementations: those of `decode_attention` (sdpa = torch's pick; split_kv with its
 defaults, `split_kv[nospan]` looping over every block of the window, and the launch
-configurations of SPLIT_SWEEP) and, for comparison only, sdpa
+configurations of SPLIT_SWEEP; `split_kv_new_token`, which also makes the query and the new
+K/V column from a q/k/v product, against `decode_qkv+split_kv`, the two kernels it replaces:
+their new column is the window's last attended one, their error is against float64
+attention with decode_qkv's query) and, for comparison only, sdpa
 with one backend forced, the bmm-softmax-bmm form (eager and under torch.compile) and
 torch's flex_attention (compiled).
 """
@@ -63,7 +66,22 @@ def bmm(query, key, value, mask, scale):
     return torch.matmul(probs, value)
 
 
-def candidates(limit_names: list[str]) -> dict:
+NEW_TOKEN_VARIANTS = ("split_kv_new_token", "decode_qkv+split_kv")
+
+
+def new_token_inputs(device, gen) -> dict:
+    """A decode step's q/k/v product for Qwen3-1.7B's attention (q/k norm weights, eps, cos, sin)."""
+    heads = KV_HEADS * GROUPS
+    qkv = (torch.randn(BATCH, (heads + 2 * KV_HEADS) * DIM, generator=gen) * 2).to(device, torch.bfloat16)
+    weights = [(torch.rand(DIM, generator=gen) + 0.5).to(device, torch.bfloat16) for _ in range(2)]
+    angles = torch.arange(1, BATCH + 1)[:, None] * torch.rand(1, DIM, generator=gen) * 7
+    return {"qkv": qkv, "heads": heads, "q_weight": weights[0], "k_weight": weights[1], "eps": 1e-6,
+            "cos": angles.cos().to(device, torch.bfloat16), "sin": angles.sin().to(device, torch.bfloat16)}
+
+
+def candidates(limit_names: list[str], new: dict, slots: dict) -> dict:
+    """name -> fn(query, key, value, mask, scale); the new-token variants ignore the query and
+    make theirs from `new` (writing column slots[limit] of the key / value they are given)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def forced(backend):
@@ -86,6 +104,13 @@ def candidates(limit_names: list[str]) -> dict:
         out = fn(q.reshape(batch, heads * groups, 1, dim), k, v, score_mod=score_mod, scale=s, enable_gqa=True)
         return out.reshape(batch, heads, groups, dim)
 
+    def new_token(q, k, v, m, s):
+        token = decode_attention.NewToken(**new, slot=slots[k.shape[-2]])
+        return decode_attention.split_kv_new_token(token, k, v, m, s)
+
+    def two_kernels(q, k, v, m, s):
+        return decode_attention.split_kv(_prepared_query(new, k, v, slots[k.shape[-2]]).view(q.shape), k, v, m, s)
+
     table = {
         "sdpa": decode_attention.sdpa,
         "sdpa[cudnn]": forced(SDPBackend.CUDNN_ATTENTION),
@@ -93,12 +118,21 @@ def candidates(limit_names: list[str]) -> dict:
         "bmm": bmm,
         "split_kv": decode_attention.split_kv,
         "split_kv[nospan]": functools.partial(decode_attention.split_kv, span=False),
+        "split_kv_new_token": new_token,
+        "decode_qkv+split_kv": two_kernels,
     }
     for block, warps, stages, chunks, span in SPLIT_SWEEP:
         table[f"split_kv[{block},{warps},{stages},{chunks}{',span' if span else ''}]"] = functools.partial(
             decode_attention.split_kv, block=block, warps=warps, stages=stages, chunks=chunks, span=span)
     table.update({"bmm[compiled]": compiled_bmm, "flex[compiled]": flex})  # last: they compile per limit
     return {name: fn for name, fn in table.items() if not limit_names or name in limit_names}
+
+
+def _prepared_query(new: dict, key, value, slot):
+    import decode_qkv
+
+    return decode_qkv.triton_prepare(new["qkv"], new["heads"], KV_HEADS, new["q_weight"], new["k_weight"],
+                                     new["eps"], new["cos"], new["sin"], key, value, slot)
 
 
 @functools.cache
@@ -132,7 +166,10 @@ def main() -> int:
              "cache": LENGTH, "padding": [low, high], "unwritten": opts.unwritten}
     results = {"machine": common.machine(), "shape": shape, "rows": []}
     limits = [int(x) for x in opts.limits.split(",")]
-    for name, fn in candidates([n for n in re.split(r",(?![^\[]*\])", opts.only) if n]).items():
+    new = new_token_inputs(device, gen)
+    slots = {limit: torch.tensor([limit - opts.unwritten - 1], device=device) for limit in limits}
+    chosen = candidates([n for n in re.split(r",(?![^\[]*\])", opts.only) if n], new, slots)
+    for name, fn in chosen.items():
         for limit in limits:
             if time.time() - start > opts.budget_s:
                 results["rows"].append({"impl": name, "limit": limit, "status": "skipped (budget)"})
@@ -145,7 +182,11 @@ def main() -> int:
                     return [fn(query, k[:, :, :limit], v[:, :, :limit], mask, scale) for k, v in zip(keys, values)]
 
                 out = fn(query, keys[0][:, :, :limit], values[0][:, :, :limit], mask, scale)
-                ref = reference(query, keys[0][:, :, :limit], values[0][:, :, :limit], mask, scale)
+                ref_query = query
+                if name in NEW_TOKEN_VARIANTS:  # the query decode_qkv makes (it writes the same column again)
+                    ref_query = _prepared_query(new, keys[0][:, :, :limit], values[0][:, :, :limit],
+                                                slots[limit]).view(query.shape)
+                ref = reference(ref_query, keys[0][:, :, :limit], values[0][:, :, :limit], mask, scale)
                 row["max_abs_err"] = (out.double() - ref).abs().max().item()
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())

@@ -285,51 +285,6 @@ def test_prefill_writes_the_cache_and_gives_each_prompts_last_logits(tiny):
             assert torch.allclose(state.cache.values[layer][i, :, columns], value[0], rtol=0, atol=1e-9)
 
 
-def test_prefill_traces_once_for_every_width_and_falls_back_to_eager(tiny, monkeypatch):
-    """The compiled prefill (graph_compiled on a GPU) is one dynamic-shape graph: traced here
-    through aot_eager (inductor's code generation is the GPU run's), it gives the eager
-    logits for two batches of other sizes and widths, the second without compiling; a
-    compiled prefill that fails warns once and the eager forward takes over."""
-    import torch._dynamo.testing
-
-    import static_decode
-
-    model, tokenizer = tiny
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(static_decode._forward_logits, dynamic=True, backend=counter)
-    gen = torch.Generator().manual_seed(0)
-    settings = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=2)
-    torch._dynamo.reset()
-    frames = []
-    for lengths in ([5, 40, 12], [3, 70, 9, 33]):
-        rows = [torch.randint(10, 1000, (n,), generator=gen).tolist() for n in lengths]
-        decoder = static_decode.StaticDecoder(model, compiled=False)
-        decoder.generate(rows, settings, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[-5])
-        state = decoder.state
-        input_ids, prompt_mask = static_decode.left_pad(rows, tokenizer.pad_token_id, torch.device("cpu"),
-                                                        width=state.width)
-        outputs = []
-        for prefill in (static_decode._forward_logits, compiled):
-            state.prefill_fn = prefill
-            state.valid[:, :state.width] = prompt_mask.bool()
-            state.slot.zero_()
-            with static_decode._static_attention(model), torch.no_grad():
-                outputs.append(state.prefill(input_ids, prompt_mask))
-        assert torch.allclose(outputs[0], outputs[1], rtol=0, atol=1e-4)
-        frames.append(counter.frame_count)
-    assert frames[0] == frames[1] > 0  # the second batch compiled nothing new
-
-    def broken(*args):
-        raise RuntimeError("inductor: no luck\ndetails")
-
-    state.prefill_fn = broken
-    state.slot.zero_()
-    with pytest.warns(RuntimeWarning, match="compiled prefill failed .RuntimeError: inductor: no luck.; using the eager"):
-        with static_decode._static_attention(model), torch.no_grad():
-            fallback = state.prefill(input_ids, prompt_mask)
-    assert torch.equal(fallback, outputs[0]) and state.prefill_fn is static_decode._forward_logits
-
-
 def test_graph_loop_short_last_batch_and_n(tiny, prompts):
     """Batches of 2 over 3 prompts x 2 samples: the short last batch is filled up and cut back."""
     reference = all_ids(backend_for(tiny).generate(prompts, GREEDY, n=2))
