@@ -4,6 +4,7 @@ The Triton kernel runs here in Triton's CPU interpreter (TRITON_INTERPRET=1), th
 kernel source the GPU compiles; install.sh installs Triton on CPU-only machines for it.
 The interpreter has no bfloat16 matrix product, so the half-precision case is float16.
 """
+import dataclasses
 import math
 
 import pytest
@@ -269,29 +270,29 @@ def test_new_token_attention_dispatch_and_fallback(interpreted_triton, monkeypat
 
 def test_decode_loop_through_the_one_kernel_samples_what_two_kernels_sample(interpreted_triton, monkeypatch):
     """The merged copy's decode steps (Qwen3, float32) with split_kv making the new token itself, against
-    decode_qkv's kernel and then split_kv, and against the model's own operations and sdpa:
-    the same tokens, greedy and seeded, and the same log-probabilities to float32 rounding."""
+    decode_qkv's kernel and then split_kv: the same tokens, greedy and seeded, and the same
+    log-probabilities to float32 rounding. (Two kernels against the model's own operations:
+    test_decode_qkv; split_kv against sdpa: the test above.)"""
     import decode_qkv
     from test_fused_projections import GREEDY, SAMPLE, random_model, sample, with_lora
 
     model = with_lora(random_model("qwen3", torch.float32, head_dim=16))  # split_kv takes head dims from 16
+    short_greedy, short_sample = (dataclasses.replace(s, max_new_tokens=6) for s in (GREEDY, SAMPLE))
     launches = []
     fused = decode_attention.split_kv_new_token
     monkeypatch.setattr(decode_attention, "split_kv_new_token",
                         lambda *args, **kwargs: launches.append(1) or fused(*args, **kwargs))
     results = {}
-    for name, implementation, one_kernel, attention in (("one kernel", "triton", True, "split_kv"),
-                                                        ("two kernels", "triton", False, "split_kv"),
-                                                        ("torch", "torch", True, "sdpa")):
-        monkeypatch.setattr(decode_qkv, "IMPLEMENTATION", implementation)
+    monkeypatch.setattr(decode_qkv, "IMPLEMENTATION", "triton")
+    monkeypatch.setattr(static_decode, "DECODE_ATTENTION", "split_kv")
+    for name, one_kernel in (("one kernel", True), ("two kernels", False)):
         monkeypatch.setattr(decode_attention, "SPLIT_NEW_TOKEN", one_kernel)
-        monkeypatch.setattr(static_decode, "DECODE_ATTENTION", attention)
         launches.clear()
-        tokens = sample(model, GREEDY), sample(model, SAMPLE)
+        tokens = sample(model, short_greedy), sample(model, short_sample)
         decoder = static_decode.StaticDecoder.for_model(model, merge_lora=True)
         results[name] = tokens, decoder.sampled_logprobs(3).clone()
         decoder.release()
         assert bool(launches) == (name == "one kernel")
-    assert results["one kernel"][0] == results["two kernels"][0] == results["torch"][0]
+    assert results["one kernel"][0] == results["two kernels"][0]
+    assert any(len(ids) > 3 for samples in results["one kernel"][0][1] for ids in samples)
     assert torch.allclose(results["one kernel"][1], results["two kernels"][1], atol=1e-5)
-    assert torch.allclose(results["one kernel"][1], results["torch"][1], atol=1e-5)
