@@ -65,35 +65,41 @@ def _split_kv_suits(like: torch.Tensor, groups: int, dim: int) -> bool:
 
 
 def attention(name: str, query, key, value, mask, scale: float | None = None) -> torch.Tensor:
-    global _AUTO_FAILURE
-    if resolve(name, query) != "split_kv":
-        return sdpa(query, key, value, mask, scale)
-    try:
-        return split_kv(query, key, value, mask, scale)
-    except Exception as exc:  # Triton's compile and launch errors share no base class
-        if name != "auto":
-            raise
-        _AUTO_FAILURE = triton_support.give_up("decode attention", exc, "torch's sdpa")
-        return sdpa(query, key, value, mask, scale)
+    if resolve(name, query) == "split_kv":
+        out = _kernel_unless_it_fails(name, lambda: split_kv(query, key, value, mask, scale), "torch's sdpa")
+        if out is not None:
+            return out
+    return sdpa(query, key, value, mask, scale)
 
 
 _AUTO_FAILURE: str | None = None  # why "auto" stopped choosing split_kv in this process
+
+
+def _kernel_unless_it_fails(name: str, launch, fallback: str) -> torch.Tensor | None:
+    """`launch()`, a split_kv kernel. Should it fail under "auto", warn once that `fallback`
+    takes over, stop choosing split_kv for the process and return None (the caller runs the
+    fallback); asked for by name, the failure is the caller's."""
+    global _AUTO_FAILURE
+    try:
+        return launch()
+    except Exception as exc:  # Triton's compile and launch errors share no base class
+        if name != "auto":
+            raise
+        _AUTO_FAILURE = triton_support.give_up("decode attention", exc, fallback)
+        return None
 
 
 def new_token_attention(name: str, new: NewToken, key, value, mask, scale: float | None = None) -> torch.Tensor:
     """`decode_qkv.prepare` (the new token's query; its key and value written to the cache at
     `new.slot`), then `attention`: in one kernel (`split_kv_new_token`) where `name` resolves
     to split_kv and SPLIT_NEW_TOKEN is on. -> [B, kv_heads, groups, D]."""
-    global _AUTO_FAILURE
     batch, dim = new.cos.shape
     kv_heads = key.shape[1]
     if SPLIT_NEW_TOKEN and _resolve(name, new.qkv, new.heads // kv_heads, dim) == "split_kv":
-        try:
-            return split_kv_new_token(new, key, value, mask, scale)
-        except Exception as exc:  # Triton's compile and launch errors share no base class
-            if name != "auto":
-                raise
-            _AUTO_FAILURE = triton_support.give_up("decode attention", exc, "decode_qkv and torch's sdpa")
+        out = _kernel_unless_it_fails(name, lambda: split_kv_new_token(new, key, value, mask, scale),
+                                      "decode_qkv and torch's sdpa")
+        if out is not None:
+            return out
     query = decode_qkv.prepare(new.qkv[:, None], new.heads, kv_heads, new.q_weight, new.k_weight, new.eps,
                                new.cos[:, None], new.sin[:, None], key, value, new.slot)
     return attention(name, query.view(batch, kv_heads, new.heads // kv_heads, dim), key, value, mask, scale)

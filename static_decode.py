@@ -165,12 +165,11 @@ class StaticDecoder:
         self.state = None
         self.merged = None
 
-    def network(self, fingerprint: int | None = None):
+    def network(self, fingerprint: int):
         """What samples: the merged copy (refreshed) when adapters are active and can be merged, else the model.
-        `fingerprint`: the model's `_storage_fingerprint` when the caller has it already."""
+        `fingerprint`: the model's `_storage_fingerprint` (from `_model_state`)."""
         if not self.merge_lora or self.merge_error is not None or not has_enabled_adapters(self.model):
             return self.model
-        fingerprint = _storage_fingerprint(self.model) if fingerprint is None else fingerprint
         stale = self.merged is not None and (self.merged_fingerprint != fingerprint
                                              or self.merged.fused != FUSE_PROJECTIONS)
         if stale:  # the model's tensors moved (`.to()`, new storage): the copy shares stale ones; or the layout changed
@@ -644,4 +643,4 @@ def _is_tuner_layer(cls) -> bool:
 
 def _storage_fingerprint(model) -> int:
     """Changes when any parameter gets new storage (a recorded step reads fixed addresses)."""
-    return hash(tuple(p.data_ptr() for module in model.modules() for p in module.parameters(recurse=False)))
+    return _model_state(model)[1]
