@@ -12,8 +12,9 @@ applies it: the checkpoint wrapper is part of the compiled `forward`.
 
 The compiled forwards are installed only inside `CompiledLayers.active()`, i.e. for
 the two scoring forwards of `OPSDTrainer._opsd_loss` (training steps, and loss
-evaluation if an eval set is given). Rollouts (vLLM, or the project's own
-CUDA-graph decode loop), `opsd_eval` and checkpoint saving see the eager model.
+evaluation if an eval set is given), and, with an instance of its own over the network
+that samples, for the prefill of `static_decode`'s "graph_compiled" loop (whose decode
+step is compiled whole). vLLM rollouts, `opsd_eval` and checkpoint saving see the eager model.
 """
 from __future__ import annotations
 
@@ -43,15 +44,16 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 class CompiledLayers:
     """Compiled `forward`s for a model's decoder layers, built once, used inside `active()`."""
 
-    def __init__(self, model):
+    def __init__(self, model, backend: str = "inductor"):
         self.layers = decoder_layers(model)
+        self.backend = backend  # torch.compile's (tests count graphs with "eager")
         self._compiled: list | None = None
 
     @contextmanager
     def active(self):
         if self._compiled is None:
             # Built lazily from whatever `forward` each layer has (hooks included); compiled at first call.
-            self._compiled = [torch.compile(layer.forward) for layer in self.layers]
+            self._compiled = [torch.compile(layer.forward, backend=self.backend) for layer in self.layers]
         # A layer may carry an instance-level forward already (e.g. accelerate's device hooks).
         own = [layer.__dict__.get("forward") for layer in self.layers]
         for layer, compiled in zip(self.layers, self._compiled):

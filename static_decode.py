@@ -1,8 +1,9 @@
 """The project's own decode loop: the "graph" / "graph_compiled" engines of
 `rollout.TransformersBackend`, and its default on CUDA ("auto").
 
-`StaticDecoder` samples over a preallocated KV cache: one eager prefill over the
-left-padded prompts (widths bucketed by `bucket_width`), then every decode step
+`StaticDecoder` samples over a preallocated KV cache: one prefill over the
+left-padded prompts (widths bucketed by `bucket_width`; its decoder layers compiled
+for "graph_compiled"), then every decode step
 (forward of one token per row, attention over the cache under a validity mask,
 temperature -> top-k -> top-p sampling, EOS bookkeeping) runs on the device with
 no host synchronisation and, on CUDA, is recorded once as a CUDA graph (after a
@@ -42,6 +43,7 @@ import torch
 import decode_attention
 import decode_matmul
 import decode_qkv
+from compiled_layers import CompiledLayers, decoder_layers
 from merged_student import MergedStudent, MergeUnsupported, has_enabled_adapters
 from model_utils import causal_lm, eval_mode, kv_geometry, left_pad, model_device
 from sampling import SamplingSettings
@@ -69,6 +71,10 @@ FUSE_PROJECTIONS = True
 # torch.compile's mode for the "graph_compiled" step (None: the default; the loop records its
 # own CUDA graphs, so only the "-no-cudagraphs" modes make sense, e.g. "max-autotune-no-cudagraphs").
 DECODE_COMPILE_MODE: str | None = None
+# "graph_compiled" compiles the prefill's decoder layers too (`compiled_layers.CompiledLayers`:
+# one graph serves every layer; RMSNorms, rotary embedding and gating fused instead of dozens
+# of eager elementwise kernels a layer). False: the prefill runs eagerly.
+COMPILE_PREFILL = True
 # The sampler's top-k over the vocabulary in blocks of this many logits (`top_k_and_logsumexp`):
 # one pass reads each block's maximum and exp-sum, then only the k blocks with the largest
 # maxima are searched. None: one torch.topk over the whole row and a log-sum-exp of its own.
@@ -104,8 +110,9 @@ def bucket_width(width: int) -> int:
 class StaticDecoder:
     """Sampling loop over a preallocated KV cache, one recorded CUDA graph per shape.
 
-    - prefill: one ordinary (eager) forward over the left-padded prompts, bucketed
-      to `bucket_width`, with an explicit causal + padding mask;
+    - prefill: one forward over the left-padded prompts, bucketed to `bucket_width`,
+      with an explicit causal + padding mask (its decoder layers compiled when
+      `compiled`, on CUDA; `COMPILE_PREFILL`);
     - decode: a step = forward of one token per row at its own rotary position,
       attention over the whole cache under a validity mask, sampling
       (temperature, top-k, top-p, exactly as transformers' warpers order them),
@@ -201,7 +208,7 @@ class StaticDecoder:
                network is self.model, adapters,
                fingerprint if network is self.model else _storage_fingerprint(network), device,
                KV_WINDOW, DECODE_ATTENTION, decode_attention.launch_settings(), decode_matmul.launch_settings(),
-               decode_qkv.launch_settings(), DECODE_COMPILE_MODE)  # all baked into the graphs
+               decode_qkv.launch_settings(), DECODE_COMPILE_MODE, COMPILE_PREFILL)  # all baked into the graphs
         # Sampling from the model itself needs eval mode (dropout, checkpointing off); the merged
         # copy is in eval mode of its own, and switching the model walks every module twice.
         mode = eval_mode(self.model) if network is self.model else contextlib.nullcontext()
@@ -370,6 +377,7 @@ class _DecodeState:
         self.noise = None if sampler.greedy else torch.zeros(batch, sampler.width, device=device)
         self.eos = torch.tensor(eos_token_ids or [-1], dtype=torch.long, device=device)
         self.step_fn = _compiled_decode_step() if compiled and device.type == "cuda" else _decode_step
+        self.prefill_layers = CompiledLayers(model) if compiled and COMPILE_PREFILL and device.type == "cuda" else None
         # Decode step n feeds the token at cache column width + n - 1; each window's graph
         # attends to columns [0, limit) (KV_WINDOW: the filled part, rounded up).
         self.limits = decode_limits(width, max_new_tokens, KV_WINDOW)
@@ -385,13 +393,15 @@ class _DecodeState:
         """Write the prompts' keys and values into the cache; return the logits [B, V] of each
         row's last prompt token. One forward over the left-padded prompts, under a causal and
         padding mask in which a pad row attends to itself only (no all-masked rows), over
-        the prompt's columns only (`_attention` reads the cache as far as the mask reaches)."""
+        the prompt's columns only (`_attention` attends to the keys and values the layer just
+        made); with `prefill_layers`, through the compiled decoder layers."""
         width = self.width
         rows = torch.arange(width, device=input_ids.device)[:, None]
         cols = torch.arange(width, device=input_ids.device)[None, :]
         mask = ((cols <= rows) & self.valid[:, None, None, :width]) | (cols == rows)
         position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        return _forward_logits(self.model, self.cache, self.cache_argument, input_ids, position_ids, mask)
+        return prefill_logits(self.model, self.cache, self.cache_argument, input_ids, position_ids, mask,
+                              self.prefill_layers)
 
     def _step(self) -> None:
         self.step_fn(self.model, self.cache, self.cache_argument, self.sampler, self.tokens,
@@ -537,6 +547,52 @@ def _new_token_attention(qkv: torch.Tensor, heads: int, norm: bool, q_weight: to
 @_new_token_attention.register_fake
 def _(qkv, heads, norm, q_weight, k_weight, eps, cos, sin, key, value, slot, mask, scale):
     return qkv.new_empty(qkv.shape[0], key.shape[1], heads // key.shape[1], cos.shape[-1])
+
+
+def prefill_logits(model, cache: _KVCache, cache_argument: str, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                   mask: torch.Tensor, layers: CompiledLayers | None = None) -> torch.Tensor:
+    """The prefill's forward: each layer's keys and values of the prompts' columns written to
+    `cache` (from column 0) through a `_PrefillCache`, the logits [B, V] of the last column.
+    `layers`: the model's decoder layers compiled (`CompiledLayers`), or None to run them eagerly.
+
+    The logits come from the last column's hidden states alone, one [B, hidden] product with
+    the LM head: `logits_to_keep=1` hands the head a strided [B, 1, hidden] view, which torch
+    runs as a batched product that reads the head's weight once per row."""
+    decoder = model.get_decoder()
+    prefill_cache = _PrefillCache(cache)
+    hooks = [layer.register_forward_pre_hook(functools.partial(prefill_cache.select, index))
+             for index, layer in enumerate(decoder_layers(model))]
+    try:
+        with layers.active() if layers is not None else contextlib.nullcontext():
+            hidden = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                             **{cache_argument: prefill_cache}).last_hidden_state
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return model.get_output_embeddings()(hidden[:, -1])
+
+
+class _PrefillCache:
+    """The KV cache as the prefill's layers see it: `update` writes a layer's keys and values
+    at the cache's first columns and returns them as they are (the prompt's columns are all
+    the prefill attends to). The layer is chosen by `select`, a forward pre-hook, not by the
+    index `update` receives: compiled code reading that index would make it a constant of the
+    graph, one compilation per layer; this way one graph serves every layer."""
+
+    is_compileable = True
+
+    def __init__(self, cache: _KVCache):
+        self.cache = cache
+        self.keys = self.values = None  # the selected layer's buffers
+
+    def select(self, layer: int, *hook_args) -> None:
+        self.keys, self.values = self.cache.keys[layer], self.cache.values[layer]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        width = key_states.shape[-2]
+        self.keys[:, :, :width].copy_(key_states)
+        self.values[:, :, :width].copy_(value_states)
+        return key_states, value_states
 
 
 def _forward_logits(model, cache, cache_argument, input_ids, position_ids, mask) -> torch.Tensor:

@@ -37,7 +37,7 @@ from sampling import SamplingSettings
 from static_decode import DECODE_ATTENTION, StaticDecoder
 
 # configuration suffixes besides attn=NAME, qkv=NAME, topk=N
-FLAGS = ("merged", "fullkv", "unfused", "autotune", "torchmm", "nospan", "separateqkv")
+FLAGS = ("merged", "fullkv", "unfused", "autotune", "torchmm", "nospan", "separateqkv", "eagerprefill")
 
 PAD_ID, EOS_IDS = 151643, [151645, 151643]
 
@@ -323,7 +323,8 @@ def main(argv=None) -> int:
                         "'+attn=NAME' picks the decode attention kernel "
                         "(decode_attention.IMPLEMENTATIONS), '+nospan' makes split_kv loop over every block of the "
                         "window (SPLIT_SPAN off), '+separateqkv' runs decode_qkv's kernel before split_kv instead of "
-                        "inside it (SPLIT_NEW_TOKEN off)")
+                        "inside it (SPLIT_NEW_TOKEN off), '+eagerprefill' runs graph_compiled's prefill without compiling "
+                        "its decoder layers (COMPILE_PREFILL off)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="profile this many decode steps (CUDA time per kernel) of each graph engine")
     parser.add_argument("--split-config", default="",
@@ -431,6 +432,8 @@ def main(argv=None) -> int:
             overrides[decode_attention, "SPLIT_SPAN"] = False
         if "separateqkv" in flags:
             overrides[decode_attention, "SPLIT_NEW_TOKEN"] = False
+        if "eagerprefill" in flags:
+            overrides[static_decode, "COMPILE_PREFILL"] = False
         saved = {(module, setting): getattr(module, setting) for module, setting in overrides}
         try:
             for (module, setting), value in overrides.items():

@@ -65,14 +65,18 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default=None, help="qwen3-1.7b (default on a GPU) or tiny (default on a CPU)")
     parser.add_argument("--new-tokens", default=None, help="comma-separated lengths (default 1024,4; tiny: 16,4)")
     parser.add_argument("--calls", type=int, default=3, help="timed calls per length, after the first")
+    parser.add_argument("--eager-prefill", action="store_true",
+                        help="the prefill's decoder layers not compiled (static_decode.COMPILE_PREFILL off)")
     parser.add_argument("--json", default=None)
     opts = parser.parse_args(argv)
+    static_decode.COMPILE_PREFILL = not opts.eager_prefill
     shape = opts.shape or ("qwen3-1.7b" if torch.cuda.is_available() else "tiny")
     tiny = shape == "tiny"
     lengths = [int(x) for x in (opts.new_tokens or ("16,4" if tiny else "1024,4")).split(",")]
     model = trainer_model(shape)
     rows = bench_prompts(32, tiny)
-    results = {"shape": shape, "machine": common.machine(), "prompts": len(rows), "calls": []}
+    results = {"shape": shape, "machine": common.machine(), "prompts": len(rows), "calls": [],
+               "compiled_prefill": static_decode.COMPILE_PREFILL and torch.cuda.is_available()}
     totals: dict = collections.defaultdict(float)
     restore = timed_phases(totals)
     try:
@@ -96,7 +100,8 @@ def main(argv=None) -> int:
     finally:
         restore()
     table = [[r["new_tokens"], r["refresh_ms"], r["prefill_ms"], r["decode_ms"], r["call_ms"]] for r in results["calls"]]
-    report = (f"## One rollout call's phases, {shape}, {len(rows)} prompts ({results['machine']})\n\n"
+    prefill = "compiled" if results["compiled_prefill"] else "eager"
+    report = (f"## One rollout call's phases, {shape}, {len(rows)} prompts, {prefill} prefill ({results['machine']})\n\n"
               + common.markdown_table(["new tokens", "refresh (ms)", "prefill (ms)", "decode (ms)", "call (ms)"], table))
     return common.finish(results, opts.json, report)
 

@@ -13,7 +13,7 @@ def fake_compile(monkeypatch):
     tests/test_trainer.py::test_compiled_step_matches_the_eager_step)."""
     calls = []
 
-    def compile_(fn):
+    def compile_(fn, **options):
         def compiled(*args, **kwargs):
             calls.append(fn)
             return fn(*args, **kwargs)

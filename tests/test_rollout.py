@@ -255,11 +255,18 @@ def test_graph_loop_matches_dynamic_cache_greedy(tiny, prompts):
     assert [graph.generate([p], GREEDY)[0] for p in prompts] == graph.generate(prompts, GREEDY)
 
 
-def test_prefill_writes_the_cache_and_gives_each_prompts_last_logits(tiny):
+@pytest.mark.parametrize("compiled_layers", [False, True])
+def test_prefill_writes_the_cache_and_gives_each_prompts_last_logits(tiny, compiled_layers):
     """float64: the prefill over left-padded prompts of many lengths gives each row the logits
     of its prompt alone, unpadded, through the model's own forward, and writes its keys and
-    values at the prompt's columns of the cache (the attention of each prompt alone, again)."""
+    values at the prompt's columns of the cache (the attention of each prompt alone, again).
+    Compiled (torch.compile's "eager" backend: dynamo's capture, no code generation), the
+    decoder layers make one graph between them: the cache's layer is chosen outside it."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
     import static_decode
+    from compiled_layers import CompiledLayers
 
     model, tokenizer = tiny
     model = copy.deepcopy(model).double()
@@ -272,8 +279,18 @@ def test_prefill_writes_the_cache_and_gives_each_prompts_last_logits(tiny):
     input_ids, prompt_mask = static_decode.left_pad(rows, tokenizer.pad_token_id, torch.device("cpu"), width=state.width)
     state.valid[:, :state.width] = prompt_mask.bool()
     state.slot.zero_()  # as `run` leaves them for its prefill
+    for buffer in (*state.cache.keys, *state.cache.values):
+        buffer.fill_(math.nan)  # nothing of the decode above survives into the checks
+    if compiled_layers:
+        assert len(state.cache.keys) >= 2
+        state.prefill_layers = CompiledLayers(model, backend="eager")
+        torch._dynamo.reset()
+        counters.clear()
     with static_decode._static_attention(model), torch.no_grad():
         logits = state.prefill(input_ids, prompt_mask)
+    if compiled_layers:
+        assert counters["stats"]["unique_graphs"] == 1
+        assert all("forward" not in layer.__dict__ for layer in state.prefill_layers.layers)  # put back
     with torch.no_grad():
         alone = [model(torch.tensor([row]), use_cache=True) for row in rows]
     assert torch.allclose(logits, torch.stack([out.logits[0, -1] for out in alone]), rtol=0, atol=1e-9)
