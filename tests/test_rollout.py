@@ -525,6 +525,22 @@ def test_a_decoder_does_not_keep_its_model_alive(tiny, prompts, merge_lora):
     assert inner() is None
 
 
+def test_model_state_walk_sees_every_tuner_layer_and_parameter(tiny):
+    """`_model_state` walks the module tree by hand: it must see what modules() / parameters() see."""
+    from static_decode import _is_tuner_layer, _model_state
+
+    model = lora_model(tiny)
+    states, fingerprint = _model_state(model)
+    expected = {(bool(m.disable_adapters), tuple(m.active_adapters), bool(m.merged))
+                for m in model.modules() if _is_tuner_layer(type(m))}
+    assert states == tuple(sorted(expected)) and len(expected) == 1
+    assert _model_state(model)[1] == fingerprint  # the same storage: the same fingerprint
+    with model.disable_adapter():
+        assert _model_state(model)[0] != states
+    model.base_model.model.model.layers[-1].mlp.down_proj.lora_B["default"].weight.data = torch.zeros(1)
+    assert _model_state(model)[1] != fingerprint  # one tensor deep in the tree moved
+
+
 def test_merged_copy_is_remade_when_the_model_moves(tiny, prompts):
     """`.to()` gives the model new tensors; the copy, which shares them, is made again."""
     model = lora_model(tiny)
