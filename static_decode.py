@@ -36,7 +36,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -45,7 +45,7 @@ import decode_matmul
 import decode_qkv
 from compiled_layers import CompiledLayers, decoder_layers
 from merged_student import MergedStudent, MergeUnsupported, has_enabled_adapters
-from model_utils import causal_lm, eval_mode, kv_geometry, left_pad, model_device
+from model_utils import causal_lm, eval_mode, kv_geometry, model_device
 from sampling import SamplingSettings
 
 # The engines of rollout.TransformersBackend (None = "dynamic"); "paged" is paged_decode.py.
@@ -202,7 +202,7 @@ class StaticDecoder:
         network = self.network(fingerprint)
         device = model_device(network)
         width = bucket_width(max(len(row) for row in rows))
-        input_ids, prompt_mask = left_pad(rows, pad_token_id, device, width=width)
+        prompts = pack_prompts(rows, width, device)
         sampler = _Sampler(settings, network.config.vocab_size)
         key = (len(rows), width, settings.max_new_tokens, sampler.key, tuple(eos_token_ids), int(pad_token_id),
                network is self.model, adapters,
@@ -217,7 +217,7 @@ class StaticDecoder:
                 self.state = None  # free the previous shape's cache and graph first
                 self.state = _DecodeState(network, key, len(rows), width, settings.max_new_tokens, sampler,
                                           list(eos_token_ids), int(pad_token_id), self.compiled)
-            return self.state.run(input_ids, prompt_mask)
+            return self.state.run(prompts)
 
 
     def sampled_logprobs(self, rows: int) -> torch.Tensor | None:
@@ -389,19 +389,18 @@ class _DecodeState:
     def model(self):
         return self._model()
 
-    def prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-        """Write the prompts' keys and values into the cache; return the logits [B, V] of each
-        row's last prompt token. One forward over the left-padded prompts, under a causal and
-        padding mask in which a pad row attends to itself only (no all-masked rows), over
-        the prompt's columns only (`_attention` attends to the keys and values the layer just
-        made); with `prefill_layers`, through the compiled decoder layers."""
+    def prefill(self, prompts: PackedPrompts) -> torch.Tensor:
+        """Write the prompts' keys and values into the cache (zeros at the padding columns);
+        return the logits [B, V] of each row's last prompt token. One forward over the
+        prompts packed without padding (`prefill_logits`), whose attention runs over the
+        left-padded layout under a causal and padding mask in which a pad row attends to
+        itself only (no all-masked rows); with `prefill_layers`, the decoder layers compiled.
+        Expects `valid` to hold the prompts' columns (`run` sets it)."""
         width = self.width
-        rows = torch.arange(width, device=input_ids.device)[:, None]
-        cols = torch.arange(width, device=input_ids.device)[None, :]
+        rows = torch.arange(width, device=self.valid.device)[:, None]
+        cols = torch.arange(width, device=self.valid.device)[None, :]
         mask = ((cols <= rows) & self.valid[:, None, None, :width]) | (cols == rows)
-        position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        return prefill_logits(self.model, self.cache, self.cache_argument, input_ids, position_ids, mask,
-                              self.prefill_layers)
+        return prefill_logits(self.model, self.cache, self.cache_argument, prompts, mask, self.prefill_layers)
 
     def _step(self) -> None:
         self.step_fn(self.model, self.cache, self.cache_argument, self.sampler, self.tokens,
@@ -458,20 +457,20 @@ class _DecodeState:
         if self.noise is not None:
             self.noise.uniform_()
 
-    def run(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
+    def run(self, prompts: PackedPrompts) -> list[list[int]]:
         width = self.width
         self.valid.zero_()
-        self.valid[:, :width] = prompt_mask.bool()
+        self.valid[prompts.rows, prompts.columns] = True
         self.finished.zero_()
         self.out.fill_(self.pad_token_id)
         self.logprobs.zero_()
         self.slot.zero_()
         self.column.zero_()
-        logits = self.prefill(input_ids, prompt_mask)
+        logits = self.prefill(prompts)
         self._draw_noise()
         _emit(*self.sampler.sample(logits, self.noise), self.finished, self.eos, self.pad_token_id, self.out,
               self.logprobs, self.column, self.tokens)
-        self.positions.copy_(prompt_mask.sum(-1, keepdim=True))
+        self.positions.copy_(prompts.lengths[:, None])
         self.slot.fill_(width)
         window = 0
         for step in range(1, self.max_new_tokens):
@@ -549,50 +548,85 @@ def _(qkv, heads, norm, q_weight, k_weight, eps, cos, sin, key, value, slot, mas
     return qkv.new_empty(qkv.shape[0], key.shape[1], heads // key.shape[1], cos.shape[-1])
 
 
-def prefill_logits(model, cache: _KVCache, cache_argument: str, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                   mask: torch.Tensor, layers: CompiledLayers | None = None) -> torch.Tensor:
-    """The prefill's forward: each layer's keys and values of the prompts' columns written to
-    `cache` (from column 0) through a `_PrefillCache`, the logits [B, V] of the last column.
-    `layers`: the model's decoder layers compiled (`CompiledLayers`), or None to run them eagerly.
+class PackedPrompts(NamedTuple):
+    """A batch of prompts for the prefill, without padding: their tokens one prompt after the
+    other, and where each token sits in the cache's left-padded layout [rows, width]."""
+    input_ids: torch.Tensor  # [1, T]
+    positions: torch.Tensor  # [1, T]: each token's position in its prompt
+    rows: torch.Tensor  # [T]: the token's row of the cache
+    columns: torch.Tensor  # [T]: its column (every prompt ends at column width - 1)
+    lengths: torch.Tensor  # [B]
+    last: torch.Tensor  # [B]: the index in T of each prompt's last token
+    width: int
 
-    The logits come from the last column's hidden states alone, one [B, hidden] product with
-    the LM head: `logits_to_keep=1` hands the head a strided [B, 1, hidden] view, which torch
-    runs as a batched product that reads the head's weight once per row."""
+
+def pack_prompts(rows: list[list[int]], width: int, device) -> PackedPrompts:
+    """`rows` (each at least one token, at most `width`) packed for `prefill_logits`."""
+    lengths = torch.tensor([len(row) for row in rows])
+    if not 0 < int(lengths.min()) <= int(lengths.max()) <= width:
+        raise ValueError(f"prompts of 1 to {width} tokens expected, got lengths {lengths.min()} to {lengths.max()}")
+    ends = lengths.cumsum(0)
+    row_of = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+    position = torch.arange(int(ends[-1])) - (ends - lengths)[row_of]
+    input_ids = torch.tensor([token for row in rows for token in row])
+    host = (input_ids[None], position[None], row_of, width - lengths[row_of] + position, lengths, ends - 1)
+    return PackedPrompts(*(t.to(device) for t in host), width)
+
+
+def prefill_logits(model, cache: _KVCache, cache_argument: str, prompts: PackedPrompts, mask: torch.Tensor,
+                   layers: CompiledLayers | None = None) -> torch.Tensor:
+    """The prefill's forward; -> the logits [B, V] of each prompt's last token. `layers`: the
+    model's decoder layers compiled (`CompiledLayers`), or None to run them eagerly.
+
+    The forward runs over the prompts packed without padding (its products and elementwise
+    work cost the prompts' tokens, not rows x width: 41% less in the benchmark's batch,
+    BENCHMARKS.md 2.9). Attention scatters them into the left-padded layout and runs under
+    `mask` [B, 1, W, W] (`_attention`, which `_PrefillCache.update` hands the padded keys and
+    values; it writes them, zeros at the padding, to the cache's first columns). The logits
+    come from the last tokens' hidden states alone, one [B, hidden] product with the LM head."""
     decoder = model.get_decoder()
-    prefill_cache = _PrefillCache(cache)
+    prefill_cache = _PrefillCache(cache, prompts)
     hooks = [layer.register_forward_pre_hook(functools.partial(prefill_cache.select, index))
              for index, layer in enumerate(decoder_layers(model))]
     try:
         with layers.active() if layers is not None else contextlib.nullcontext():
-            hidden = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
-                             **{cache_argument: prefill_cache}).last_hidden_state
+            hidden = decoder(input_ids=prompts.input_ids, position_ids=prompts.positions, attention_mask=mask,
+                             use_cache=True, opsd_packed=prompts, **{cache_argument: prefill_cache}).last_hidden_state
     finally:
         for hook in hooks:
             hook.remove()
-    return model.get_output_embeddings()(hidden[:, -1])
+    return model.get_output_embeddings()(hidden[0, prompts.last])
+
+
+def _padded(packed: torch.Tensor, prompts: PackedPrompts) -> torch.Tensor:
+    """[1, heads, T, D] packed -> [B, heads, W, D] left-padded, zeros at the padding."""
+    padded = packed.new_zeros(len(prompts.lengths), packed.shape[1], prompts.width, packed.shape[-1])
+    padded[prompts.rows, :, prompts.columns] = packed[0].transpose(0, 1)
+    return padded
 
 
 class _PrefillCache:
-    """The KV cache as the prefill's layers see it: `update` writes a layer's keys and values
-    at the cache's first columns and returns them as they are (the prompt's columns are all
-    the prefill attends to). The layer is chosen by `select`, a forward pre-hook, not by the
-    index `update` receives: compiled code reading that index would make it a constant of the
-    graph, one compilation per layer; this way one graph serves every layer."""
+    """The KV cache as the prefill's layers see it: `update` takes a layer's keys and values
+    of the packed prompts, writes them left-padded (zeros at the padding) to the cache's
+    first columns and returns them so (the prompts' columns are all the prefill attends to).
+    The layer is chosen by `select`, a forward pre-hook, not by the index `update` receives:
+    compiled code reading that index would make it a constant of the graph, one compilation
+    per layer; this way one graph serves every layer."""
 
     is_compileable = True
 
-    def __init__(self, cache: _KVCache):
-        self.cache = cache
+    def __init__(self, cache: _KVCache, prompts: PackedPrompts):
+        self.cache, self.prompts = cache, prompts
         self.keys = self.values = None  # the selected layer's buffers
 
     def select(self, layer: int, *hook_args) -> None:
         self.keys, self.values = self.cache.keys[layer], self.cache.values[layer]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        width = key_states.shape[-2]
-        self.keys[:, :, :width].copy_(key_states)
-        self.values[:, :, :width].copy_(value_states)
-        return key_states, value_states
+        keys, values = _padded(key_states, self.prompts), _padded(value_states, self.prompts)
+        self.keys[:, :, :self.prompts.width].copy_(keys)
+        self.values[:, :, :self.prompts.width].copy_(values)
+        return keys, values
 
 
 def _forward_logits(model, cache, cache_argument, input_ids, position_ids, mask) -> torch.Tensor:
@@ -639,22 +673,26 @@ def _compiled_decode_step():
     return _COMPILED_STEPS[DECODE_COMPILE_MODE]
 
 
-def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """sdpa over the preallocated cache under a boolean mask. One query token: the
-    query heads sharing a KV head become query rows of that head (no repeated K/V,
-    the cache is read once); several (the prefill): the cache's first columns, as many as
-    the mask has (the prompt's: the rest is not written yet), K/V repeated per query head."""
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, opsd_packed=None, **kwargs):
+    """Attention of the decode loop. One query token (a decode step): sdpa-like over the
+    preallocated cache under a boolean mask, the query heads sharing a KV head as query rows of
+    that head (no repeated K/V, the cache is read once; `_decode_attention`). The prefill
+    (`opsd_packed`, the PackedPrompts): the packed queries scattered into the left-padded
+    layout of `key` / `value` (the prompts' columns, from `_PrefillCache`), sdpa under the
+    mask with K/V repeated per query head, the outputs gathered back into the packed order."""
     batch, heads, q_len, dim = query.shape
     groups = heads // key.shape[1]
-    if q_len == 1:
+    if opsd_packed is None:
+        if q_len != 1:
+            raise ValueError(f"static_decode attention: one query token per row or a packed prefill, got {q_len}")
         packed = query.reshape(batch, key.shape[1], groups, dim)
         out = _decode_attention(packed, key, value, attention_mask, scaling)
         return out.reshape(batch, heads, 1, dim).transpose(1, 2), None
-    key, value = key[:, :, :attention_mask.shape[-1]], value[:, :, :attention_mask.shape[-1]]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
+    out = torch.nn.functional.scaled_dot_product_attention(_padded(query, opsd_packed), key, value,
+                                                           attn_mask=attention_mask, scale=scaling)
+    return out[opsd_packed.rows, :, opsd_packed.columns][None], None  # [1, T, heads, D]
 
 
 @contextlib.contextmanager

@@ -257,7 +257,7 @@ def test_graph_loop_matches_dynamic_cache_greedy(tiny, prompts):
 
 @pytest.mark.parametrize("compiled_layers", [False, True])
 def test_prefill_writes_the_cache_and_gives_each_prompts_last_logits(tiny, compiled_layers):
-    """float64: the prefill over left-padded prompts of many lengths gives each row the logits
+    """float64: the prefill over packed prompts of many lengths gives each row the logits
     of its prompt alone, unpadded, through the model's own forward, and writes its keys and
     values at the prompt's columns of the cache (the attention of each prompt alone, again).
     Compiled (torch.compile's "eager" backend: dynamo's capture, no code generation), the
@@ -276,9 +276,9 @@ def test_prefill_writes_the_cache_and_gives_each_prompts_last_logits(tiny, compi
     settings = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=2)
     decoder.generate(rows, settings, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[-5])
     state = decoder.state
-    input_ids, prompt_mask = static_decode.left_pad(rows, tokenizer.pad_token_id, torch.device("cpu"), width=state.width)
-    state.valid[:, :state.width] = prompt_mask.bool()
-    state.slot.zero_()  # as `run` leaves them for its prefill
+    prompts = static_decode.pack_prompts(rows, state.width, torch.device("cpu"))
+    state.valid.zero_()
+    state.valid[prompts.rows, prompts.columns] = True  # as `run` leaves it for its prefill
     for buffer in (*state.cache.keys, *state.cache.values):
         buffer.fill_(math.nan)  # nothing of the decode above survives into the checks
     if compiled_layers:
@@ -287,7 +287,7 @@ def test_prefill_writes_the_cache_and_gives_each_prompts_last_logits(tiny, compi
         torch._dynamo.reset()
         counters.clear()
     with static_decode._static_attention(model), torch.no_grad():
-        logits = state.prefill(input_ids, prompt_mask)
+        logits = state.prefill(prompts)
     if compiled_layers:
         assert counters["stats"]["unique_graphs"] == 1
         assert all("forward" not in layer.__dict__ for layer in state.prefill_layers.layers)  # put back
@@ -300,6 +300,8 @@ def test_prefill_writes_the_cache_and_gives_each_prompts_last_logits(tiny, compi
             key, value = out.past_key_values.layers[layer].keys, out.past_key_values.layers[layer].values
             assert torch.allclose(state.cache.keys[layer][i, :, columns], key[0], rtol=0, atol=1e-9)
             assert torch.allclose(state.cache.values[layer][i, :, columns], value[0], rtol=0, atol=1e-9)
+            padding = slice(0, state.width - len(row))  # zeros: finite, whatever reads them under the mask
+            assert not state.cache.keys[layer][i, :, padding].any() and not state.cache.values[layer][i, :, padding].any()
 
 
 def test_graph_loop_short_last_batch_and_n(tiny, prompts):
