@@ -19,6 +19,7 @@ step is compiled whole). vLLM rollouts, `opsd_eval` and checkpoint saving see th
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
@@ -42,18 +43,29 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 
 
 class CompiledLayers:
-    """Compiled `forward`s for a model's decoder layers, built once, used inside `active()`."""
+    """Compiled `forward`s for a model's decoder layers, built once, used inside `active()`.
 
-    def __init__(self, model, backend: str = "inductor"):
+    `backend`, `dynamic`: torch.compile's (tests count graphs with the "eager" backend).
+    `own_cache`: compile through `_call` rather than the layers' `forward` itself. Dynamo keeps
+    its compiled graphs per code object, and every decoder layer of a class (the training
+    model's and the sampling copy's alike) shares the class's `forward`: the graphs of one
+    use would sit in the cache the other's calls search, and count against its recompile limit."""
+
+    def __init__(self, model, backend: str = "inductor", dynamic: bool | None = None, own_cache: bool = False):
         self.layers = decoder_layers(model)
-        self.backend = backend  # torch.compile's (tests count graphs with "eager")
+        self.backend, self.dynamic, self.own_cache = backend, dynamic, own_cache
         self._compiled: list | None = None
 
     @contextmanager
     def active(self):
         if self._compiled is None:
             # Built lazily from whatever `forward` each layer has (hooks included); compiled at first call.
-            self._compiled = [torch.compile(layer.forward, backend=self.backend) for layer in self.layers]
+            if self.own_cache:
+                call = torch.compile(_call, backend=self.backend, dynamic=self.dynamic)
+                self._compiled = [partial(call, layer.forward) for layer in self.layers]
+            else:
+                self._compiled = [torch.compile(layer.forward, backend=self.backend, dynamic=self.dynamic)
+                                  for layer in self.layers]
         # A layer may carry an instance-level forward already (e.g. accelerate's device hooks).
         own = [layer.__dict__.get("forward") for layer in self.layers]
         for layer, compiled in zip(self.layers, self._compiled):
@@ -67,3 +79,8 @@ class CompiledLayers:
                     del layer.forward
                 else:
                     layer.forward = previous
+
+
+def _call(forward, *args, **kwargs):
+    """`forward(*args, **kwargs)`: what `CompiledLayers(own_cache=True)` compiles, a code object of its own."""
+    return forward(*args, **kwargs)

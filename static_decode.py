@@ -377,7 +377,8 @@ class _DecodeState:
         self.noise = None if sampler.greedy else torch.zeros(batch, sampler.width, device=device)
         self.eos = torch.tensor(eos_token_ids or [-1], dtype=torch.long, device=device)
         self.step_fn = _compiled_decode_step() if compiled and device.type == "cuda" else _decode_step
-        self.prefill_layers = CompiledLayers(model) if compiled and COMPILE_PREFILL and device.type == "cuda" else None
+        self.prefill_layers = (prefill_layers(model) if compiled and COMPILE_PREFILL and device.type == "cuda"
+                               else None)
         # Decode step n feeds the token at cache column width + n - 1; each window's graph
         # attends to columns [0, limit) (KV_WINDOW: the filled part, rounded up).
         self.limits = decode_limits(width, max_new_tokens, KV_WINDOW)
@@ -546,6 +547,13 @@ def _new_token_attention(qkv: torch.Tensor, heads: int, norm: bool, q_weight: to
 @_new_token_attention.register_fake
 def _(qkv, heads, norm, q_weight, k_weight, eps, cos, sin, key, value, slot, mask, scale):
     return qkv.new_empty(qkv.shape[0], key.shape[1], heads // key.shape[1], cos.shape[-1])
+
+
+def prefill_layers(model, backend: str = "inductor") -> CompiledLayers:
+    """The decoder layers of the network that samples, compiled for `prefill_logits`: with
+    dynamic shapes from the first call (the packed prompts' length changes with every batch),
+    in a dynamo cache of their own (not the training step's compiled layers')."""
+    return CompiledLayers(model, backend=backend, dynamic=True, own_cache=True)
 
 
 class PackedPrompts(NamedTuple):

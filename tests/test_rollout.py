@@ -261,12 +261,12 @@ def test_prefill_writes_the_cache_and_gives_each_prompts_last_logits(tiny, compi
     of its prompt alone, unpadded, through the model's own forward, and writes its keys and
     values at the prompt's columns of the cache (the attention of each prompt alone, again).
     Compiled (torch.compile's "eager" backend: dynamo's capture, no code generation), the
-    decoder layers make one graph between them: the cache's layer is chosen outside it."""
+    decoder layers make one graph between them (the cache's layer is chosen outside it) for
+    every packed length, kept apart from the cache of the layers' own forward."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     import static_decode
-    from compiled_layers import CompiledLayers
 
     model, tokenizer = tiny
     model = copy.deepcopy(model).double()
@@ -283,7 +283,7 @@ def test_prefill_writes_the_cache_and_gives_each_prompts_last_logits(tiny, compi
         buffer.fill_(math.nan)  # nothing of the decode above survives into the checks
     if compiled_layers:
         assert len(state.cache.keys) >= 2
-        state.prefill_layers = CompiledLayers(model, backend="eager")
+        state.prefill_layers = static_decode.prefill_layers(model, backend="eager")
         torch._dynamo.reset()
         counters.clear()
     with static_decode._static_attention(model), torch.no_grad():
@@ -302,6 +302,15 @@ def test_prefill_writes_the_cache_and_gives_each_prompts_last_logits(tiny, compi
             assert torch.allclose(state.cache.values[layer][i, :, columns], value[0], rtol=0, atol=1e-9)
             padding = slice(0, state.width - len(row))  # zeros: finite, whatever reads them under the mask
             assert not state.cache.keys[layer][i, :, padding].any() and not state.cache.values[layer][i, :, padding].any()
+    if compiled_layers:  # other prompt lengths reuse the graph (dynamic shapes); the layers' own forward has none
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        shorter = static_decode.pack_prompts([row[:5] for row in rows], state.width, torch.device("cpu"))
+        with static_decode._static_attention(model), torch.no_grad():
+            state.prefill(shorter)
+        assert counters["stats"]["unique_graphs"] == 1
+        layer = state.prefill_layers.layers[0]
+        assert _debug_get_cache_entry_list(type(layer).forward.__code__) == []
 
 
 def test_graph_loop_short_last_batch_and_n(tiny, prompts):
