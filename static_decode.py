@@ -1,9 +1,9 @@
 """The project's own decode loop: the "graph" / "graph_compiled" engines of
 `rollout.TransformersBackend`, and its default on CUDA ("auto").
 
-`StaticDecoder` samples over a preallocated KV cache: one prefill over the
-left-padded prompts (widths bucketed by `bucket_width`; its decoder layers compiled
-for "graph_compiled"), then every decode step
+`StaticDecoder` samples over a preallocated KV cache: one prefill over the prompts
+packed without padding (the cache left-padded to widths bucketed by `bucket_width`; its
+decoder layers compiled for "graph_compiled"), then every decode step
 (forward of one token per row, attention over the cache under a validity mask,
 temperature -> top-k -> top-p sampling, EOS bookkeeping) runs on the device with
 no host synchronisation and, on CUDA, is recorded once as a CUDA graph (after a
@@ -71,9 +71,10 @@ FUSE_PROJECTIONS = True
 # torch.compile's mode for the "graph_compiled" step (None: the default; the loop records its
 # own CUDA graphs, so only the "-no-cudagraphs" modes make sense, e.g. "max-autotune-no-cudagraphs").
 DECODE_COMPILE_MODE: str | None = None
-# "graph_compiled" compiles the prefill's decoder layers too (`compiled_layers.CompiledLayers`:
-# one graph serves every layer; RMSNorms, rotary embedding and gating fused instead of dozens
-# of eager elementwise kernels a layer). False: the prefill runs eagerly.
+# "graph_compiled" compiles the prefill's decoder layers too (`prefill_layers`: one graph serves
+# every layer and every packed length; RMSNorms, rotary embedding and gating fused instead of
+# dozens of eager elementwise kernels a layer), at the price of a compilation at start-up
+# (BENCHMARKS.md 2.9 measures both). False: the prefill runs eagerly.
 COMPILE_PREFILL = True
 # The sampler's top-k over the vocabulary in blocks of this many logits (`top_k_and_logsumexp`):
 # one pass reads each block's maximum and exp-sum, then only the k blocks with the largest
@@ -110,9 +111,10 @@ def bucket_width(width: int) -> int:
 class StaticDecoder:
     """Sampling loop over a preallocated KV cache, one recorded CUDA graph per shape.
 
-    - prefill: one forward over the left-padded prompts, bucketed to `bucket_width`,
-      with an explicit causal + padding mask (its decoder layers compiled when
-      `compiled`, on CUDA; `COMPILE_PREFILL`);
+    - prefill: one forward over the prompts packed without padding, whose attention
+      runs in the cache's left-padded layout (bucketed to `bucket_width`) under an
+      explicit causal + padding mask (its decoder layers compiled when `compiled`, on
+      CUDA; `COMPILE_PREFILL`);
     - decode: a step = forward of one token per row at its own rotary position,
       attention over the whole cache under a validity mask, sampling
       (temperature, top-k, top-p, exactly as transformers' warpers order them),
@@ -572,7 +574,8 @@ def pack_prompts(rows: list[list[int]], width: int, device) -> PackedPrompts:
     """`rows` (each at least one token, at most `width`) packed for `prefill_logits`."""
     lengths = torch.tensor([len(row) for row in rows])
     if not 0 < int(lengths.min()) <= int(lengths.max()) <= width:
-        raise ValueError(f"prompts of 1 to {width} tokens expected, got lengths {lengths.min()} to {lengths.max()}")
+        raise ValueError(f"prompts of 1 to {width} tokens expected, got lengths {int(lengths.min())} to "
+                         f"{int(lengths.max())}")
     ends = lengths.cumsum(0)
     row_of = torch.repeat_interleave(torch.arange(len(rows)), lengths)
     position = torch.arange(int(ends[-1])) - (ends - lengths)[row_of]
@@ -587,8 +590,7 @@ def prefill_logits(model, cache: _KVCache, cache_argument: str, prompts: PackedP
     model's decoder layers compiled (`CompiledLayers`), or None to run them eagerly.
 
     The forward runs over the prompts packed without padding (its products and elementwise
-    work cost the prompts' tokens, not rows x width: 41% less in the benchmark's batch,
-    BENCHMARKS.md 2.9). Attention scatters them into the left-padded layout and runs under
+    work cost the prompts' tokens, not rows x width; BENCHMARKS.md 2.9). Attention scatters them into the left-padded layout and runs under
     `mask` [B, 1, W, W] (`_attention`, which `_PrefillCache.update` hands the padded keys and
     values; it writes them, zeros at the padding, to the cache's first columns). The logits
     come from the last tokens' hidden states alone, one [B, hidden] product with the LM head."""

@@ -536,6 +536,17 @@ def test_a_decoder_does_not_keep_its_model_alive(tiny, prompts, merge_lora):
     assert inner() is None
 
 
+def test_pack_prompts_places_each_token_and_rejects_empty_prompts():
+    import static_decode
+
+    packed = static_decode.pack_prompts([[5, 6, 7], [8]], 4, torch.device("cpu"))
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8]] and packed.positions.tolist() == [[0, 1, 2, 0]]
+    assert packed.rows.tolist() == [0, 0, 0, 1] and packed.columns.tolist() == [1, 2, 3, 3]
+    assert packed.lengths.tolist() == [3, 1] and packed.last.tolist() == [2, 3] and packed.width == 4
+    with pytest.raises(ValueError, match="prompts of 1 to 4 tokens expected, got lengths 0 to 3"):
+        static_decode.pack_prompts([[5, 6, 7], []], 4, torch.device("cpu"))
+
+
 def test_model_state_walk_sees_every_tuner_layer_and_parameter(tiny):
     """`_model_state` walks the module tree by hand: it must see what modules() / parameters() see."""
     from static_decode import _is_tuner_layer, _model_state
