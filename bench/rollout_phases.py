@@ -8,7 +8,7 @@ trainer's engine on CUDA, `graph_compiled` with the merged copy (on a CPU the sa
 runs uncompiled), recipe sampling). Each phase is timed with the
 device synchronised before and after it, so the phases add up to the call:
 - `refresh`: `StaticDecoder.network` (the merged copy rebuilt from base + LoRA);
-- `prefill`: the one forward over the left-padded prompts;
+- `prefill`: the one forward over the prompts (packed without padding);
 - `decode`: the rest of `_DecodeState.run` (the decode loop, EOS checks, the copy to the host);
 - `call`: `TransformersBackend.generate` as the trainer calls it.
 The first call of each length (compilation, graph recording) is not reported.
