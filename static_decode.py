@@ -608,17 +608,21 @@ def prefill_logits(model, cache: _KVCache, cache_argument: str, prompts: PackedP
     return model.get_output_embeddings()(hidden[0, prompts.last])
 
 
-def _padded(packed: torch.Tensor, prompts: PackedPrompts) -> torch.Tensor:
-    """[1, heads, T, D] packed -> [B, heads, W, D] left-padded, zeros at the padding."""
-    padded = packed.new_zeros(len(prompts.lengths), packed.shape[1], prompts.width, packed.shape[-1])
-    padded[prompts.rows, :, prompts.columns] = packed[0].transpose(0, 1)
-    return padded
+def _padded(packed: torch.Tensor, prompts: PackedPrompts, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[1, heads, T, D] packed -> [B, heads, W, D] left-padded, zeros at the padding; written
+    into `out` when given (a view of the cache), else into a new tensor."""
+    if out is None:
+        out = packed.new_zeros(len(prompts.lengths), packed.shape[1], prompts.width, packed.shape[-1])
+    else:
+        out.zero_()
+    out[prompts.rows, :, prompts.columns] = packed[0].transpose(0, 1)
+    return out
 
 
 class _PrefillCache:
     """The KV cache as the prefill's layers see it: `update` takes a layer's keys and values
-    of the packed prompts, writes them left-padded (zeros at the padding) to the cache's
-    first columns and returns them so (the prompts' columns are all the prefill attends to).
+    of the packed prompts, writes them left-padded (zeros at the padding) into the cache's
+    first columns and returns those columns (the prompts' columns are all the prefill attends to).
     The layer is chosen by `select`, a forward pre-hook, not by the index `update` receives:
     compiled code reading that index would make it a constant of the graph, one compilation
     per layer; this way one graph serves every layer."""
@@ -633,10 +637,9 @@ class _PrefillCache:
         self.keys, self.values = self.cache.keys[layer], self.cache.values[layer]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        keys, values = _padded(key_states, self.prompts), _padded(value_states, self.prompts)
-        self.keys[:, :, :self.prompts.width].copy_(keys)
-        self.values[:, :, :self.prompts.width].copy_(values)
-        return keys, values
+        width = self.prompts.width
+        return (_padded(key_states, self.prompts, self.keys[:, :, :width]),
+                _padded(value_states, self.prompts, self.values[:, :, :width]))
 
 
 def _forward_logits(model, cache, cache_argument, input_ids, position_ids, mask) -> torch.Tensor:

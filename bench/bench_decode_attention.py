@@ -36,6 +36,7 @@ import common
 import torch
 
 import decode_attention
+import decode_qkv
 
 LAYERS, BATCH, KV_HEADS, GROUPS, DIM, LENGTH = 28, 32, 8, 2, 128, 1216
 # (block, warps, stages, chunks, span) of split_kv to measure (chunks None: split_count decides;
@@ -129,8 +130,6 @@ def candidates(limit_names: list[str], new: dict, slots: dict) -> dict:
 
 
 def _prepared_query(new: dict, key, value, slot):
-    import decode_qkv
-
     return decode_qkv.triton_prepare(new["qkv"], new["heads"], KV_HEADS, new["q_weight"], new["k_weight"],
                                      new["eps"], new["cos"], new["sin"], key, value, slot)
 
