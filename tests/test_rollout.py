@@ -443,9 +443,11 @@ def test_merged_student_samples_what_the_adapters_sample(tiny, prompts, dtype):
     assert decoder.merged is not None and decoder.merge_error is None
     if dtype == torch.float64:
         assert student == unmerged
+    # bf16: the padded static attention rounds differently from the dynamic cache (on some CPUs
+    # enough to flip a greedy token), so the reference is transformers' static cache.
+    reference = backend_for(tiny, model=model, cache_implementation=None if dtype == torch.float64 else "static")
     with model.disable_adapter():
-        assert all_ids(merging.generate(prompts, GREEDY)) == all_ids(backend_for(tiny, model=model).generate(
-            prompts, GREEDY))
+        assert all_ids(merging.generate(prompts, GREEDY)) == all_ids(reference.generate(prompts, GREEDY))
     after = model.state_dict()
     assert set(after) == set(before) and all(torch.equal(before[name], after[name]) for name in before)
     shared = {t.data_ptr() for t in model.parameters()}
