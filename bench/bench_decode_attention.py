@@ -14,7 +14,7 @@ float64 reference.
 
 Implementations: those of `decode_attention` (sdpa = torch's pick; split_kv with its
 defaults, `split_kv[nospan]` looping over every block of the window, and the launch
-configurations of SPLIT_SWEEP; `split_kv_new_token`, which also makes the query and the new
+configurations of SPLIT_SWEEP (and NEW_TOKEN_SWEEP's for split_kv_new_token); `split_kv_new_token`, which also makes the query and the new
 K/V column from a q/k/v product, against `decode_qkv+split_kv`, the two kernels it replaces:
 their new column is the window's last attended one, their error is against float64
 attention with decode_qkv's query) and, for comparison only, sdpa
@@ -47,6 +47,9 @@ SPLIT_SWEEP = [(64, 4, 2, 1, False), (64, 4, 2, 2, False), (64, 4, 2, 4, False),
                (64, 4, 2, 1, True), (64, 4, 3, 1, True), (64, 4, 2, 2, True), (64, 4, 3, 2, True),
                (64, 4, 4, 2, True), (64, 4, 3, 3, True), (64, 4, 4, 4, True), (32, 4, 3, 2, True),
                (32, 4, 4, 4, True), (128, 8, 3, 2, True), (128, 4, 2, 2, True)]
+# (block, warps, stages) of split_kv_new_token to measure (one chunk, span loop)
+NEW_TOKEN_SWEEP = [(64, 4, 2), (64, 4, 4), (64, 2, 3), (64, 8, 3), (32, 4, 3), (32, 4, 4), (32, 4, 6), (32, 2, 4),
+                   (128, 4, 2), (128, 8, 2)]
 
 
 def reference(query, key, value, mask, scale):
@@ -105,9 +108,9 @@ def candidates(limit_names: list[str], new: dict, slots: dict) -> dict:
         out = fn(q.reshape(batch, heads * groups, 1, dim), k, v, score_mod=score_mod, scale=s, enable_gqa=True)
         return out.reshape(batch, heads, groups, dim)
 
-    def new_token(q, k, v, m, s):
+    def new_token(q, k, v, m, s, **launch):
         token = decode_attention.NewToken(**new, slot=slots[k.shape[-2]])
-        return decode_attention.split_kv_new_token(token, k, v, m, s)
+        return decode_attention.split_kv_new_token(token, k, v, m, s, **launch)
 
     def two_kernels(q, k, v, m, s):
         return decode_attention.split_kv(_prepared_query(new, k, v, slots[k.shape[-2]]).view(q.shape), k, v, m, s)
@@ -125,6 +128,9 @@ def candidates(limit_names: list[str], new: dict, slots: dict) -> dict:
     for block, warps, stages, chunks, span in SPLIT_SWEEP:
         table[f"split_kv[{block},{warps},{stages},{chunks}{',span' if span else ''}]"] = functools.partial(
             decode_attention.split_kv, block=block, warps=warps, stages=stages, chunks=chunks, span=span)
+    for block, warps, stages in NEW_TOKEN_SWEEP:
+        table[f"split_kv_new_token[{block},{warps},{stages}]"] = functools.partial(
+            new_token, block=block, warps=warps, stages=stages)
     table.update({"bmm[compiled]": compiled_bmm, "flex[compiled]": flex})  # last: they compile per limit
     return {name: fn for name, fn in table.items() if not limit_names or name in limit_names}
 
@@ -182,7 +188,7 @@ def main() -> int:
 
                 out = fn(query, keys[0][:, :, :limit], values[0][:, :, :limit], mask, scale)
                 ref_query = query
-                if name in NEW_TOKEN_VARIANTS:  # the query decode_qkv makes (it writes the same column again)
+                if name in NEW_TOKEN_VARIANTS or name.startswith("split_kv_new_token["):  # the query decode_qkv makes (it writes the same column again)
                     ref_query = _prepared_query(new, keys[0][:, :, :limit], values[0][:, :, :limit],
                                                 slots[limit]).view(query.shape)
                 ref = reference(ref_query, keys[0][:, :, :limit], values[0][:, :, :limit], mask, scale)

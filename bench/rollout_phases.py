@@ -60,6 +60,22 @@ def timed_phases(totals: dict):
     return restore
 
 
+def host_profile(backend, rows, settings, top: int) -> str:
+    """One call under cProfile (the device synchronised at its end): its `top` functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    backend.generate(rows, settings)
+    common.sync()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default=None, help="qwen3-1.7b (default on a GPU) or tiny (default on a CPU)")
@@ -67,6 +83,9 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=3, help="timed calls per length, after the first")
     parser.add_argument("--eager-prefill", action="store_true",
                         help="the prefill's decoder layers not compiled (static_decode.COMPILE_PREFILL off)")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="one more call per length under cProfile (device synchronised after it): print its N "
+                        "functions of most own time")
     parser.add_argument("--json", default=None)
     opts = parser.parse_args(argv)
     static_decode.COMPILE_PREFILL = not opts.eager_prefill
@@ -93,6 +112,9 @@ def main(argv=None) -> int:
                        "decode_ms": round(ms["run"] - ms["prefill"], 1), "call_ms": ms["call"]}
                 results["calls"].append(row)
                 print("[phases] " + " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+            if opts.cprofile:
+                print(f"[cprofile] {new_tokens} new tokens:\n" + host_profile(backend, rows, settings, opts.cprofile),
+                      flush=True)
             decoder = static_decode.StaticDecoder._instances.get(causal_lm(model))
             if decoder is not None:
                 decoder.release()
