@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import math
 import threading
 import warnings
 import weakref
@@ -43,6 +42,7 @@ import torch
 import decode_attention
 import decode_matmul
 import decode_qkv
+import decode_sampler
 from compiled_layers import CompiledLayers, decoder_layers
 from merged_student import MergedStudent, MergeUnsupported, has_enabled_adapters
 from model_utils import causal_lm, eval_mode, kv_geometry, model_device
@@ -210,7 +210,7 @@ class StaticDecoder:
                network is self.model, adapters,
                fingerprint if network is self.model else _storage_fingerprint(network), device,
                KV_WINDOW, DECODE_ATTENTION, decode_attention.launch_settings(), decode_matmul.launch_settings(),
-               decode_qkv.launch_settings(), DECODE_COMPILE_MODE, COMPILE_PREFILL)  # all baked into the graphs
+               decode_qkv.launch_settings(), decode_sampler.launch_settings(), DECODE_COMPILE_MODE, COMPILE_PREFILL)  # all baked into the graphs
         # Sampling from the model itself needs eval mode (dropout, checkpointing off); the merged
         # copy is in eval mode of its own, and switching the model walks every module twice.
         mode = eval_mode(self.model) if network is self.model else contextlib.nullcontext()
@@ -246,20 +246,15 @@ class _Sampler:
         """(logits of the candidates in float32, best first; their vocabulary ids; the
         log-sum-exp of every logit of the row). The top-k runs on the logits' own dtype
         (on bf16, torch's radix select takes half the passes of a float32 copy; the k values
-        convert exactly) and in blocks (`top_k_and_logsumexp`; BENCHMARKS.md section 2.5)."""
+        convert exactly) and in blocks (`decode_sampler.top_k_and_logsumexp`; BENCHMARKS.md section 2.5)."""
         if self.top_k:
-            return top_k_and_logsumexp(logits, self.top_k, SAMPLER_TOPK_BLOCK)
+            return decode_sampler.top_k_and_logsumexp(logits, self.top_k, SAMPLER_TOPK_BLOCK)
         values, index = logits.sort(dim=-1, descending=True)
         return values.float(), index, logits.float().logsumexp(-1)
 
     def filter(self, values: torch.Tensor) -> torch.Tensor:
         """Candidates' logits (best first) tempered; -inf = filtered out by top-p."""
-        values = values / self.temperature
-        if self.top_p < 1.0:
-            probs = values.softmax(-1)
-            mass_before = probs.cumsum(-1) - probs  # probability of the candidates ranked above
-            values = values.masked_fill(mass_before >= self.top_p, -math.inf)  # the first one always stays
-        return values
+        return decode_sampler.tempered_and_filtered(values, self.temperature, self.top_p)
 
     def filtered(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tempered logits, vocabulary ids) of the candidates, best first; -inf = filtered out."""
@@ -267,53 +262,23 @@ class _Sampler:
         return self.filter(values), index
 
     def sample(self, logits: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens [B], their log-probabilities [B] under the untempered, unfiltered logits)."""
+        """(tokens [B], their log-probabilities [B] under the untempered, unfiltered logits).
+        With a top-k searched in blocks, on a GPU: one Triton kernel after the blocks'
+        maxima (`decode_sampler.sample`, the same rule)."""
         if self.greedy:
             logits = logits.float()
             tokens = logits.argmax(-1)
             return tokens, logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(-1)
+        block = SAMPLER_TOPK_BLOCK
+        if self.top_k and block and decode_sampler.applies(logits, self.top_k, -(-logits.shape[-1] // block)):
+            _, block_max, logsumexp = decode_sampler.block_maxima_and_logsumexp(logits, block)
+            return decode_sampler.sample(logits, block_max, logsumexp, noise, self.top_k, block, self.temperature,
+                                         self.top_p)
         values, index, logsumexp = self.candidates(logits)
-        gumbel = -torch.log(-torch.log(noise))
-        choice = (self.filter(values) + gumbel).argmax(-1, keepdim=True)
-        return index.gather(-1, choice).squeeze(-1), values.gather(-1, choice).squeeze(-1) - logsumexp
+        return decode_sampler.torch_draw(values, index, logsumexp, noise, self.temperature, self.top_p)
 
     def __call__(self, logits: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
         return self.sample(logits, noise)[0]
-
-
-def top_k_and_logsumexp(logits: torch.Tensor, k: int, block: int | None
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(the k largest logits of each row in float32, best first; their vocabulary ids; the
-    row's log-sum-exp in float32) of [B, V] logits.
-
-    With `block`, one pass over the row gives each block of `block` logits its maximum and
-    its exp-sum (which make the log-sum-exp), and the top-k is searched only in the k blocks
-    with the largest maxima: a logit outside them has k larger or equal ones (those blocks'
-    maxima), so it is in the top-k only as a tie at the k-th value, and the k values are
-    exactly torch.topk's. Which of several tied logits at the k-th value is kept may differ.
-    Rows too short for k blocks take one torch.topk."""
-    rows, vocab = logits.shape
-    blocks = -(-vocab // block) if block else 0
-    if blocks < k:
-        values, index = logits.topk(k, dim=-1)
-        return values.float(), index, logits.float().logsumexp(-1)
-    if blocks * block != vocab:  # the last block's missing logits never count: -inf
-        logits = torch.nn.functional.pad(logits, (0, blocks * block - vocab), value=-math.inf)
-    tiles = logits.view(rows, blocks, block)
-    block_max = tiles.amax(-1)
-    block_max32 = block_max.float()
-    row_max = block_max32.amax(-1, keepdim=True)
-    # Shifts of 0 where a maximum is -inf: a block (or row) of -inf logits adds 0, not NaN.
-    block_shift = torch.where(block_max32.isfinite(), block_max32, 0.0)
-    row_shift = torch.where(row_max.isfinite(), row_max, 0.0)
-    block_sum = (tiles.float() - block_shift[..., None]).exp().sum(-1)
-    logsumexp = row_shift.squeeze(-1) + (block_sum * (block_max32 - row_shift).exp()).sum(-1).log()
-    # The blocks' order does not matter (the second top-k sorts their logits): unsorted saves a sort.
-    chosen = block_max.topk(k, dim=-1, sorted=False).indices  # [B, k] blocks
-    searched = tiles.gather(1, chosen[..., None].expand(rows, k, block)).view(rows, k * block)
-    values, position = searched.topk(k, dim=-1)
-    index = chosen.gather(1, position // block) * block + position % block
-    return values.float(), index, logsumexp
 
 
 class _KVCache:

@@ -30,6 +30,7 @@ import torch
 import decode_attention
 import decode_matmul
 import decode_qkv
+import decode_sampler
 import static_decode
 from model_utils import causal_lm
 from rollout import TransformersBackend
@@ -37,7 +38,8 @@ from sampling import SamplingSettings
 from static_decode import DECODE_ATTENTION, StaticDecoder
 
 # configuration suffixes besides attn=NAME, qkv=NAME, topk=N
-FLAGS = ("merged", "fullkv", "unfused", "autotune", "torchmm", "nospan", "separateqkv", "eagerprefill")
+FLAGS = ("merged", "fullkv", "unfused", "autotune", "torchmm", "nospan", "separateqkv", "eagerprefill",
+         "torchsampler")
 
 PAD_ID, EOS_IDS = 151643, [151645, 151643]
 
@@ -324,7 +326,8 @@ def main(argv=None) -> int:
                         "(decode_attention.IMPLEMENTATIONS), '+nospan' makes split_kv loop over every block of the "
                         "window (SPLIT_SPAN off), '+separateqkv' runs decode_qkv's kernel before split_kv instead of "
                         "inside it (SPLIT_NEW_TOKEN off), '+eagerprefill' runs graph_compiled's prefill without compiling "
-                        "its decoder layers (COMPILE_PREFILL off)")
+                        "its decoder layers (COMPILE_PREFILL off), '+torchsampler' draws with torch's top-k instead of "
+                        "decode_sampler's kernel")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="profile this many decode steps (CUDA time per kernel) of each graph engine")
     parser.add_argument("--split-config", default="",
@@ -434,6 +437,8 @@ def main(argv=None) -> int:
             overrides[decode_attention, "SPLIT_NEW_TOKEN"] = False
         if "eagerprefill" in flags:
             overrides[static_decode, "COMPILE_PREFILL"] = False
+        if "torchsampler" in flags:
+            overrides[decode_sampler, "IMPLEMENTATION"] = "torch"
         saved = {(module, setting): getattr(module, setting) for module, setting in overrides}
         try:
             for (module, setting), value in overrides.items():

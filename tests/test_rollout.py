@@ -643,7 +643,7 @@ def test_top_k_in_blocks_is_exact(vocab, block, dtype):
     largest values (float64 sort here), ids that point at them (distinct, even where most
     logits tie), and the log-sum-exp of the whole row (-inf, not NaN, for a row of -inf);
     300 logits in blocks of 16 are fewer than k blocks (one torch.topk instead)."""
-    from static_decode import top_k_and_logsumexp
+    from decode_sampler import top_k_and_logsumexp
 
     gen = torch.Generator().manual_seed(vocab)
     k = 20

@@ -1,0 +1,202 @@
+"""The decode step's draw from its logits: top-k, temperature, top-p, Gumbel-max; in torch and in one Triton kernel.
+
+`static_decode._Sampler` samples through these functions. In torch (`top_k_and_logsumexp`,
+`tempered_and_filtered`, `torch_draw`): one reduction gives each block of the vocabulary its
+maximum and exp-sum, and the log-sum-exp (`block_maxima_and_logsumexp`); a top-k over the
+blocks' maxima, a gather of the chosen blocks' logits, a top-k over them with its sort, then
+the filter and the draw: at 32 rows, five or six kernels of a few microseconds each for a
+few thousand values a row. `sample` does everything after the reduction in one kernel.
+
+How, one program per row:
+1. the k blocks with the largest maxima: the k-th largest maximum is found by setting the
+   bits of an integer key that orders as the values do (`_order_key`), highest bit first,
+   keeping a bit when at least k keys are at or above the prefix (16 passes over the keys
+   for bf16 logits); the blocks above it, then tied ones in block order up to k;
+2. their logits (k x block of them), and the k largest the same way (ties: the lowest
+   vocabulary id), written to a scratch row of k and read back, lowest id first;
+3. each candidate's rank (best first, ties by id), temperature, top-p over the ranks
+   (the probability ranked above a candidate, from a k x k comparison instead of a
+   sorted cumulative sum), then the draw: the argmax of tempered logit + Gumbel noise,
+   the noise of rank r from column r of `noise`, as `_Sampler.sample` reads it.
+The same k values and the same rule as `_Sampler` (tested against it on the CPU through
+Triton's interpreter: the same tokens from the same noise where no value ties and no top-p
+boundary sits within float32 rounding); only which of several logits tied at the k-th
+value is kept may differ (the lowest ids here), as between torch's top-k and the block
+search.
+
+`IMPLEMENTATION` "auto": the kernel on a CUDA GPU of compute capability 8.0 or newer, k at
+most `MAX_K`; torch elsewhere and after the kernel failed once (with a warning).
+BENCHMARKS.md section 2.10 has what it measured.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+import triton_support
+
+IMPLEMENTATIONS = ("auto", "torch", "triton")
+IMPLEMENTATION = "auto"
+MAX_K = 64  # k x block logits a program searches (8,192 at block 128); larger k: torch
+
+_AUTO_FAILURE: str | None = None  # why "auto" stopped choosing the kernel in this process
+
+
+def applies(logits: torch.Tensor, k: int, blocks: int) -> bool:
+    """Whether `sample` takes the kernel for [B, V] logits, top-k `k` searched in `blocks` blocks."""
+    if IMPLEMENTATION not in IMPLEMENTATIONS:
+        raise ValueError(f"decode sampler {IMPLEMENTATION!r}: expected one of {', '.join(IMPLEMENTATIONS)}")
+    if IMPLEMENTATION == "torch":
+        return False
+    fits = (0 < k <= MAX_K and blocks >= k and logits.dim() == 2 and logits.stride(-1) == 1
+            and logits.dtype in _KEY_BITS)
+    if IMPLEMENTATION == "triton":
+        return fits
+    return fits and _AUTO_FAILURE is None and triton_support.runs_on(logits)
+
+
+def launch_settings() -> tuple:
+    """What a recorded decode step bakes in from this module (part of its key)."""
+    return IMPLEMENTATION, MAX_K
+
+
+# Bits of a value's float32 pattern that can differ between values of the logits' dtype
+# (sign, exponent, the dtype's mantissa): the search sets only these.
+_KEY_BITS = {torch.bfloat16: 16, torch.float16: 19, torch.float32: 32}
+
+
+def sample(logits: torch.Tensor, block_max: torch.Tensor, logsumexp: torch.Tensor, noise: torch.Tensor, k: int,
+           block: int, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B] int64, their log-probabilities [B] float32 under the untempered logits).
+    logits [B, V]; block_max [B, blocks] (blocks of `block` logits, the last one padded with
+    -inf); logsumexp [B] float32; noise [B, >= k] uniform in (0, 1)."""
+    return _sample_op(logits, block_max, logsumexp, noise, k, block, float(temperature), float(top_p))
+
+
+@torch.library.custom_op("opsd::decode_sample", mutates_args=())
+def _sample_op(logits: torch.Tensor, block_max: torch.Tensor, logsumexp: torch.Tensor, noise: torch.Tensor, k: int,
+               block: int, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`triton_sample` as an op torch.compile keeps whole. Should the kernel fail under "auto",
+    the draw comes from `_Sampler`'s torch operations, with a warning, and "auto" stops
+    choosing the kernel for the process."""
+    global _AUTO_FAILURE
+    try:
+        return triton_sample(logits, block_max, logsumexp, noise, k, block, temperature, top_p)
+    except Exception as exc:  # Triton's compile and launch errors share no base class
+        if IMPLEMENTATION != "auto":
+            raise
+        _AUTO_FAILURE = triton_support.give_up("decode sampler", exc, "torch's top-k")
+        values, index, logsumexp = top_k_and_logsumexp(logits, k, block)
+        return torch_draw(values, index, logsumexp, noise, temperature, top_p)
+
+
+@_sample_op.register_fake
+def _(logits, block_max, logsumexp, noise, k, block, temperature, top_p):
+    rows = logits.shape[0]
+    return logits.new_empty(rows, dtype=torch.long), logits.new_empty(rows, dtype=torch.float32)
+
+
+def triton_sample(logits, block_max, logsumexp, noise, k, block, temperature, top_p):
+    """The kernel's launch (see the module's docstring)."""
+    rows, vocab = logits.shape
+    blocks = block_max.shape[-1]
+    if block_max.shape != (rows, blocks) or blocks * block < vocab or blocks < k:
+        raise ValueError(f"decode sampler: {list(block_max.shape)} block maxima for {rows} x {vocab} logits "
+                         f"in blocks of {block}, top-k {k}")
+    if noise.shape[0] != rows or noise.shape[-1] < k or logsumexp.shape != (rows,):
+        raise ValueError(f"decode sampler: noise {list(noise.shape)} and log-sum-exp {list(logsumexp.shape)} "
+                         f"for {rows} rows and top-k {k}")
+    width = triton_support.next_power_of_2(k)
+    block_max = block_max if block_max.stride(-1) == 1 else block_max.contiguous()
+    noise = noise if noise.stride(-1) == 1 else noise.contiguous()
+    # scratch rows: the chosen blocks, then the candidates' logits and ids
+    chosen = torch.empty(rows, width, dtype=torch.int32, device=logits.device)
+    values = torch.empty(rows, width, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(rows, width, dtype=torch.int32, device=logits.device)
+    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    _kernel()[(rows,)](
+        logits, block_max, logsumexp.float().contiguous(), noise, chosen, values, ids, tokens, logprobs,
+        vocab, blocks, logits.stride(0), block_max.stride(0), noise.stride(0), temperature, top_p,
+        K=k, WIDTH=width, BLOCK=block, BLOCKS=triton_support.next_power_of_2(blocks),
+        BITS=_KEY_BITS[logits.dtype], TOP_P=top_p < 1.0, num_warps=4)
+    return tokens, logprobs
+
+
+# ---- torch: the draw as `static_decode._Sampler` runs it without the kernel (and its fallback) ----
+
+
+def block_maxima_and_logsumexp(logits: torch.Tensor, block: int
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the logits as [B, blocks, block] tiles, the last one padded with -inf; each block's
+    maximum [B, blocks] in the logits' dtype; each row's log-sum-exp [B] float32), from one
+    pass over the row: each block's maximum and exp-sum, combined."""
+    rows, vocab = logits.shape
+    blocks = -(-vocab // block)
+    if blocks * block != vocab:  # the last block's missing logits never count: -inf
+        logits = torch.nn.functional.pad(logits, (0, blocks * block - vocab), value=-math.inf)
+    tiles = logits.view(rows, blocks, block)
+    block_max = tiles.amax(-1)
+    block_max32 = block_max.float()
+    row_max = block_max32.amax(-1, keepdim=True)
+    # Shifts of 0 where a maximum is -inf: a block (or row) of -inf logits adds 0, not NaN.
+    block_shift = torch.where(block_max32.isfinite(), block_max32, 0.0)
+    row_shift = torch.where(row_max.isfinite(), row_max, 0.0)
+    block_sum = (tiles.float() - block_shift[..., None]).exp().sum(-1)
+    logsumexp = row_shift.squeeze(-1) + (block_sum * (block_max32 - row_shift).exp()).sum(-1).log()
+    return tiles, block_max, logsumexp
+
+
+def top_k_and_logsumexp(logits: torch.Tensor, k: int, block: int | None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the k largest logits of each row in float32, best first; their vocabulary ids; the
+    row's log-sum-exp in float32) of [B, V] logits.
+
+    With `block`, one pass over the row gives each block of `block` logits its maximum and
+    its exp-sum (which make the log-sum-exp), and the top-k is searched only in the k blocks
+    with the largest maxima: a logit outside them has k larger or equal ones (those blocks'
+    maxima), so it is in the top-k only as a tie at the k-th value, and the k values are
+    exactly torch.topk's. Which of several tied logits at the k-th value is kept may differ.
+    Rows too short for k blocks take one torch.topk."""
+    rows, vocab = logits.shape
+    blocks = -(-vocab // block) if block else 0
+    if blocks < k:
+        values, index = logits.topk(k, dim=-1)
+        return values.float(), index, logits.float().logsumexp(-1)
+    tiles, block_max, logsumexp = block_maxima_and_logsumexp(logits, block)
+    # The blocks' order does not matter (the second top-k sorts their logits): unsorted saves a sort.
+    chosen = block_max.topk(k, dim=-1, sorted=False).indices  # [B, k] blocks
+    searched = tiles.gather(1, chosen[..., None].expand(rows, k, block)).view(rows, k * block)
+    values, position = searched.topk(k, dim=-1)
+    index = chosen.gather(1, position // block) * block + position % block
+    return values.float(), index, logsumexp
+
+
+def tempered_and_filtered(values: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Candidates' logits (best first) divided by the temperature; -inf where top-p drops them
+    (the probability ranked above a candidate is top_p or more; the first always stays)."""
+    values = values / temperature
+    if top_p < 1.0:
+        probs = values.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs  # probability of the candidates ranked above
+        values = values.masked_fill(mass_before >= top_p, -math.inf)
+    return values
+
+
+def torch_draw(values: torch.Tensor, index: torch.Tensor, logsumexp: torch.Tensor, noise: torch.Tensor,
+               temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gumbel-max draw among candidates (best first, `noise` column r for rank r):
+    (tokens [B], their log-probabilities [B] under the untempered logits)."""
+    gumbel = -torch.log(-torch.log(noise))
+    choice = (tempered_and_filtered(values, temperature, top_p) + gumbel).argmax(-1, keepdim=True)
+    return index.gather(-1, choice).squeeze(-1), values.gather(-1, choice).squeeze(-1) - logsumexp
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, built on first use (Triton is imported only here)."""
+    import decode_sampler_triton
+
+    return decode_sampler_triton.kernel
