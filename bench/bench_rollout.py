@@ -38,8 +38,7 @@ from sampling import SamplingSettings
 from static_decode import DECODE_ATTENTION, StaticDecoder
 
 # configuration suffixes besides attn=NAME, qkv=NAME, topk=N
-FLAGS = ("merged", "fullkv", "unfused", "autotune", "torchmm", "nospan", "separateqkv", "eagerprefill",
-         "torchsampler")
+FLAGS = ("merged", "fullkv", "unfused", "autotune", "torchmm", "nospan", "separateqkv", "eagerprefill")
 
 PAD_ID, EOS_IDS = 151643, [151645, 151643]
 
@@ -326,8 +325,8 @@ def main(argv=None) -> int:
                         "(decode_attention.IMPLEMENTATIONS), '+nospan' makes split_kv loop over every block of the "
                         "window (SPLIT_SPAN off), '+separateqkv' runs decode_qkv's kernel before split_kv instead of "
                         "inside it (SPLIT_NEW_TOKEN off), '+eagerprefill' runs graph_compiled's prefill without compiling "
-                        "its decoder layers (COMPILE_PREFILL off), '+torchsampler' draws with torch's top-k instead of "
-                        "decode_sampler's kernel")
+                        "its decoder layers (COMPILE_PREFILL off), '+sampler=NAME' draws the "
+                        "top-k sample with decode_sampler's NAME (decode_sampler.IMPLEMENTATIONS)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="profile this many decode steps (CUDA time per kernel) of each graph engine")
     parser.add_argument("--split-config", default="",
@@ -397,13 +396,16 @@ def main(argv=None) -> int:
         attn = [o.split("=", 1)[1] for o in options if o.startswith("attn=")]
         qkv = [o.split("=", 1)[1] for o in options if o.startswith("qkv=")]
         topk = [o.split("=", 1)[1] for o in options if o.startswith("topk=")]
-        unknown = {o for o in options if not o.startswith(("attn=", "qkv=", "topk="))} - set(FLAGS)
+        sampler = [o.split("=", 1)[1] for o in options if o.startswith("sampler=")]
+        unknown = {o for o in options if not o.startswith(("attn=", "qkv=", "topk=", "sampler="))} - set(FLAGS)
         if (unknown or any(a not in decode_attention.IMPLEMENTATIONS for a in attn)
                 or any(q not in decode_qkv.IMPLEMENTATIONS for q in qkv)
+                or any(n not in decode_sampler.IMPLEMENTATIONS for n in sampler)
                 or any(t != "torch" and not (t.isdigit() and int(t) > 0) for t in topk)):
             parser.error(f"unknown configuration option(s) in {name!r} ({', '.join(FLAGS)}, attn=NAME with NAME in "
                          f"{', '.join(decode_attention.IMPLEMENTATIONS)}, qkv=NAME with NAME in "
-                         f"{', '.join(decode_qkv.IMPLEMENTATIONS)}, topk=N or topk=torch)")
+                         f"{', '.join(decode_qkv.IMPLEMENTATIONS)}, topk=N or topk=torch, sampler=NAME with NAME in "
+                         f"{', '.join(decode_sampler.IMPLEMENTATIONS)})")
         impl = None if engine == "dynamic" else engine
         tokens = dynamic_tokens if engine == "dynamic" else new_tokens
         configs.append((name if tokens == new_tokens else f"{name} ({tokens} new)", impl, tokens,
@@ -437,8 +439,8 @@ def main(argv=None) -> int:
             overrides[decode_attention, "SPLIT_NEW_TOKEN"] = False
         if "eagerprefill" in flags:
             overrides[static_decode, "COMPILE_PREFILL"] = False
-        if "torchsampler" in flags:
-            overrides[decode_sampler, "IMPLEMENTATION"] = "torch"
+        for option in (o for o in flags if o.startswith("sampler=")):
+            overrides[decode_sampler, "IMPLEMENTATION"] = option.split("=", 1)[1]
         saved = {(module, setting): getattr(module, setting) for module, setting in overrides}
         try:
             for (module, setting), value in overrides.items():
