@@ -24,9 +24,10 @@ boundary sits within float32 rounding); only which of several logits tied at the
 value is kept may differ (the lowest ids here), as between torch's top-k and the block
 search.
 
-`IMPLEMENTATION` "auto": the kernel on a CUDA GPU of compute capability 8.0 or newer, k at
-most `MAX_K`; torch elsewhere and after the kernel failed once (with a warning).
-BENCHMARKS.md section 2.10 has what it measured.
+`IMPLEMENTATION`: "torch" (the default: the kernel has not been measured on a GPU yet,
+BENCHMARKS.md section 2.10); "auto": the kernel on a CUDA GPU of compute capability 8.0 or
+newer, k at most `MAX_K`, torch elsewhere and after the kernel failed once (with a warning);
+"triton": the kernel wherever Triton runs (its CPU interpreter included: the tests).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ import torch
 import triton_support
 
 IMPLEMENTATIONS = ("auto", "torch", "triton")
-IMPLEMENTATION = "auto"
+IMPLEMENTATION = "torch"
 MAX_K = 64  # k x block logits a program searches (8,192 at block 128); larger k: torch
 
 _AUTO_FAILURE: str | None = None  # why "auto" stopped choosing the kernel in this process

@@ -61,6 +61,7 @@ def test_kernel_on_tied_bf16_logits_draws_a_candidate_of_the_same_value(interpre
 
 
 def test_auto_falls_back_to_torch_once_when_the_kernel_fails(monkeypatch):
+    monkeypatch.setattr(decode_sampler, "IMPLEMENTATION", "auto")
     monkeypatch.setattr(decode_sampler, "_AUTO_FAILURE", None)
 
     def broken(*args, **kwargs):
@@ -79,6 +80,8 @@ def test_auto_falls_back_to_torch_once_when_the_kernel_fails(monkeypatch):
 
 def test_where_the_kernel_applies(monkeypatch):
     logits = torch.zeros(2, 1000)
+    assert not decode_sampler.applies(logits, 20, 63)  # the default: torch
+    monkeypatch.setattr(decode_sampler, "IMPLEMENTATION", "auto")
     assert not decode_sampler.applies(logits, 20, 63)  # "auto" on a CPU: torch
     monkeypatch.setattr(decode_sampler, "IMPLEMENTATION", "triton")
     assert decode_sampler.applies(logits, 20, 63)
