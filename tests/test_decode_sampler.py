@@ -80,9 +80,10 @@ def test_auto_falls_back_to_torch_once_when_the_kernel_fails(monkeypatch):
 
 def test_where_the_kernel_applies(monkeypatch):
     logits = torch.zeros(2, 1000)
-    assert not decode_sampler.applies(logits, 20, 63)  # the default: torch
-    monkeypatch.setattr(decode_sampler, "IMPLEMENTATION", "auto")
+    assert decode_sampler.IMPLEMENTATION == "auto"
     assert not decode_sampler.applies(logits, 20, 63)  # "auto" on a CPU: torch
+    monkeypatch.setattr(decode_sampler, "IMPLEMENTATION", "torch")
+    assert not decode_sampler.applies(logits, 20, 63)
     monkeypatch.setattr(decode_sampler, "IMPLEMENTATION", "triton")
     assert decode_sampler.applies(logits, 20, 63)
     assert not decode_sampler.applies(logits, 20, 10)  # fewer blocks than k
