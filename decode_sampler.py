@@ -18,11 +18,14 @@ How, one program per row:
    (the probability ranked above a candidate, from a k x k comparison instead of a
    sorted cumulative sum), then the draw: the argmax of tempered logit + Gumbel noise,
    the noise of rank r from column r of `noise`, as `_Sampler.sample` reads it.
-The same k values and the same rule as `_Sampler` (tested against it on the CPU through
+The same k values and the same rule as the torch draw (tested against it on the CPU through
 Triton's interpreter: the same tokens from the same noise where no value ties and no top-p
-boundary sits within float32 rounding); only which of several logits tied at the k-th
-value is kept may differ (the lowest ids here), as between torch's top-k and the block
-search.
+boundary sits within float32 rounding). What may differ: which of several logits tied at
+the k-th value is kept (the lowest ids here), as between torch's top-k and the block search;
+the order of tied candidates, and so which noise each gets; and on a GPU the float32
+rounding of the temperature's division, exp and log, so Gumbel scores within a few ulp of
+each other may break the other way. Each changes which sample a seed gives, not the
+distribution.
 
 `IMPLEMENTATION` "auto" (the default): the kernel on a CUDA GPU of compute capability 8.0 or
 newer, k at most `MAX_K`, torch elsewhere and after the kernel failed once (with a warning);
@@ -47,14 +50,14 @@ MAX_K = 64  # k x block logits a program searches (8,192 at block 128); larger k
 _AUTO_FAILURE: str | None = None  # why "auto" stopped choosing the kernel in this process
 
 
-def applies(logits: torch.Tensor, k: int, blocks: int) -> bool:
-    """Whether `sample` takes the kernel for [B, V] logits, top-k `k` searched in `blocks` blocks."""
+def applies(logits: torch.Tensor, k: int, block: int) -> bool:
+    """Whether `sample` takes the kernel for [B, V] logits, top-k `k` searched in blocks of `block`."""
     if IMPLEMENTATION not in IMPLEMENTATIONS:
         raise ValueError(f"decode sampler {IMPLEMENTATION!r}: expected one of {', '.join(IMPLEMENTATIONS)}")
     if IMPLEMENTATION == "torch":
         return False
-    fits = (0 < k <= MAX_K and blocks >= k and logits.dim() == 2 and logits.stride(-1) == 1
-            and logits.dtype in _KEY_BITS)
+    fits = (0 < k <= MAX_K and block > 0 and block & (block - 1) == 0 and logits.dim() == 2
+            and -(-logits.shape[-1] // block) >= k and logits.dtype in _KEY_BITS)
     if IMPLEMENTATION == "triton":
         return fits
     return fits and _AUTO_FAILURE is None and triton_support.runs_on(logits)
@@ -75,6 +78,7 @@ def sample(logits: torch.Tensor, block_max: torch.Tensor, logsumexp: torch.Tenso
     """(tokens [B] int64, their log-probabilities [B] float32 under the untempered logits).
     logits [B, V]; block_max [B, blocks] (blocks of `block` logits, the last one padded with
     -inf); logsumexp [B] float32; noise [B, >= k] uniform in (0, 1)."""
+    _check(logits, block_max, logsumexp, noise, k, block)  # a caller's error, not the kernel's: before the op
     return _sample_op(logits, block_max, logsumexp, noise, k, block, float(temperature), float(top_p))
 
 
@@ -82,8 +86,9 @@ def sample(logits: torch.Tensor, block_max: torch.Tensor, logsumexp: torch.Tenso
 def _sample_op(logits: torch.Tensor, block_max: torch.Tensor, logsumexp: torch.Tensor, noise: torch.Tensor, k: int,
                block: int, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`triton_sample` as an op torch.compile keeps whole. Should the kernel fail under "auto",
-    the draw comes from `_Sampler`'s torch operations, with a warning, and "auto" stops
-    choosing the kernel for the process."""
+    the draw comes from this module's torch draw (`top_k_and_logsumexp`, `torch_draw`), with a
+    warning, and "auto" stops choosing the kernel for the process (steps recorded before keep
+    the op, which then draws with torch every time)."""
     global _AUTO_FAILURE
     try:
         return triton_sample(logits, block_max, logsumexp, noise, k, block, temperature, top_p)
@@ -101,19 +106,24 @@ def _(logits, block_max, logsumexp, noise, k, block, temperature, top_p):
     return logits.new_empty(rows, dtype=torch.long), logits.new_empty(rows, dtype=torch.float32)
 
 
-def triton_sample(logits, block_max, logsumexp, noise, k, block, temperature, top_p):
-    """The kernel's launch (see the module's docstring)."""
+def _check(logits, block_max, logsumexp, noise, k, block) -> None:
     rows, vocab = logits.shape
     blocks = block_max.shape[-1]
-    if block_max.shape != (rows, blocks) or blocks * block < vocab or blocks < k:
+    if block_max.shape != (rows, blocks) or blocks * block < vocab or blocks < k or block & (block - 1):
         raise ValueError(f"decode sampler: {list(block_max.shape)} block maxima for {rows} x {vocab} logits "
-                         f"in blocks of {block}, top-k {k}")
+                         f"in blocks of {block} (a power of two), top-k {k}")
     if noise.shape[0] != rows or noise.shape[-1] < k or logsumexp.shape != (rows,):
         raise ValueError(f"decode sampler: noise {list(noise.shape)} and log-sum-exp {list(logsumexp.shape)} "
                          f"for {rows} rows and top-k {k}")
+
+
+def triton_sample(logits, block_max, logsumexp, noise, k, block, temperature, top_p):
+    """The kernel's launch (see the module's docstring)."""
+    _check(logits, block_max, logsumexp, noise, k, block)
+    rows, vocab = logits.shape
+    blocks = block_max.shape[-1]
     width = triton_support.next_power_of_2(k)
-    block_max = block_max if block_max.stride(-1) == 1 else block_max.contiguous()
-    noise = noise if noise.stride(-1) == 1 else noise.contiguous()
+    logits, block_max, noise = (t if t.stride(-1) == 1 else t.contiguous() for t in (logits, block_max, noise))
     # scratch rows: the chosen blocks, then the candidates' logits and ids
     chosen = torch.empty(rows, width, dtype=torch.int32, device=logits.device)
     values = torch.empty(rows, width, dtype=torch.float32, device=logits.device)

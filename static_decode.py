@@ -76,7 +76,7 @@ DECODE_COMPILE_MODE: str | None = None
 # dozens of eager elementwise kernels a layer), at the price of a compilation at start-up
 # (BENCHMARKS.md 2.9 measures both). False: the prefill runs eagerly.
 COMPILE_PREFILL = True
-# The sampler's top-k over the vocabulary in blocks of this many logits (`top_k_and_logsumexp`):
+# The sampler's top-k over the vocabulary in blocks of this many logits (`decode_sampler`):
 # one pass reads each block's maximum and exp-sum, then only the k blocks with the largest
 # maxima are searched. None: one torch.topk over the whole row and a log-sum-exp of its own.
 SAMPLER_TOPK_BLOCK: int | None = 128
@@ -270,7 +270,7 @@ class _Sampler:
             tokens = logits.argmax(-1)
             return tokens, logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(-1)
         block = SAMPLER_TOPK_BLOCK
-        if self.top_k and block and decode_sampler.applies(logits, self.top_k, -(-logits.shape[-1] // block)):
+        if self.top_k and block and decode_sampler.applies(logits, self.top_k, block):
             _, block_max, logsumexp = decode_sampler.block_maxima_and_logsumexp(logits, block)
             return decode_sampler.sample(logits, block_max, logsumexp, noise, self.top_k, block, self.temperature,
                                          self.top_p)

@@ -1,4 +1,5 @@
-"""What the decode step's Triton kernels (decode_attention, decode_qkv, decode_matmul) share:
+"""What the decode step's Triton kernels (decode_attention, decode_qkv, decode_matmul,
+decode_sampler) share:
 whether a device can run them, its multiprocessor count, and how a failed kernel is named
 in the warning of an "auto" fallback (`give_up`). Triton is imported only to check that it imports."""
 from __future__ import annotations

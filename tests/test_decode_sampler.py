@@ -81,17 +81,29 @@ def test_auto_falls_back_to_torch_once_when_the_kernel_fails(monkeypatch):
 def test_where_the_kernel_applies(monkeypatch):
     logits = torch.zeros(2, 1000)
     assert decode_sampler.IMPLEMENTATION == "auto"
-    assert not decode_sampler.applies(logits, 20, 63)  # "auto" on a CPU: torch
+    assert not decode_sampler.applies(logits, 20, 16)  # "auto" on a CPU: torch
     monkeypatch.setattr(decode_sampler, "IMPLEMENTATION", "torch")
-    assert not decode_sampler.applies(logits, 20, 63)
+    assert not decode_sampler.applies(logits, 20, 16)
     monkeypatch.setattr(decode_sampler, "IMPLEMENTATION", "triton")
-    assert decode_sampler.applies(logits, 20, 63)
-    assert not decode_sampler.applies(logits, 20, 10)  # fewer blocks than k
-    assert not decode_sampler.applies(logits, decode_sampler.MAX_K + 1, 100)
-    assert not decode_sampler.applies(logits.double(), 20, 63)
+    assert decode_sampler.applies(logits, 20, 16)  # 63 blocks
+    assert not decode_sampler.applies(logits, 20, 64)  # 16 blocks: fewer than k
+    assert not decode_sampler.applies(logits, 20, 24)  # not a power of two
+    assert not decode_sampler.applies(logits, decode_sampler.MAX_K + 1, 8)
+    assert not decode_sampler.applies(logits.double(), 20, 16)
     monkeypatch.setattr(decode_sampler, "IMPLEMENTATION", "fast")
     with pytest.raises(ValueError, match="decode sampler 'fast': expected one of auto, torch, triton"):
-        decode_sampler.applies(logits, 20, 63)
+        decode_sampler.applies(logits, 20, 16)
+
+
+def test_a_callers_error_is_not_taken_for_a_kernel_failure(monkeypatch):
+    """Mismatched inputs raise before the op: "auto" keeps the kernel."""
+    monkeypatch.setattr(decode_sampler, "IMPLEMENTATION", "auto")
+    monkeypatch.setattr(decode_sampler, "_AUTO_FAILURE", None)
+    logits = torch.zeros(2, 1000)
+    _, block_max, logsumexp = decode_sampler.block_maxima_and_logsumexp(logits, 16)
+    with pytest.raises(ValueError, match="noise \\[2, 5\\] .* top-k 20"):
+        decode_sampler.sample(logits, block_max, logsumexp, torch.rand(2, 5), 20, 16, 1.0, 1.0)
+    assert decode_sampler._AUTO_FAILURE is None
 
 
 def test_sampler_takes_the_kernel_and_keeps_its_results(interpreted_triton, monkeypatch):
