@@ -1,4 +1,4 @@
-"""torch.compile of the decoder layers, switched on only for the training step's forwards (and the rollout loop's prefill).
+"""torch.compile of the decoder layers, switched on only for the training step's forwards and the rollout's prefill.
 
 Why: with LoRA on every projection, a decoder layer spends much of its time in small
 memory-bound kernels around its GEMMs (peft's `lora_B(lora_A(x)) * scaling` and the

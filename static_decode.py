@@ -210,7 +210,8 @@ class StaticDecoder:
                network is self.model, adapters,
                fingerprint if network is self.model else _storage_fingerprint(network), device,
                KV_WINDOW, DECODE_ATTENTION, decode_attention.launch_settings(), decode_matmul.launch_settings(),
-               decode_qkv.launch_settings(), decode_sampler.launch_settings(), DECODE_COMPILE_MODE, COMPILE_PREFILL)  # all baked into the graphs
+               decode_qkv.launch_settings(), decode_sampler.launch_settings(), DECODE_COMPILE_MODE,
+               COMPILE_PREFILL)  # all baked into the graphs
         # Sampling from the model itself needs eval mode (dropout, checkpointing off); the merged
         # copy is in eval mode of its own, and switching the model walks every module twice.
         mode = eval_mode(self.model) if network is self.model else contextlib.nullcontext()
@@ -555,9 +556,10 @@ def prefill_logits(model, cache: _KVCache, cache_argument: str, prompts: PackedP
     model's decoder layers compiled (`CompiledLayers`), or None to run them eagerly.
 
     The forward runs over the prompts packed without padding (its products and elementwise
-    work cost the prompts' tokens, not rows x width; BENCHMARKS.md 2.9). Attention scatters them into the left-padded layout and runs under
-    `mask` [B, 1, W, W] (`_attention`, which `_PrefillCache.update` hands the padded keys and
-    values; it writes them, zeros at the padding, to the cache's first columns). The logits
+    work cost the prompts' tokens, not rows x width; BENCHMARKS.md 2.9). Attention scatters
+    them into the left-padded layout and runs under `mask` [B, 1, W, W] (`_attention`, which
+    `_PrefillCache.update` hands the padded keys and values; it writes them, zeros at the
+    padding, to the cache's first columns). The logits
     come from the last tokens' hidden states alone, one [B, hidden] product with the LM head."""
     decoder = model.get_decoder()
     prefill_cache = _PrefillCache(cache, prompts)

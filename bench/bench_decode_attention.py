@@ -14,11 +14,11 @@ float64 reference.
 
 Implementations: those of `decode_attention` (sdpa = torch's pick; split_kv with its
 defaults, `split_kv[nospan]` looping over every block of the window, and the launch
-configurations of SPLIT_SWEEP (and NEW_TOKEN_SWEEP's for split_kv_new_token); `split_kv_new_token`, which also makes the query and the new
-K/V column from a q/k/v product, against `decode_qkv+split_kv`, the two kernels it replaces:
-their new column is the window's last attended one, their error is against float64
-attention with decode_qkv's query) and, for comparison only, sdpa
-with one backend forced, the bmm-softmax-bmm form (eager and under torch.compile) and
+configurations of SPLIT_SWEEP and, for split_kv_new_token, NEW_TOKEN_SWEEP); `split_kv_new_token`,
+which also makes the query and the new K/V column from a q/k/v product, against
+`decode_qkv+split_kv`, the two kernels it replaces: their new column is the window's last
+attended one, their error is against float64 attention with decode_qkv's query) and, for
+comparison only, sdpa with one backend forced, the bmm-softmax-bmm form (eager and under torch.compile) and
 torch's flex_attention (compiled).
 """
 from __future__ import annotations
@@ -188,7 +188,8 @@ def main() -> int:
 
                 out = fn(query, keys[0][:, :, :limit], values[0][:, :, :limit], mask, scale)
                 ref_query = query
-                if name in NEW_TOKEN_VARIANTS or name.startswith("split_kv_new_token["):  # the query decode_qkv makes (it writes the same column again)
+                # the query decode_qkv makes (it writes the same column again)
+                if name.split("[")[0] in NEW_TOKEN_VARIANTS:
                     ref_query = _prepared_query(new, keys[0][:, :, :limit], values[0][:, :, :limit],
                                                 slots[limit]).view(query.shape)
                 ref = reference(ref_query, keys[0][:, :, :limit], values[0][:, :, :limit], mask, scale)

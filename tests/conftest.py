@@ -27,7 +27,8 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
-# Without a GPU, the Triton kernels (decode_attention, decode_qkv, decode_matmul, decode_sampler) run in Triton's CPU interpreter.
+# Without a GPU, the Triton kernels (decode_attention, decode_qkv, decode_matmul, decode_sampler) run in
+# Triton's CPU interpreter.
 # Triton reads the switch when it is imported, so it is set before any test imports it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
