@@ -21,7 +21,15 @@ Qwen3-1.7B's o and down projections, measured faster than cuBLAS in the decode s
 wider products (q/k/v, gate/up: n > k) measured slower and stay with cuBLAS
 (BENCHMARKS.md section 2.5). Everything else (the prefill, CPU, float32) runs `F.linear`,
 and so does everything after the kernel failed once under "auto" (with a warning).
-The tests run the same kernel source in Triton's CPU interpreter against float64 products.
+
+`silu_gated`: the gated MLP's first half, SiLU(x @ gate.T) * (x @ up.T), from the stacked
+[gate; up] weight of the merged copy in one Triton kernel (`GATED_IMPLEMENTATION`), where the
+compiled step ran cuBLAS's product and then a kernel of its own for the gating. Each program
+multiplies the rows by a block of gate columns and the same block of up columns, rounds both
+sums to the inputs' dtype (as the product's output would be), and writes the gated block: one
+kernel a layer fewer. No split of K (the gating needs the whole sums).
+
+The tests run the same kernel sources in Triton's CPU interpreter against float64 products.
 """
 from __future__ import annotations
 
@@ -38,6 +46,10 @@ import triton_support
 IMPLEMENTATIONS = ("auto", "torch", "split_k")
 IMPLEMENTATION = "auto"
 MAX_ROWS = 64  # more rows (a prefill, a large decode batch) are not weight-bound: F.linear
+# `silu_gated`: "auto" the kernel in a decode step on a GPU (see `gated_applies`); "torch" the
+# product, then the gating; "triton" the kernel wherever Triton runs (its CPU interpreter: the tests).
+GATED_IMPLEMENTATIONS = ("auto", "torch", "triton")
+GATED_IMPLEMENTATION = "auto"
 
 
 class LaunchConfig(NamedTuple):
@@ -79,6 +91,84 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 _AUTO_FAILURE: str | None = None  # why "auto" stopped choosing the kernel in this process
 
 
+# `silu_gated`'s launch: 32 gate and 32 up columns a program, the whole of K in 128-column iterations
+GATED_CONFIG = LaunchConfig(32, 128, 1, 4, 4)
+
+
+def gated_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `silu_gated` takes the kernel for rows `x` and a stacked [gate; up] `weight`."""
+    if GATED_IMPLEMENTATION not in GATED_IMPLEMENTATIONS:
+        raise ValueError(f"decode gated product {GATED_IMPLEMENTATION!r}: expected one of "
+                         f"{', '.join(GATED_IMPLEMENTATIONS)}")
+    if GATED_IMPLEMENTATION == "torch":
+        return False
+    rows = x.numel() // x.shape[-1]
+    fits = (0 < rows <= MAX_ROWS and weight.dtype == x.dtype and weight.stride(-1) == 1 and weight.shape[0] % 2 == 0
+            and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
+    if GATED_IMPLEMENTATION == "triton":
+        return fits
+    one_token = x.dim() < 3 or x.shape[-2] == 1
+    return (fits and one_token and x.dtype != torch.float32 and _GATED_AUTO_FAILURE is None
+            and triton_support.runs_on(x))
+
+
+_GATED_AUTO_FAILURE: str | None = None
+
+
+def silu_gated(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for `gate, up = F.linear(x, weight).chunk(2, -1)`, through the kernel
+    where it `gated_applies` (the caller checks that the activation is SiLU)."""
+    if not gated_applies(x, weight):
+        gate, up = F.linear(x, weight).chunk(2, dim=-1)
+        return F.silu(gate) * up
+    n, k = weight.shape[0] // 2, weight.shape[1]
+    out = _gated_op(x.reshape(-1, k), weight, *GATED_CONFIG)
+    return out.view(*x.shape[:-1], n)
+
+
+def silu_gated_rows(x: torch.Tensor, weight: torch.Tensor, config: LaunchConfig) -> torch.Tensor:
+    """The kernel itself: [rows, n] = SiLU(x @ gate.T) * (x @ up.T) for x [rows, k] and the
+    stacked weight [gate; up] of [2n, k]; each product rounded to x's dtype before the gating."""
+    rows, k = x.shape
+    if weight.shape[1] != k or weight.shape[0] % 2:
+        raise ValueError(f"decode gated product: x has {k} columns, the stacked weight's shape is "
+                         f"{tuple(weight.shape)} (expected [2n, {k}])")
+    if rows > MAX_ROWS:
+        raise ValueError(f"decode gated product: {rows} rows, the kernel takes at most {MAX_ROWS}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    n = weight.shape[0] // 2
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    iterations = -(-k // config.block_k)
+    _gated_kernel()[(-(-n // config.block_n),)](
+        x, weight, out, rows, n, x.stride(0), weight.stride(0),
+        K=k, ROWS=max(16, triton_support.next_power_of_2(rows)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        ITERATIONS=iterations, num_warps=config.warps, num_stages=config.stages)
+    return out
+
+
+@torch.library.custom_op("opsd::decode_silu_gated", mutates_args=())
+def _gated_op(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, splits: int, warps: int,
+              stages: int) -> torch.Tensor:
+    """`silu_gated_rows` as an op torch.compile keeps whole. Should the kernel fail under
+    "auto", the product and the gating run in torch, with a warning, and "auto" stops
+    choosing the kernel for the process."""
+    global _GATED_AUTO_FAILURE
+    try:
+        return silu_gated_rows(x, weight, LaunchConfig(block_n, block_k, splits, warps, stages))
+    except Exception as exc:  # Triton's compile and launch errors share no base class
+        if GATED_IMPLEMENTATION != "auto":
+            raise
+        _GATED_AUTO_FAILURE = triton_support.give_up("decode gated product", exc, "F.linear and F.silu")
+        gate, up = F.linear(x, weight).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+@_gated_op.register_fake
+def _(x, weight, block_n, block_k, splits, warps, stages):
+    return x.new_empty(x.shape[0], weight.shape[0] // 2)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the split-K kernel where it `applies`."""
     if not applies(x, weight):
@@ -97,7 +187,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def launch_settings() -> tuple:
     """What a recorded decode step bakes in from this module (part of its key)."""
-    return (IMPLEMENTATION, MAX_ROWS)
+    return (IMPLEMENTATION, GATED_IMPLEMENTATION, GATED_CONFIG, MAX_ROWS)
 
 
 def split_k_partials(x: torch.Tensor, weight: torch.Tensor, config: LaunchConfig) -> torch.Tensor:
@@ -179,5 +269,39 @@ def _kernel():
             acc += tl.dot(a, b)
         out = out_ptr + split * rows * n + r[:, None] * n + columns[None, :]
         tl.store(out, acc, mask=(r[:, None] < rows) & (columns[None, :] < n))
+
+    return kernel
+
+
+@functools.cache
+def _gated_kernel():
+    """`silu_gated`'s Triton kernel, built on first use."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, w_ptr, out_ptr, rows, n, x_stride, w_stride,
+               K: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               ITERATIONS: tl.constexpr):
+        """One block of columns: its gate and up sums over all of K, then the gating."""
+        columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        r = tl.arange(0, ROWS)
+        gate = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        up = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        for i in range(ITERATIONS):
+            k = i * BLOCK_K + tl.arange(0, BLOCK_K)
+            inside = k < K
+            a = tl.load(x_ptr + r[:, None] * x_stride + k[None, :], mask=(r[:, None] < rows) & inside[None, :],
+                        other=0.0)
+            tile = w_ptr + columns[None, :] * w_stride + k[:, None]  # [BLOCK_K, BLOCK_N], contiguous along K
+            mask = (columns[None, :] < n) & inside[:, None]
+            gate += tl.dot(a, tl.load(tile, mask=mask, other=0.0))
+            up += tl.dot(a, tl.load(tile + n * w_stride, mask=mask, other=0.0))
+        # each product rounded to the output's dtype, as F.linear's would be, then the gating in float32
+        dtype = out_ptr.dtype.element_ty
+        gate = gate.to(dtype).to(tl.float32)
+        gated = gate / (1.0 + tl.exp(-gate)) * up.to(dtype).to(tl.float32)
+        tl.store(out_ptr + r[:, None] * n + columns[None, :], gated.to(dtype),
+                 mask=(r[:, None] < rows) & (columns[None, :] < n))
 
     return kernel

@@ -17,8 +17,9 @@ fused product may sum in another order, within bf16 rounding.
 In a decode step over `static_decode`'s cache (one token per row, on CUDA) the attention
 goes from the q/k/v product to its output through the cache (`attend_new_token`: the q/k
 norms, rotary embedding, cache writes and attention in one kernel, see `decode_qkv.py` and
-`decode_attention.py`), and plain projections go through `decode_matmul.linear` (a split-K
-kernel where it measured faster); elsewhere (prefill, CPU, other caches) the original
+`decode_attention.py`), plain projections go through `decode_matmul.linear` (a split-K
+kernel where it measured faster), and a SiLU MLP's gate/up product and gating through
+`decode_matmul.silu_gated` (one kernel); elsewhere (prefill, CPU, other caches) the original
 operations run.
 """
 from __future__ import annotations
@@ -152,8 +153,13 @@ class FusedMLP(nn.Module):
         self.gate_up_proj, self.sizes = gate_up_proj, sizes  # gate, up widths
         self.down_proj = mlp.down_proj
         self.act_fn = mlp.act_fn
+        # SiLU gating of equal halves without a bias: `decode_matmul.silu_gated` can do product and gating at once
+        self._gates_in_kernel = (type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation") and sizes[0] == sizes[1]
+                                 and gate_up_proj.bias is None)
 
     def forward(self, x):
+        if self._gates_in_kernel and decode_matmul.gated_applies(x, self.gate_up_proj.weight):
+            return project(self.down_proj, decode_matmul.silu_gated(x, self.gate_up_proj.weight))
         gate, up = project(self.gate_up_proj, x).split(self.sizes, dim=-1)
         return project(self.down_proj, self.act_fn(gate) * up)
 

@@ -1,7 +1,8 @@
 """The decode step's matrix products: torch (cuBLAS) against decode_matmul's split-K kernel.
 
     python bench/bench_decode_matmul.py --json OUT.json            # GPU
-    python bench/bench_decode_matmul.py --sweep --json OUT.json    # and every launch of SWEEP
+    python bench/bench_decode_matmul.py --sweep --json OUT.json    # and every launch of SWEEP, GATED_SWEEP
+    python bench/bench_decode_matmul.py --products gate_up --kernels gated --sweep  # the gated kernel's launches
 
 Qwen3-1.7B's products at the rollout's 32 rows, bf16, in the merged sampling copy's
 layout: q/k/v stacked (2048 -> 4096), o (2048 -> 2048), gate/up stacked (2048 -> 12288),
@@ -14,6 +15,12 @@ its own: the sum over splits that `decode_matmul.linear` adds fuses into the nex
 elementwise kernel in the compiled decode step ("split_k default" rows add it eagerly, a
 kernel of its own, for comparison). torch's error column is the rounding of its bf16
 output; the kernel's partials are float32.
+
+With gate/up, `decode_matmul.silu_gated` ("gate_up gated" rows): the product with its SiLU
+gating in one kernel against torch's product followed by the gating, eager (in the compiled
+step the gating is one fused kernel after cuBLAS's product, so the plain gate/up product's
+torch row is the closer comparison of the product's own time); its error is against SiLU(gate)
+x up in float64 from the products rounded to bf16.
 """
 from __future__ import annotations
 
@@ -36,32 +43,12 @@ SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (12288, 2048), "dow
 # (block_n, block_k, splits, warps, stages) measured with --sweep, for every shape where K divides
 SWEEP = [LaunchConfig(bn, bk, s, 4, st) for bn, bk in ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128))
          for s in (1, 2, 4, 8) for st in (3, 5)]
+# launches of decode_matmul.silu_gated's kernel measured with --sweep (gate/up only; no splits)
+GATED_SWEEP = [LaunchConfig(bn, bk, 1, w, st) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)
+               for st in (3, 4, 5)]
 
 
-def graph_time_us(calls, repeats: int = 20) -> float:
-    """Microseconds per call of `calls` (closures), recorded once in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / repeats / len(calls)
-
-
-def measure(name: str, n: int, k: int, configs: list, log) -> list[dict]:
+def measure(name: str, n: int, k: int, configs: list, log, kernels: tuple = ("split_k", "gated")) -> list[dict]:
     count = 2 if name == "lm_head" else LAYERS
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(ROWS, k, device="cuda", generator=gen).bfloat16()
@@ -76,7 +63,7 @@ def measure(name: str, n: int, k: int, configs: list, log) -> list[dict]:
             out = fn(weights[0])
             out = out.sum(0) if out.dim() == 3 else out  # the kernel's partials
             error = (out.double() - reference).abs().max().item() / scale
-            us = graph_time_us([lambda w=w: fn(w) for w in weights])
+            us = common.graph_time_us([lambda w=w: fn(w) for w in weights])
         except Exception as exc:  # noqa: BLE001 - a launch the hardware refuses (shared memory, say)
             log(f"[matmul] {name} {label}: failed ({type(exc).__name__}: {str(exc)[:200]})")
             return
@@ -86,6 +73,8 @@ def measure(name: str, n: int, k: int, configs: list, log) -> list[dict]:
         log(f"[matmul] {name} {label}: {us:.2f} us, {row['tb_per_s']:.2f} TB/s, error {error:.1e}")
 
     record("torch", lambda w: F.linear(x, w))
+    if "split_k" not in kernels:
+        return rows + (measure_gated(x, weights, configs and GATED_SWEEP, log) if name == "gate_up" else [])
     default = decode_matmul.launch_config(n, k, triton_support.processors(x.device))
     record(f"split_k default {tuple(default)}", lambda w: decode_matmul.split_k_partials(x, w, default).sum(0))
     record(f"split_k default {tuple(default)} kernel only", lambda w: decode_matmul.split_k_partials(x, w, default))
@@ -95,35 +84,78 @@ def measure(name: str, n: int, k: int, configs: list, log) -> list[dict]:
         if name == "lm_head" and config.splits > 1:
             continue
         record(f"split_k {tuple(config)}", lambda w, c=config: decode_matmul.split_k_partials(x, w, c))
+    if name == "gate_up" and "gated" in kernels:  # the product with its SiLU gating, against the product and the gating in torch
+        rows += measure_gated(x, weights, configs and GATED_SWEEP, log)
+    return rows
+
+
+def measure_gated(x, weights, configs, log) -> list[dict]:
+    n, k = weights[0].shape[0] // 2, weights[0].shape[1]
+    gate, up = (x.double() @ weights[0].double().T).bfloat16().double().chunk(2, dim=-1)
+    reference = gate * torch.sigmoid(gate) * up
+    scale = reference.abs().max().item()
+    rows = []
+
+    def torch_gated(w):
+        g, u = F.linear(x, w).chunk(2, dim=-1)
+        return F.silu(g) * u
+
+    def record(label, fn):
+        try:
+            error = (fn(weights[0]).double() - reference).abs().max().item() / scale
+            us = common.graph_time_us([lambda w=w: fn(w) for w in weights])
+        except Exception as exc:  # noqa: BLE001 - a launch the hardware refuses
+            log(f"[matmul] gated {label}: failed ({type(exc).__name__}: {str(exc)[:200]})")
+            return
+        row = {"product": "gate_up gated", "n": 2 * n, "k": k, "implementation": label, "us": us,
+               "tb_per_s": 2 * n * k * 2 / us / 1e6, "relative_error": error}
+        rows.append(row)
+        log(f"[matmul] gate_up gated {label}: {us:.2f} us, {row['tb_per_s']:.2f} TB/s, error {error:.1e}")
+
+    record("torch (product, then SiLU and the product of the halves: eager, 3 kernels)", torch_gated)
+    default = decode_matmul.GATED_CONFIG
+    record(f"gated default {tuple(default)}", lambda w: decode_matmul.silu_gated_rows(x, w, default))
+    for config in configs:
+        if config != default:
+            record(f"gated {tuple(config)}", lambda w, c=config: decode_matmul.silu_gated_rows(x, w, c))
     return rows
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json")
-    parser.add_argument("--sweep", action="store_true", help="also every launch configuration of SWEEP")
+    parser.add_argument("--sweep", action="store_true", help="also every launch configuration of SWEEP (GATED_SWEEP "
+                        "for the gated gate/up kernel)")
+    parser.add_argument("--products", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--kernels", default="split_k,gated", help="comma-separated: split_k, gated (gate/up only)")
     opts = parser.parse_args(argv)
+    products = opts.products.split(",")
+    if set(products) - set(SHAPES):
+        parser.error(f"--products: unknown {', '.join(sorted(set(products) - set(SHAPES)))} (of {', '.join(SHAPES)})")
     if not torch.cuda.is_available():
         print("bench_decode_matmul: needs a CUDA GPU (the kernel's CPU check is tests/test_decode_matmul.py)")
         return 1
     results = {"machine": common.machine(), "rows": ROWS, "products": []}
-    for name, (n, k) in SHAPES.items():
-        results["products"] += measure(name, n, k, SWEEP if opts.sweep else [], print)
+    for name in products:
+        results["products"] += measure(name, *SHAPES[name], SWEEP if opts.sweep else [], print,
+                                       tuple(opts.kernels.split(",")))
     table = []
-    for name in SHAPES:
+    for name in products + ["gate_up gated"] * ("gate_up" in products):
         rows = [r for r in results["products"] if r["product"] == name]
         torch_row = next((r for r in rows if r["implementation"] == "torch"), None)
-        best = min((r for r in rows if r["implementation"].startswith("split_k") and "kernel only" not in r["implementation"]
+        kernel = "gated" if name == "gate_up gated" else "split_k"
+        best = min((r for r in rows if r["implementation"].startswith(kernel) and "kernel only" not in r["implementation"]
                     and "default" not in r["implementation"]), key=lambda r: r["us"], default=None)
-        shipped = next((r for r in rows if r["implementation"].endswith("kernel only")), None)
+        shipped = next((r for r in rows if r["implementation"].endswith("kernel only")
+                        or r["implementation"].startswith("gated default")), None)
 
         def cell(row, label=""):
             return "failed" if row is None else f"{row['us']:.2f} ({row['tb_per_s']:.2f}){label}"
 
         table.append([name, cell(torch_row), cell(shipped),
-                      "-" if best is None else cell(best, " " + best["implementation"][8:]),
+                      "-" if best is None else cell(best, " " + best["implementation"].split(" ", 1)[1]),
                       "-" if shipped is None else f"{shipped['relative_error']:.1e}"])
-    report = common.markdown_table(["product", "torch: us (TB/s)", "split_k default, kernel", "best of sweep",
+    report = common.markdown_table(["product", "torch: us (TB/s)", "the kernel's default", "best of sweep",
                                     "default rel. error"], table)
     return common.finish(results, opts.json, report)
 

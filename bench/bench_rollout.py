@@ -38,7 +38,7 @@ from sampling import SamplingSettings
 from static_decode import DECODE_ATTENTION, StaticDecoder
 
 # configuration suffixes besides attn=NAME, qkv=NAME, topk=N
-FLAGS = ("merged", "fullkv", "unfused", "autotune", "torchmm", "nospan", "separateqkv", "eagerprefill")
+FLAGS = ("merged", "fullkv", "unfused", "autotune", "torchmm", "torchgate", "nospan", "separateqkv", "eagerprefill")
 
 PAD_ID, EOS_IDS = 151643, [151645, 151643]
 
@@ -319,7 +319,8 @@ def main(argv=None) -> int:
                         "'+fullkv' attends over the whole preallocated cache (no KV windows), '+unfused' keeps the merged "
                         "copy's q/k/v and gate/up products separate, '+autotune' compiles the step with "
                         "max-autotune-no-cudagraphs, '+torchmm' runs the merged copy's products through torch (cuBLAS) instead of "
-                        "decode_matmul's split-K kernel, '+qkv=NAME' the q/k norms, rotary and cache writes (decode_qkv.IMPLEMENTATIONS), "
+                        "decode_matmul's split-K and gated kernels, '+torchgate' the gate/up product through torch and then its SiLU "
+                        "gating (decode_matmul.GATED_IMPLEMENTATION torch), '+qkv=NAME' the q/k norms, rotary and cache writes (decode_qkv.IMPLEMENTATIONS), "
                         "'+topk=N' searches the sampler's top-k in blocks of N logits ('+topk=torch': one torch.topk), "
                         "'+attn=NAME' picks the decode attention kernel "
                         "(decode_attention.IMPLEMENTATIONS), '+nospan' makes split_kv loop over every block of the "
@@ -331,6 +332,10 @@ def main(argv=None) -> int:
                         help="profile this many decode steps (CUDA time per kernel) of each graph engine")
     parser.add_argument("--split-config", default="",
                         help="BLOCK,WARPS,STAGES[,CHUNKS] of the split_kv kernel (decode_attention.SPLIT_*)")
+    parser.add_argument("--gated-config", default="",
+                        help="BLOCK_N,BLOCK_K,WARPS,STAGES of decode_matmul's gated kernel (GATED_CONFIG)")
+    parser.add_argument("--sampler-config", default="",
+                        help="DIGIT_BITS,WARPS of decode_sampler's kernel")
     parser.add_argument("--skip-checks", action="store_true", help="no greedy correctness checks first")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--budget-s", type=float, default=400)
@@ -390,6 +395,13 @@ def main(argv=None) -> int:
         decode_attention.SPLIT_BLOCK, decode_attention.SPLIT_WARPS, decode_attention.SPLIT_STAGES = block, warps, stages
         decode_attention.SPLIT_CHUNKS = chunks[0] if chunks else None
         results["split_config"] = opts.split_config
+    if opts.gated_config:
+        block_n, block_k, warps, stages = (int(x) for x in opts.gated_config.split(","))
+        decode_matmul.GATED_CONFIG = decode_matmul.LaunchConfig(block_n, block_k, 1, warps, stages)
+        results["gated_config"] = opts.gated_config
+    if opts.sampler_config:
+        decode_sampler.DIGIT_BITS, decode_sampler.WARPS = (int(x) for x in opts.sampler_config.split(","))
+        results["sampler_config"] = opts.sampler_config
     configs = []
     for name in opts.configs.split(","):
         engine, *options = name.split("+")
@@ -431,6 +443,9 @@ def main(argv=None) -> int:
             overrides[static_decode, "SAMPLER_TOPK_BLOCK"] = None if block == "torch" else int(block)
         if "torchmm" in flags:
             overrides[decode_matmul, "IMPLEMENTATION"] = "torch"
+            overrides[decode_matmul, "GATED_IMPLEMENTATION"] = "torch"
+        if "torchgate" in flags:
+            overrides[decode_matmul, "GATED_IMPLEMENTATION"] = "torch"
         for option in (o for o in flags if o.startswith("qkv=")):
             overrides[decode_qkv, "IMPLEMENTATION"] = option.split("=", 1)[1]
         if "nospan" in flags:

@@ -157,6 +157,29 @@ def step_flops(params: dict[str, int], batch: int, geo: Geometry) -> float:
     return float(teacher + student_fwd + student_bwd + head)
 
 
+def graph_time_us(calls, repeats: int = 20) -> float:
+    """Microseconds per call of `calls` (closures), recorded once in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / repeats / len(calls)
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

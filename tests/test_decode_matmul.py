@@ -128,3 +128,111 @@ def test_decode_loop_samples_the_same_tokens_through_the_kernel(interpreted_trit
         StaticDecoder.for_model(model, merge_lora=True).release()
         assert bool(calls) == (implementation == "split_k")
     assert results["torch"] == results["split_k"]
+
+
+def gated_reference(x, weight, dtype):
+    """SiLU(gate) * up in float64 from each product rounded to `dtype`, as F.linear's outputs are."""
+    gate, up = (x.double() @ weight.double().T).to(dtype).double().chunk(2, dim=-1)
+    return gate * torch.sigmoid(gate) * up
+
+
+@pytest.fixture
+def gated_kernel(interpreted_triton, monkeypatch):
+    monkeypatch.setattr(decode_matmul, "GATED_IMPLEMENTATION", "triton")
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("rows,n,k,config", [
+    (32, 64, 256, LaunchConfig(32, 64, 1, 4, 2)),   # two blocks of columns, four iterations
+    (5, 40, 200, LaunchConfig(32, 64, 1, 4, 2)),    # ragged rows, columns, and K past the last block
+    (1, 16, 16, LaunchConfig(16, 16, 1, 4, 2)),     # one row, one iteration
+])
+def test_gated_kernel_is_silu_gate_times_up(gated_kernel, dtype, tolerance, rows, n, k, config):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    weight = (torch.randn(2 * n, k, generator=gen) * k ** -0.5).to(dtype)
+    got = decode_matmul.silu_gated_rows(x, weight, config)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    expected = gated_reference(x, weight, dtype)
+    assert (got.double() - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+def test_silu_gated_keeps_leading_dimensions_and_falls_to_torch_beyond_max_rows(gated_kernel, monkeypatch):
+    calls = []
+    kernel = decode_matmul.silu_gated_rows
+    monkeypatch.setattr(decode_matmul, "silu_gated_rows", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    gen = torch.Generator().manual_seed(5)
+    x, weight = torch.randn(6, 1, 128, generator=gen), torch.randn(96, 128, generator=gen)
+    got = decode_matmul.silu_gated(x, weight)
+    assert calls == [(6, 128)] and got.shape == (6, 1, 48)
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    assert torch.allclose(got, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    many = torch.randn(decode_matmul.MAX_ROWS + 1, 128, generator=gen)
+    gate, up = F.linear(many, weight).chunk(2, dim=-1)
+    assert torch.equal(decode_matmul.silu_gated(many, weight), F.silu(gate) * up)
+    assert len(calls) == 1
+
+
+def test_the_gated_op_passes_torchs_custom_op_checks(gated_kernel):
+    gen = torch.Generator().manual_seed(6)
+    x, weight = torch.randn(3, 64, generator=gen), torch.randn(80, 64, generator=gen)
+    result = torch.library.opcheck(decode_matmul._gated_op, (x, weight, 16, 16, 1, 4, 2))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_a_failing_gated_kernel_falls_back_to_torch_under_auto(monkeypatch):
+    monkeypatch.setattr(decode_matmul, "_GATED_AUTO_FAILURE", None)
+    monkeypatch.setattr(decode_matmul, "GATED_IMPLEMENTATION", "auto")
+
+    def broken(*args):
+        raise RuntimeError("no gated kernel here")
+
+    monkeypatch.setattr(decode_matmul, "silu_gated_rows", broken)
+    gen = torch.Generator().manual_seed(7)
+    x, weight = torch.randn(3, 64, generator=gen), torch.randn(80, 64, generator=gen)
+    with pytest.warns(RuntimeWarning, match="no gated kernel here"):
+        got = decode_matmul._gated_op(x, weight, 16, 16, 1, 4, 2)
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    assert torch.allclose(got, F.silu(gate) * up, atol=1e-6)
+    assert "no gated kernel here" in decode_matmul._GATED_AUTO_FAILURE
+    assert not decode_matmul.gated_applies(x, weight)  # "auto" stopped choosing it
+    monkeypatch.setattr(decode_matmul, "GATED_IMPLEMENTATION", "triton")
+    with pytest.raises(RuntimeError, match="no gated kernel here"):  # a forced kernel's failure is an error
+        decode_matmul._gated_op(x, weight, 16, 16, 1, 4, 2)
+
+
+def test_when_the_gated_kernel_applies(monkeypatch):
+    x, stacked = torch.zeros(4, 64), torch.zeros(128, 64)
+    monkeypatch.setattr(decode_matmul, "_GATED_AUTO_FAILURE", None)
+    monkeypatch.setattr(decode_matmul, "GATED_IMPLEMENTATION", "auto")
+    assert not decode_matmul.gated_applies(x.half(), stacked.half())  # CPU under "auto": torch
+    monkeypatch.setattr(decode_matmul, "GATED_IMPLEMENTATION", "triton")
+    assert decode_matmul.gated_applies(x, stacked)
+    assert not decode_matmul.gated_applies(x, stacked[:127])  # no equal halves
+    assert not decode_matmul.gated_applies(torch.zeros(decode_matmul.MAX_ROWS + 1, 64), stacked)
+    assert not decode_matmul.gated_applies(x, stacked.double())
+    monkeypatch.setattr(decode_matmul, "GATED_IMPLEMENTATION", "torch")
+    assert not decode_matmul.gated_applies(x, stacked)
+    monkeypatch.setattr(decode_matmul, "GATED_IMPLEMENTATION", "cublas")
+    with pytest.raises(ValueError, match="expected one of"):
+        decode_matmul.gated_applies(x, stacked)
+
+
+def test_decode_loop_samples_the_same_tokens_through_the_gated_kernel(gated_kernel, monkeypatch):
+    """The merged copy's MLPs with product and gating in one kernel sample what the product
+    and torch's SiLU sample (float32, so the rounding of the products is the same)."""
+    from test_fused_projections import GREEDY, SAMPLE, random_model, sample, with_lora
+
+    from static_decode import StaticDecoder
+
+    model = with_lora(random_model("qwen3", torch.float32))
+    calls = []
+    kernel = decode_matmul.silu_gated_rows
+    monkeypatch.setattr(decode_matmul, "silu_gated_rows", lambda *a: calls.append(1) or kernel(*a))
+    results = {}
+    for implementation in ("torch", "triton"):
+        monkeypatch.setattr(decode_matmul, "GATED_IMPLEMENTATION", implementation)
+        results[implementation] = sample(model, GREEDY), sample(model, SAMPLE)
+        StaticDecoder.for_model(model, merge_lora=True).release()
+        assert bool(calls) == (implementation == "triton")
+    assert results["torch"] == results["triton"]
