@@ -9,9 +9,10 @@ few thousand values a row. `sample` does everything after the reduction in one k
 
 How, one program per row:
 1. the k blocks with the largest maxima: the k-th largest maximum is found by setting the
-   bits of an integer key that orders as the values do (`_order_key`), highest bit first,
-   keeping a bit when at least k keys are at or above the prefix (16 passes over the keys
-   for bf16 logits); the blocks above it, then tied ones in block order up to k;
+   bits of an integer key that orders as the values do (`_order_key`), highest first,
+   `DIGIT_BITS` at a time: one reduction counts the keys at or above each of the prefix's
+   2^DIGIT_BITS extensions and keeps the largest with at least k (4 passes for bf16 logits
+   at 4 bits); the blocks above it, then tied ones in block order up to k;
 2. their logits (k x block of them), and the k largest the same way (ties: the lowest
    vocabulary id), written to a scratch row of k and read back, lowest id first;
 3. each candidate's rank (best first, ties by id), temperature, top-p over the ranks
@@ -30,9 +31,10 @@ distribution.
 `IMPLEMENTATION` "auto" (the default): the kernel on a CUDA GPU of compute capability 8.0 or
 newer, k at most `MAX_K`, torch elsewhere and after the kernel failed once (with a warning);
 "torch": never the kernel; "triton": the kernel wherever Triton runs (its CPU interpreter
-included: the tests). On one H200 it took about 33 us a decode step where torch's kernels
-took about 48 (BENCHMARKS.md section 2.10): its searches are block-wide reductions one after
-the other, 32 of them for bf16 logits.
+included: the tests). On one H200, setting one bit a pass, it took about 33 us a decode step
+where torch's kernels took about 48 (BENCHMARKS.md section 2.10): its searches were
+block-wide reductions one after the other, 32 of them for bf16 logits; 4 bits a pass makes
+them 8 (`bench/bench_decode_sampler.py` compares them).
 """
 from __future__ import annotations
 
@@ -46,6 +48,10 @@ import triton_support
 IMPLEMENTATIONS = ("auto", "torch", "triton")
 IMPLEMENTATION = "auto"
 MAX_K = 64  # k x block logits a program searches (8,192 at block 128); larger k: torch
+# Bits of the search's integer key set per pass (1, 2, 4 or 8): 2^DIGIT_BITS counts in one
+# reduction, BITS / DIGIT_BITS reductions one after the other; and the kernel's warps.
+DIGIT_BITS = 4
+WARPS = 4
 
 _AUTO_FAILURE: str | None = None  # why "auto" stopped choosing the kernel in this process
 
@@ -65,12 +71,20 @@ def applies(logits: torch.Tensor, k: int, block: int) -> bool:
 
 def launch_settings() -> tuple:
     """What a recorded decode step bakes in from this module (part of its key)."""
-    return IMPLEMENTATION, MAX_K
+    return IMPLEMENTATION, MAX_K, DIGIT_BITS, WARPS
 
 
 # Bits of a value's float32 pattern that can differ between values of the logits' dtype
 # (sign, exponent, the dtype's mantissa): the search sets only these.
 _KEY_BITS = {torch.bfloat16: 16, torch.float16: 19, torch.float32: 32}
+
+
+def key_bits(dtype: torch.dtype, digit: int) -> int:
+    """The key's width for the search: `_KEY_BITS` rounded up to whole digits of `digit` bits
+    (the extra low bits are zero in every key, so the order is the same)."""
+    if digit not in (1, 2, 4, 8):
+        raise ValueError(f"decode sampler: DIGIT_BITS {digit}: expected 1, 2, 4 or 8")
+    return -(-_KEY_BITS[dtype] // digit) * digit
 
 
 def sample(logits: torch.Tensor, block_max: torch.Tensor, logsumexp: torch.Tensor, noise: torch.Tensor, k: int,
@@ -134,7 +148,7 @@ def triton_sample(logits, block_max, logsumexp, noise, k, block, temperature, to
         logits, block_max, logsumexp.float().contiguous(), noise, chosen, values, ids, tokens, logprobs,
         vocab, blocks, logits.stride(0), block_max.stride(0), noise.stride(0), temperature, top_p,
         K=k, WIDTH=width, BLOCK=block, BLOCKS=triton_support.next_power_of_2(blocks),
-        BITS=_KEY_BITS[logits.dtype], TOP_P=top_p < 1.0, num_warps=4)
+        BITS=key_bits(logits.dtype, DIGIT_BITS), DIGIT=DIGIT_BITS, TOP_P=top_p < 1.0, num_warps=WARPS)
     return tokens, logprobs
 
 

@@ -45,6 +45,29 @@ def test_kernel_draws_what_torch_draws(interpreted_triton, temperature, top_p, k
     assert torch.allclose(logprobs.double(), exact, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_digit_width_draws_the_same(interpreted_triton, monkeypatch, dtype):
+    """The search's bits per pass (float16's 19-bit keys rounded up to whole digits) change
+    how the k-th largest is found, not what it is: the same tokens and log-probabilities as
+    torch's draw, on logits with ties (integers) and without."""
+    gen = torch.Generator().manual_seed(11)
+    k, block = 20, 64
+    logits = torch.cat([torch.randn(3, 8001, generator=gen) * 4,
+                        torch.randint(-40, 40, (1, 8001), generator=gen).float() / 8]).to(dtype)
+    noise = torch.rand(4, k, generator=gen)
+    results = []
+    for digit in (1, 2, 4, 8):
+        monkeypatch.setattr(decode_sampler, "DIGIT_BITS", digit)
+        tokens, logprobs, expected_tokens, expected_logprobs = draws(logits, noise, k, block, 1.1, 0.95)
+        chosen = logits.float().gather(-1, tokens[:, None]).squeeze(-1)
+        assert torch.equal(chosen, logits.float().gather(-1, expected_tokens[:, None]).squeeze(-1))
+        assert torch.allclose(logprobs, expected_logprobs, rtol=0, atol=1e-6)
+        results.append((tokens, logprobs))
+    assert all(torch.equal(t, results[0][0]) and torch.equal(p, results[0][1]) for t, p in results)
+    with pytest.raises(ValueError, match="DIGIT_BITS 3"):
+        decode_sampler.key_bits(dtype, 3)
+
+
 def test_kernel_on_tied_bf16_logits_draws_a_candidate_of_the_same_value(interpreted_triton):
     """Qwen3's vocabulary in bf16 (values tie within the top 20) and rows of integer logits
     (ties everywhere): the token is one of the k largest, of the value torch's draw picks."""
