@@ -91,8 +91,10 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 _AUTO_FAILURE: str | None = None  # why "auto" stopped choosing the kernel in this process
 
 
-# `silu_gated`'s launch: 32 gate and 32 up columns a program, the whole of K in 128-column iterations
-GATED_CONFIG = LaunchConfig(32, 128, 1, 4, 4)
+# `silu_gated`'s launch: 64 gate and 64 up columns a program (96 programs for Qwen3-1.7B's 6,144),
+# the whole of K in 128-column iterations; the fastest of bench_decode_matmul's GATED_SWEEP on one
+# H200 (BENCHMARKS.md section 2.11; 32 columns a program took 25.7 us against 15.4)
+GATED_CONFIG = LaunchConfig(64, 128, 1, 4, 4)
 
 
 def gated_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -11,8 +11,8 @@ How, one program per row:
 1. the k blocks with the largest maxima: the k-th largest maximum is found by setting the
    bits of an integer key that orders as the values do (`_order_key`), highest first,
    `DIGIT_BITS` at a time: one reduction counts the keys at or above each of the prefix's
-   2^DIGIT_BITS extensions and keeps the largest with at least k (4 passes for bf16 logits
-   at 4 bits); the blocks above it, then tied ones in block order up to k;
+   2^DIGIT_BITS extensions and keeps the largest with at least k (8 passes for bf16 logits
+   at 2 bits); the blocks above it, then tied ones in block order up to k;
 2. their logits (k x block of them), and the k largest the same way (ties: the lowest
    vocabulary id), written to a scratch row of k and read back, lowest id first;
 3. each candidate's rank (best first, ties by id), temperature, top-p over the ranks
@@ -31,10 +31,11 @@ distribution.
 `IMPLEMENTATION` "auto" (the default): the kernel on a CUDA GPU of compute capability 8.0 or
 newer, k at most `MAX_K`, torch elsewhere and after the kernel failed once (with a warning);
 "torch": never the kernel; "triton": the kernel wherever Triton runs (its CPU interpreter
-included: the tests). On one H200, setting one bit a pass, it took about 33 us a decode step
-where torch's kernels took about 48 (BENCHMARKS.md section 2.10): its searches were
-block-wide reductions one after the other, 32 of them for bf16 logits; 4 bits a pass makes
-them 8 (`bench/bench_decode_sampler.py` compares them).
+included: the tests). Its searches are block-wide reductions one after the other, so their
+latency is its time: on one H200 (`bench/bench_decode_sampler.py`, BENCHMARKS.md section
+2.11) 27.6 us at one bit a pass and 4 warps (32 reductions for bf16 logits; the kernel as
+first shipped), 15.5 us at 2 bits and 8 warps (16 reductions); at 4 bits the [keys x 16]
+comparisons outgrow the registers (165 us at 4 warps, 27 at 8).
 """
 from __future__ import annotations
 
@@ -49,9 +50,10 @@ IMPLEMENTATIONS = ("auto", "torch", "triton")
 IMPLEMENTATION = "auto"
 MAX_K = 64  # k x block logits a program searches (8,192 at block 128); larger k: torch
 # Bits of the search's integer key set per pass (1, 2, 4 or 8): 2^DIGIT_BITS counts in one
-# reduction, BITS / DIGIT_BITS reductions one after the other; and the kernel's warps.
-DIGIT_BITS = 4
-WARPS = 4
+# reduction, BITS / DIGIT_BITS reductions one after the other; and the kernel's warps. 2 bits and
+# 8 warps measured fastest on one H200 (bench/bench_decode_sampler.py, BENCHMARKS.md section 2.11).
+DIGIT_BITS = 2
+WARPS = 8
 
 _AUTO_FAILURE: str | None = None  # why "auto" stopped choosing the kernel in this process
 
