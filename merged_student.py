@@ -10,7 +10,7 @@ How, keeping the teacher exact: the copy is a second module tree over the same
 tensors (embeddings, norms, lm_head, buffers are shared, never written); only each
 LoRA-wrapped linear layer gets a new weight tensor, which `refresh` fills out of
 place as base + scaling * B @ A (float32 arithmetic, one rounding to the weight's
-dtype). The base weights, which are the teacher, are only read. `refresh` rebuilds
+dtype; `lora_merge.py`: one Triton kernel per weight on a GPU). The base weights, which are the teacher, are only read. `refresh` rebuilds
 every merged weight, unconditionally: it runs before every rollout (once per optimizer
 step in training), costs one pass over the adapted weights (milliseconds on a GPU for a
 1.7B model, next to seconds of sampling), and needs no way to tell whether the adapters
@@ -35,6 +35,7 @@ import copy
 
 import torch
 
+import lora_merge
 from fused_projections import fusable_projections
 from fused_projections import fuse as fuse_module
 from model_utils import causal_lm
@@ -107,13 +108,9 @@ class MergedStudent:
         with torch.no_grad():
             for weight, bias, layer in self._targets:
                 base = layer.get_base_layer()
-                compute = torch.promote_types(base.weight.dtype, torch.float32)
-                merged = base.weight.to(compute, copy=True)
-                for adapter in _active(layer):
-                    a = layer.lora_A[adapter].weight.to(compute)
-                    b = layer.lora_B[adapter].weight.to(compute)
-                    merged.addmm_(b, a, alpha=layer.scaling[adapter])
-                weight.copy_(merged)
+                adapters = [(layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name])
+                            for name in _active(layer)]
+                lora_merge.merge(weight, base.weight, adapters)
                 if bias is not None:
                     bias.copy_(base.bias)
 
