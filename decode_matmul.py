@@ -18,8 +18,8 @@ Where it is used (`applies`, under "auto"): one token per row (a decode step), a
 `MAX_ROWS` rows, half precision on a CUDA GPU of compute capability 8.0 or newer, and
 weights whose reduction is at least as long as their output (k >= n):
 Qwen3-1.7B's o and down projections, measured faster than cuBLAS in the decode step; the
-wider products (q/k/v, gate/up: n > k) measured slower and stay with cuBLAS
-(BENCHMARKS.md section 2.5). Everything else (the prefill, CPU, float32) runs `F.linear`,
+wider products (q/k/v, gate/up: n > k) measured slower (BENCHMARKS.md section 2.5): q/k/v
+stays with cuBLAS, gate/up goes through `silu_gated` below. Everything else (the prefill, CPU, float32) runs `F.linear`,
 and so does everything after the kernel failed once under "auto" (with a warning).
 
 `silu_gated`: the gated MLP's first half, SiLU(x @ gate.T) * (x @ up.T), from the stacked
@@ -114,7 +114,7 @@ def gated_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and triton_support.runs_on(x))
 
 
-_GATED_AUTO_FAILURE: str | None = None
+_GATED_AUTO_FAILURE: str | None = None  # why "auto" stopped choosing the gated kernel in this process
 
 
 def silu_gated(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
