@@ -10,10 +10,13 @@ B by an [r, block_k] tile of A in float32 (IEEE products, no TF32), scales it, a
 tile in float32 and rounds once, as torch does; only the order of the r terms' float32 sum
 may differ.
 
-`IMPLEMENTATION` "auto" (the default): the kernel for one active adapter on a CUDA GPU of
-compute capability 8.0 or newer, torch otherwise (several adapters, CPU) and after the kernel
-failed once (with a warning); "torch": never the kernel; "triton": the kernel wherever Triton
-runs (its CPU interpreter: the tests, against float64).
+`IMPLEMENTATION` "torch" (the default): never the kernel; "auto": the kernel for one active
+adapter on a CUDA GPU of compute capability 8.0 or newer, torch otherwise (several adapters,
+CPU) and after the kernel failed once (with a warning); "triton": the kernel wherever Triton
+runs (its CPU interpreter: the tests, against float64). The kernel is not the default because
+it has not run on a GPU yet: its refresh time against torch's is what `bench/bench_lora_merge.py`
+measures (a float32 product of B and A without tensor cores may cost more than the memory
+traffic it saves).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import torch
 import triton_support
 
 IMPLEMENTATIONS = ("auto", "torch", "triton")
-IMPLEMENTATION = "auto"
+IMPLEMENTATION = "torch"  # "auto" once bench/bench_lora_merge.py has measured it faster on a GPU
 BLOCK_N, BLOCK_K = 64, 128  # a program's tile of the weight
 
 _AUTO_FAILURE: str | None = None  # why "auto" stopped choosing the kernel in this process

@@ -10,7 +10,7 @@ How, keeping the teacher exact: the copy is a second module tree over the same
 tensors (embeddings, norms, lm_head, buffers are shared, never written); only each
 LoRA-wrapped linear layer gets a new weight tensor, which `refresh` fills out of
 place as base + scaling * B @ A (float32 arithmetic, one rounding to the weight's
-dtype; `lora_merge.py`: one Triton kernel per weight on a GPU). The base weights, which are the teacher, are only read. `refresh` rebuilds
+dtype; `lora_merge.py`, whose Triton kernel for it is not the default yet). The base weights, which are the teacher, are only read. `refresh` rebuilds
 every merged weight, unconditionally: it runs before every rollout (once per optimizer
 step in training), costs one pass over the adapted weights (milliseconds on a GPU for a
 1.7B model, next to seconds of sampling), and needs no way to tell whether the adapters
