@@ -91,10 +91,18 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 _AUTO_FAILURE: str | None = None  # why "auto" stopped choosing the kernel in this process
 
 
-# `silu_gated`'s launch: 64 gate and 64 up columns a program (96 programs for Qwen3-1.7B's 6,144),
-# the whole of K in 128-column iterations; the fastest of bench_decode_matmul's GATED_SWEEP on one
-# H200 (BENCHMARKS.md section 2.11; 32 columns a program took 25.7 us against 15.4)
-GATED_CONFIG = LaunchConfig(64, 128, 1, 4, 4)
+class GatedConfig(NamedTuple):
+    """`silu_gated`'s launch: no split of K (the gating needs the whole sums)."""
+    block_n: int  # gate columns per program (and as many up columns)
+    block_k: int  # reduction columns per loop iteration
+    warps: int
+    stages: int
+
+
+# 64 gate and 64 up columns a program (96 programs for Qwen3-1.7B's 6,144), 128-column K steps:
+# the fastest of bench_decode_matmul's GATED_SWEEP on one H200 (BENCHMARKS.md section 2.11;
+# 32 columns a program took 25.7 us against 15.4)
+GATED_CONFIG = GatedConfig(64, 128, 4, 4)
 
 
 def gated_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -106,8 +114,8 @@ def gated_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     rows = x.numel() // x.shape[-1]
     fits = (0 < rows <= MAX_ROWS and weight.dtype == x.dtype and weight.stride(-1) == 1 and weight.shape[0] % 2 == 0
-            and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
-    if GATED_IMPLEMENTATION == "triton":
+            and weight.shape[1] == x.shape[-1] and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
+    if GATED_IMPLEMENTATION == "triton":  # float32 included (the tests; its products are IEEE, not TF32)
         return fits
     one_token = x.dim() < 3 or x.shape[-2] == 1
     return (fits and one_token and x.dtype != torch.float32 and _GATED_AUTO_FAILURE is None
@@ -128,7 +136,7 @@ def silu_gated(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], n)
 
 
-def silu_gated_rows(x: torch.Tensor, weight: torch.Tensor, config: LaunchConfig) -> torch.Tensor:
+def silu_gated_rows(x: torch.Tensor, weight: torch.Tensor, config: GatedConfig) -> torch.Tensor:
     """The kernel itself: [rows, n] = SiLU(x @ gate.T) * (x @ up.T) for x [rows, k] and the
     stacked weight [gate; up] of [2n, k]; each product rounded to x's dtype before the gating."""
     rows, k = x.shape
@@ -145,19 +153,20 @@ def silu_gated_rows(x: torch.Tensor, weight: torch.Tensor, config: LaunchConfig)
     _gated_kernel()[(-(-n // config.block_n),)](
         x, weight, out, rows, n, x.stride(0), weight.stride(0),
         K=k, ROWS=max(16, triton_support.next_power_of_2(rows)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        ITERATIONS=iterations, num_warps=config.warps, num_stages=config.stages)
+        ITERATIONS=iterations, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=config.warps, num_stages=config.stages)
     return out
 
 
 @torch.library.custom_op("opsd::decode_silu_gated", mutates_args=())
-def _gated_op(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, splits: int, warps: int,
+def _gated_op(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, warps: int,
               stages: int) -> torch.Tensor:
     """`silu_gated_rows` as an op torch.compile keeps whole. Should the kernel fail under
     "auto", the product and the gating run in torch, with a warning, and "auto" stops
     choosing the kernel for the process."""
     global _GATED_AUTO_FAILURE
     try:
-        return silu_gated_rows(x, weight, LaunchConfig(block_n, block_k, splits, warps, stages))
+        return silu_gated_rows(x, weight, GatedConfig(block_n, block_k, warps, stages))
     except Exception as exc:  # Triton's compile and launch errors share no base class
         if GATED_IMPLEMENTATION != "auto":
             raise
@@ -167,7 +176,7 @@ def _gated_op(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int,
 
 
 @_gated_op.register_fake
-def _(x, weight, block_n, block_k, splits, warps, stages):
+def _(x, weight, block_n, block_k, warps, stages):
     return x.new_empty(x.shape[0], weight.shape[0] // 2)
 
 
@@ -284,8 +293,9 @@ def _gated_kernel():
     @triton.jit
     def kernel(x_ptr, w_ptr, out_ptr, rows, n, x_stride, w_stride,
                K: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               ITERATIONS: tl.constexpr):
-        """One block of columns: its gate and up sums over all of K, then the gating."""
+               ITERATIONS: tl.constexpr, PRECISION: tl.constexpr):
+        """One block of columns: its gate and up sums over all of K, then the gating
+        (PRECISION: the products' for float32 inputs, "ieee" as F.linear; half inputs ignore it)."""
         columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         r = tl.arange(0, ROWS)
         gate = tl.zeros([ROWS, BLOCK_N], tl.float32)
@@ -297,8 +307,8 @@ def _gated_kernel():
                         other=0.0)
             tile = w_ptr + columns[None, :] * w_stride + k[:, None]  # [BLOCK_K, BLOCK_N], contiguous along K
             mask = (columns[None, :] < n) & inside[:, None]
-            gate += tl.dot(a, tl.load(tile, mask=mask, other=0.0))
-            up += tl.dot(a, tl.load(tile + n * w_stride, mask=mask, other=0.0))
+            gate += tl.dot(a, tl.load(tile, mask=mask, other=0.0), input_precision=PRECISION)
+            up += tl.dot(a, tl.load(tile + n * w_stride, mask=mask, other=0.0), input_precision=PRECISION)
         # each product rounded to the output's dtype, as F.linear's would be, then the gating in float32
         dtype = out_ptr.dtype.element_ty
         gate = gate.to(dtype).to(tl.float32)

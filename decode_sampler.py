@@ -64,6 +64,7 @@ def applies(logits: torch.Tensor, k: int, block: int) -> bool:
         raise ValueError(f"decode sampler {IMPLEMENTATION!r}: expected one of {', '.join(IMPLEMENTATIONS)}")
     if IMPLEMENTATION == "torch":
         return False
+    key_bits(torch.float32, DIGIT_BITS)  # a bad setting raises here, not inside the op (not a kernel failure)
     fits = (0 < k <= MAX_K and block > 0 and block & (block - 1) == 0 and logits.dim() == 2
             and -(-logits.shape[-1] // block) >= k and logits.dtype in _KEY_BITS)
     if IMPLEMENTATION == "triton":

@@ -11,8 +11,9 @@ tile in float32 and rounds once, as torch does; only the order of the r terms' f
 may differ.
 
 `IMPLEMENTATION` "torch" (the default): never the kernel; "auto": the kernel for one active
-adapter on a CUDA GPU of compute capability 8.0 or newer, torch otherwise (several adapters,
-CPU) and after the kernel failed once (with a warning); "triton": the kernel wherever Triton
+adapter and half-precision weights on a CUDA GPU of compute capability 8.0 or newer, torch
+otherwise (several adapters, float32 / float64 weights, CPU) and after the kernel failed once
+(with a warning); "triton": the kernel wherever Triton
 runs (its CPU interpreter: the tests, against float64). The kernel is not the default because
 it has not run on a GPU yet: its refresh time against torch's is what `bench/bench_lora_merge.py`
 measures (a float32 product of B and A without tensor cores may cost more than the memory

@@ -18,9 +18,10 @@ copy (`merge_lora`, see `merged_student.py`; or run unmerged inside the step), a
 attention that reads only the filled part of the KV cache (`KV_WINDOW`), through a kernel
 made for one query token (`decode_attention.py`, `DECODE_ATTENTION`); in the merged copy,
 that kernel also makes the new token's query and K/V column from the q/k/v product (q/k
-norms, rotary embedding, cache writes: `decode_qkv.py`), and split-K kernels run its narrow
-products (`decode_matmul.py`); the sampler's top-k on the logits' own dtype, searched only
-in the vocabulary blocks that can hold it. Either way the frozen base weights, which are
+norms, rotary embedding, cache writes: `decode_qkv.py`), split-K kernels run its narrow
+products and one kernel its gate/up product with the SiLU gating (`decode_matmul.py`); the
+sampler's top-k on the logits' own dtype, searched only in the vocabulary blocks that can
+hold it, then drawn in one kernel (`decode_sampler.py`). Either way the frozen base weights, which are
 the teacher, are only ever read.
 
 Supported: full-attention Qwen3 / Qwen2 / Llama models (`SUPPORTED_MODEL_TYPES`);

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 import decode_matmul
 import triton_support
-from decode_matmul import LaunchConfig
+from decode_matmul import GatedConfig, LaunchConfig
 
 ROWS, LAYERS = 32, 28
 SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (12288, 2048), "down": (2048, 6144),
@@ -44,11 +44,12 @@ SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (12288, 2048), "dow
 SWEEP = [LaunchConfig(bn, bk, s, 4, st) for bn, bk in ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128))
          for s in (1, 2, 4, 8) for st in (3, 5)]
 # launches of decode_matmul.silu_gated's kernel measured with --sweep (gate/up only; no splits)
-GATED_SWEEP = [LaunchConfig(bn, bk, 1, w, st) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)
+GATED_SWEEP = [GatedConfig(bn, bk, w, st) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)
                for st in (3, 4, 5)]
 
 
-def measure(name: str, n: int, k: int, configs: list, log, kernels: tuple = ("split_k", "gated")) -> list[dict]:
+def measure(name: str, n: int, k: int, configs: list, gated_configs: list, log,
+            kernels: tuple = ("split_k", "gated")) -> list[dict]:
     count = 2 if name == "lm_head" else LAYERS
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(ROWS, k, device="cuda", generator=gen).bfloat16()
@@ -74,7 +75,8 @@ def measure(name: str, n: int, k: int, configs: list, log, kernels: tuple = ("sp
 
     record("torch", lambda w: F.linear(x, w))
     if "split_k" not in kernels:
-        return rows + (measure_gated(x, weights, configs and GATED_SWEEP, log) if name == "gate_up" else [])
+        return rows + (measure_gated(x, weights, gated_configs, log) if name == "gate_up" and "gated" in kernels
+                       else [])
     default = decode_matmul.launch_config(n, k, triton_support.processors(x.device))
     record(f"split_k default {tuple(default)}", lambda w: decode_matmul.split_k_partials(x, w, default).sum(0))
     record(f"split_k default {tuple(default)} kernel only", lambda w: decode_matmul.split_k_partials(x, w, default))
@@ -85,7 +87,7 @@ def measure(name: str, n: int, k: int, configs: list, log, kernels: tuple = ("sp
             continue
         record(f"split_k {tuple(config)}", lambda w, c=config: decode_matmul.split_k_partials(x, w, c))
     if name == "gate_up" and "gated" in kernels:  # the product with its SiLU gating, against the product and the gating in torch
-        rows += measure_gated(x, weights, configs and GATED_SWEEP, log)
+        rows += measure_gated(x, weights, gated_configs, log)
     return rows
 
 
@@ -129,7 +131,7 @@ def main(argv=None) -> int:
     parser.add_argument("--products", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--kernels", default="split_k,gated", help="comma-separated: split_k, gated (gate/up only)")
     opts = parser.parse_args(argv)
-    products = opts.products.split(",")
+    products, kernels = opts.products.split(","), tuple(opts.kernels.split(","))
     if set(products) - set(SHAPES):
         parser.error(f"--products: unknown {', '.join(sorted(set(products) - set(SHAPES)))} (of {', '.join(SHAPES)})")
     if not torch.cuda.is_available():
@@ -137,12 +139,12 @@ def main(argv=None) -> int:
         return 1
     results = {"machine": common.machine(), "rows": ROWS, "products": []}
     for name in products:
-        results["products"] += measure(name, *SHAPES[name], SWEEP if opts.sweep else [], print,
-                                       tuple(opts.kernels.split(",")))
+        results["products"] += measure(name, *SHAPES[name], SWEEP if opts.sweep else [],
+                                       GATED_SWEEP if opts.sweep else [], print, kernels)
     table = []
-    for name in products + ["gate_up gated"] * ("gate_up" in products):
+    for name in products + ["gate_up gated"] * ("gate_up" in products and "gated" in kernels):
         rows = [r for r in results["products"] if r["product"] == name]
-        torch_row = next((r for r in rows if r["implementation"] == "torch"), None)
+        torch_row = next((r for r in rows if r["implementation"].startswith("torch")), None)
         kernel = "gated" if name == "gate_up gated" else "split_k"
         best = min((r for r in rows if r["implementation"].startswith(kernel) and "kernel only" not in r["implementation"]
                     and "default" not in r["implementation"]), key=lambda r: r["us"], default=None)

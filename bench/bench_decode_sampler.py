@@ -10,7 +10,8 @@ replayed; microseconds per draw:
   (the reduction the decode step runs before it either way), at `DIGIT_BITS` bits a pass of
   the search and `WARPS` warps;
 - "torch": what the kernel replaces, `top_k_and_logsumexp`'s search in the best blocks and
-  `torch_draw` (the same reduction included, so its row subtracts the reduction's own time).
+  `torch_draw`, with the same reduction included (its own time is the last row: subtract it
+  to compare with the kernel rows).
 Every variant's tokens are checked against the first kernel variant's (same noise: the same
 search result must give the same draw).
 """
@@ -28,7 +29,7 @@ import decode_sampler
 
 ROWS, VOCAB, K, BLOCK, TEMPERATURE, TOP_P, DRAWS = 32, 151936, 20, 128, 1.1, 0.95, 10
 # 8 bits a pass ([keys x 256] comparisons) did not finish inside run 53's 80 s limit on the H200
-DIGITS, WARPS = (1, 2, 4), (4, 8, 16)
+DIGIT_SWEEP, WARP_SWEEP = (1, 2, 4), (4, 8, 16)
 
 
 def main(argv=None) -> int:
@@ -56,8 +57,8 @@ def main(argv=None) -> int:
         print(f"[sampler] {label}: {us:.2f} us, same tokens {row['same_tokens']}")
 
     try:
-        for digit in DIGITS:
-            for warps in WARPS:
+        for digit in DIGIT_SWEEP:
+            for warps in WARP_SWEEP:
                 decode_sampler.DIGIT_BITS, decode_sampler.WARPS = digit, warps
                 record(f"kernel, {digit} bit(s) a pass, {warps} warps",
                        lambda i: decode_sampler.triton_sample(logits[i], *reduced[i], noise[i], K, BLOCK, TEMPERATURE,

@@ -8,7 +8,7 @@ drawn so that B @ A is not zero), its merged copy with q/k/v and gate/up stacked
 (`merged_student.MergedStudent`, as the rollout builds it), and `refresh()` timed with the
 device synchronised around it (median of `--repeats`, after one untimed refresh) for each
 `lora_merge.IMPLEMENTATION`. Then the merged weights of the two are compared: the share of
-elements that differ, and the largest difference in units of the weight's last place.
+elements that differ, and the largest difference in units of the weight's last place (ulp).
 """
 from __future__ import annotations
 
@@ -65,7 +65,9 @@ def main(argv=None) -> int:
         worst = 0.0
         for got, expected in zip(weights["triton"], weights["torch"]):
             diff = (got.float() - expected.float()).abs()
-            ulp = torch.finfo(expected.dtype).eps * expected.float().abs().clamp_min(torch.finfo(expected.dtype).tiny)
+            info = torch.finfo(expected.dtype)  # the dtype's spacing at each value: eps x 2^(exponent - 1)
+            _, exponent = torch.frexp(expected.float().abs().clamp_min(info.tiny))
+            ulp = torch.ldexp(torch.full_like(diff, info.eps), exponent - 1)
             differ += int((diff > 0).sum())
             total += diff.numel()
             worst = max(worst, float((diff / ulp).max()))

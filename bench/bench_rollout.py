@@ -397,7 +397,7 @@ def main(argv=None) -> int:
         results["split_config"] = opts.split_config
     if opts.gated_config:
         block_n, block_k, warps, stages = (int(x) for x in opts.gated_config.split(","))
-        decode_matmul.GATED_CONFIG = decode_matmul.LaunchConfig(block_n, block_k, 1, warps, stages)
+        decode_matmul.GATED_CONFIG = decode_matmul.GatedConfig(block_n, block_k, warps, stages)
         results["gated_config"] = opts.gated_config
     if opts.sampler_config:
         decode_sampler.DIGIT_BITS, decode_sampler.WARPS = (int(x) for x in opts.sampler_config.split(","))

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import decode_matmul
-from decode_matmul import LaunchConfig
+from decode_matmul import GatedConfig, LaunchConfig
 
 
 @pytest.fixture
@@ -143,9 +143,9 @@ def gated_kernel(interpreted_triton, monkeypatch):
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("rows,n,k,config", [
-    (32, 64, 256, LaunchConfig(32, 64, 1, 4, 2)),   # two blocks of columns, four iterations
-    (5, 40, 200, LaunchConfig(32, 64, 1, 4, 2)),    # ragged rows, columns, and K past the last block
-    (1, 16, 16, LaunchConfig(16, 16, 1, 4, 2)),     # one row, one iteration
+    (32, 64, 256, GatedConfig(32, 64, 4, 2)),   # two blocks of columns, four iterations
+    (5, 40, 200, GatedConfig(32, 64, 4, 2)),    # ragged rows, columns, and K past the last block
+    (1, 16, 16, GatedConfig(16, 16, 4, 2)),     # one row, one iteration
 ])
 def test_gated_kernel_is_silu_gate_times_up(gated_kernel, dtype, tolerance, rows, n, k, config):
     gen = torch.Generator().manual_seed(4)
@@ -155,6 +155,11 @@ def test_gated_kernel_is_silu_gate_times_up(gated_kernel, dtype, tolerance, rows
     assert got.shape == (rows, n) and got.dtype == dtype
     expected = gated_reference(x, weight, dtype)
     assert (got.double() - expected).abs().max() <= tolerance * expected.abs().max()
+    if dtype == torch.float16:
+        # element by element: the kernel rounds each product to float16 before the gating, so nearly
+        # every output is the reference's rounding (a product's sum lying near a rounding boundary
+        # may round the other way; gating unrounded products matches far fewer)
+        assert (got == expected.to(dtype)).double().mean() >= 0.98
 
 
 def test_silu_gated_keeps_leading_dimensions_and_falls_to_torch_beyond_max_rows(gated_kernel, monkeypatch):
@@ -176,7 +181,7 @@ def test_silu_gated_keeps_leading_dimensions_and_falls_to_torch_beyond_max_rows(
 def test_the_gated_op_passes_torchs_custom_op_checks(gated_kernel):
     gen = torch.Generator().manual_seed(6)
     x, weight = torch.randn(3, 64, generator=gen), torch.randn(80, 64, generator=gen)
-    result = torch.library.opcheck(decode_matmul._gated_op, (x, weight, 16, 16, 1, 4, 2))
+    result = torch.library.opcheck(decode_matmul._gated_op, (x, weight, 16, 16, 4, 2))
     assert set(result.values()) == {"SUCCESS"}, result
 
 
@@ -191,14 +196,14 @@ def test_a_failing_gated_kernel_falls_back_to_torch_under_auto(monkeypatch):
     gen = torch.Generator().manual_seed(7)
     x, weight = torch.randn(3, 64, generator=gen), torch.randn(80, 64, generator=gen)
     with pytest.warns(RuntimeWarning, match="no gated kernel here"):
-        got = decode_matmul._gated_op(x, weight, 16, 16, 1, 4, 2)
+        got = decode_matmul._gated_op(x, weight, 16, 16, 4, 2)
     gate, up = F.linear(x, weight).chunk(2, dim=-1)
     assert torch.allclose(got, F.silu(gate) * up, atol=1e-6)
     assert "no gated kernel here" in decode_matmul._GATED_AUTO_FAILURE
     assert not decode_matmul.gated_applies(x, weight)  # "auto" stopped choosing it
     monkeypatch.setattr(decode_matmul, "GATED_IMPLEMENTATION", "triton")
     with pytest.raises(RuntimeError, match="no gated kernel here"):  # a forced kernel's failure is an error
-        decode_matmul._gated_op(x, weight, 16, 16, 1, 4, 2)
+        decode_matmul._gated_op(x, weight, 16, 16, 4, 2)
 
 
 def test_when_the_gated_kernel_applies(monkeypatch):

@@ -66,6 +66,9 @@ def test_every_digit_width_draws_the_same(interpreted_triton, monkeypatch, dtype
     assert all(torch.equal(t, results[0][0]) and torch.equal(p, results[0][1]) for t, p in results)
     with pytest.raises(ValueError, match="DIGIT_BITS 3"):
         decode_sampler.key_bits(dtype, 3)
+    monkeypatch.setattr(decode_sampler, "DIGIT_BITS", 3)  # a bad setting is the caller's error, before the op
+    with pytest.raises(ValueError, match="DIGIT_BITS 3"):
+        decode_sampler.applies(logits, k, block)
 
 
 def test_kernel_on_tied_bf16_logits_draws_a_candidate_of_the_same_value(interpreted_triton):

@@ -45,13 +45,18 @@ def test_kernel_rounds_the_exact_merge_once(kernel, dtype, n, k, r):
 
 
 def test_merge_writes_a_view_of_a_stacked_weight_and_nothing_else(kernel):
+    """`out` a row slice of a stacked weight, `base` a column slice of a wider one: each
+    operand's own row stride (96 against 130)."""
     base, a, b = operands(48, 96, 8, torch.float16, seed=1)
+    base = torch.cat([torch.zeros(48, 34, dtype=torch.float16), base], dim=1)[:, 34:]
+    assert base.stride(0) == 130
     stacked = torch.full((3 * 48, 96), 7.0, dtype=torch.float16)
     middle = stacked[48:96]
     lora_merge.merge(middle, base, [(a, b, 0.5)])
     expected = torch.empty_like(base)
     lora_merge.torch_merge(expected, base, [(a, b, 0.5)])
     assert torch.allclose(middle.float(), expected.float(), rtol=2 * EPSILON[torch.float16], atol=0)
+    assert (middle == expected).double().mean() >= 0.99  # the same rounding, but at float32 ties
     assert (stacked[:48] == 7).all() and (stacked[96:] == 7).all()
 
 
@@ -62,8 +67,9 @@ def test_several_adapters_and_float64_merge_in_torch(kernel, monkeypatch):
     out = torch.empty_like(base)
     lora_merge.merge(out, base, [(a, b, 1.0)])  # float64: the kernel's float32 would lose precision
     assert torch.allclose(out, base + b.double() @ a.double(), rtol=0, atol=1e-12)
-    base32 = base.float()
-    lora_merge.merge(out.float(), base32, [(a, b, 1.0), (a, b, 2.0)])
+    out32 = torch.empty_like(base, dtype=torch.float32)
+    lora_merge.merge(out32, base.float(), [(a, b, 1.0), (a, b, 2.0)])  # two adapters
+    assert torch.allclose(out32.double(), base + 3 * (b.double() @ a.double()), rtol=0, atol=1e-5)
     assert calls == []
 
 
@@ -80,7 +86,9 @@ def test_a_failing_kernel_falls_back_to_torch_under_auto(monkeypatch):
     out = torch.empty_like(base)
     with pytest.warns(RuntimeWarning, match="no merge kernel here"):
         lora_merge.merge(out, base, [(a, b, 1.0)])
-    assert torch.equal(out, (base.float() + b @ a).half())
+    expected = torch.empty_like(base)
+    lora_merge.torch_merge(expected, base, [(a, b, 1.0)])
+    assert torch.equal(out, expected)
     assert "no merge kernel here" in lora_merge._AUTO_FAILURE
     assert not lora_merge.applies(out, base, [(a, b, 1.0)])  # "auto" stopped choosing it
     monkeypatch.setattr(lora_merge, "IMPLEMENTATION", "triton")
