@@ -103,6 +103,7 @@ class GatedConfig(NamedTuple):
 # the fastest of bench_decode_matmul's GATED_SWEEP on one H200 (BENCHMARKS.md section 2.11;
 # 32 columns a program took 25.7 us against 15.4)
 GATED_CONFIG = GatedConfig(64, 128, 4, 4)
+_GATED_AUTO_FAILURE: str | None = None  # why "auto" stopped choosing the gated kernel in this process
 
 
 def gated_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -122,15 +123,16 @@ def gated_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and triton_support.runs_on(x))
 
 
-_GATED_AUTO_FAILURE: str | None = None  # why "auto" stopped choosing the gated kernel in this process
+def _torch_silu_gated(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def silu_gated(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for `gate, up = F.linear(x, weight).chunk(2, -1)`, through the kernel
     where it `gated_applies` (the caller checks that the activation is SiLU)."""
     if not gated_applies(x, weight):
-        gate, up = F.linear(x, weight).chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return _torch_silu_gated(x, weight)
     n, k = weight.shape[0] // 2, weight.shape[1]
     out = _gated_op(x.reshape(-1, k), weight, *GATED_CONFIG)
     return out.view(*x.shape[:-1], n)
@@ -171,8 +173,7 @@ def _gated_op(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int,
         if GATED_IMPLEMENTATION != "auto":
             raise
         _GATED_AUTO_FAILURE = triton_support.give_up("decode gated product", exc, "F.linear and F.silu")
-        gate, up = F.linear(x, weight).chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return _torch_silu_gated(x, weight)
 
 
 @_gated_op.register_fake

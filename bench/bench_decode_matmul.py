@@ -48,71 +48,62 @@ GATED_SWEEP = [GatedConfig(bn, bk, w, st) for bn in (16, 32, 64) for bk in (64, 
                for st in (3, 4, 5)]
 
 
+def recorder(product: str, weights: list, reference: torch.Tensor, rows: list, log):
+    """record(label, fn): time fn over every weight in one graph and append a row to `rows` (its
+    error against `reference` from the first weight; a [splits, ...] output is summed first)."""
+    n, k = weights[0].shape
+    scale = reference.abs().max().item()
+
+    def record(label, fn):
+        try:
+            out = fn(weights[0])
+            out = out.sum(0) if out.dim() == 3 else out  # the split-K kernel's partials
+            error = (out.double() - reference).abs().max().item() / scale
+            us = common.graph_time_us([lambda w=w: fn(w) for w in weights])
+        except Exception as exc:  # noqa: BLE001 - a launch the hardware refuses (shared memory, say)
+            log(f"[matmul] {product} {label}: failed ({type(exc).__name__}: {str(exc)[:200]})")
+            return
+        row = {"product": product, "n": n, "k": k, "implementation": label, "us": us,
+               "tb_per_s": n * k * 2 / us / 1e6, "relative_error": error}
+        rows.append(row)
+        log(f"[matmul] {product} {label}: {us:.2f} us, {row['tb_per_s']:.2f} TB/s, error {error:.1e}")
+
+    return record
+
+
 def measure(name: str, n: int, k: int, configs: list, gated_configs: list, log,
             kernels: tuple = ("split_k", "gated")) -> list[dict]:
     count = 2 if name == "lm_head" else LAYERS
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(ROWS, k, device="cuda", generator=gen).bfloat16()
     weights = [(torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).bfloat16() for _ in range(count)]
-    reference = x.double() @ weights[0].double().T
-    scale = reference.abs().max().item()
-    weight_bytes = n * k * 2
     rows = []
-
-    def record(label, fn):
-        try:
-            out = fn(weights[0])
-            out = out.sum(0) if out.dim() == 3 else out  # the kernel's partials
-            error = (out.double() - reference).abs().max().item() / scale
-            us = common.graph_time_us([lambda w=w: fn(w) for w in weights])
-        except Exception as exc:  # noqa: BLE001 - a launch the hardware refuses (shared memory, say)
-            log(f"[matmul] {name} {label}: failed ({type(exc).__name__}: {str(exc)[:200]})")
-            return
-        row = {"product": name, "n": n, "k": k, "implementation": label, "us": us,
-               "tb_per_s": weight_bytes / us / 1e6, "relative_error": error}
-        rows.append(row)
-        log(f"[matmul] {name} {label}: {us:.2f} us, {row['tb_per_s']:.2f} TB/s, error {error:.1e}")
-
+    record = recorder(name, weights, x.double() @ weights[0].double().T, rows, log)
     record("torch", lambda w: F.linear(x, w))
-    if "split_k" not in kernels:
-        return rows + (measure_gated(x, weights, gated_configs, log) if name == "gate_up" and "gated" in kernels
-                       else [])
-    default = decode_matmul.launch_config(n, k, triton_support.processors(x.device))
-    record(f"split_k default {tuple(default)}", lambda w: decode_matmul.split_k_partials(x, w, default).sum(0))
-    record(f"split_k default {tuple(default)} kernel only", lambda w: decode_matmul.split_k_partials(x, w, default))
-    for config in configs:
-        if k % (config.splits * config.block_k) or config == default:
-            continue
-        if name == "lm_head" and config.splits > 1:
-            continue
-        record(f"split_k {tuple(config)}", lambda w, c=config: decode_matmul.split_k_partials(x, w, c))
+    if "split_k" in kernels:
+        default = decode_matmul.launch_config(n, k, triton_support.processors(x.device))
+        record(f"split_k default {tuple(default)}", lambda w: decode_matmul.split_k_partials(x, w, default).sum(0))
+        record(f"split_k default {tuple(default)} kernel only",
+               lambda w: decode_matmul.split_k_partials(x, w, default))
+        for config in configs:
+            if k % (config.splits * config.block_k) or config == default:
+                continue
+            if name == "lm_head" and config.splits > 1:
+                continue
+            record(f"split_k {tuple(config)}", lambda w, c=config: decode_matmul.split_k_partials(x, w, c))
     if name == "gate_up" and "gated" in kernels:  # the product with its SiLU gating, against the product and the gating in torch
         rows += measure_gated(x, weights, gated_configs, log)
     return rows
 
 
 def measure_gated(x, weights, configs, log) -> list[dict]:
-    n, k = weights[0].shape[0] // 2, weights[0].shape[1]
     gate, up = (x.double() @ weights[0].double().T).bfloat16().double().chunk(2, dim=-1)
-    reference = gate * torch.sigmoid(gate) * up
-    scale = reference.abs().max().item()
     rows = []
+    record = recorder("gate_up gated", weights, gate * torch.sigmoid(gate) * up, rows, log)
 
     def torch_gated(w):
         g, u = F.linear(x, w).chunk(2, dim=-1)
         return F.silu(g) * u
-
-    def record(label, fn):
-        try:
-            error = (fn(weights[0]).double() - reference).abs().max().item() / scale
-            us = common.graph_time_us([lambda w=w: fn(w) for w in weights])
-        except Exception as exc:  # noqa: BLE001 - a launch the hardware refuses
-            log(f"[matmul] gated {label}: failed ({type(exc).__name__}: {str(exc)[:200]})")
-            return
-        row = {"product": "gate_up gated", "n": 2 * n, "k": k, "implementation": label, "us": us,
-               "tb_per_s": 2 * n * k * 2 / us / 1e6, "relative_error": error}
-        rows.append(row)
-        log(f"[matmul] gate_up gated {label}: {us:.2f} us, {row['tb_per_s']:.2f} TB/s, error {error:.1e}")
 
     record("torch (product, then SiLU and the product of the halves: eager, 3 kernels)", torch_gated)
     default = decode_matmul.GATED_CONFIG
