@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # Evaluate a LoRA checkpoint, or the base model, with the frozen protocol
-# (docs/SPEC.md §5). The last line printed is the FINAL avg@k line.
+# (docs/SPEC.md §5). The last line printed is the FINAL avg@k line; for a run
+# folder (every checkpoint-N of a run), the FINAL line of its best checkpoint.
 set -euo pipefail
 
 usage() {
   cat <<'USAGE'
-usage: dev_eval.sh CHECKPOINT|base
+usage: dev_eval.sh CHECKPOINT|RUN_FOLDER|base
 
   CHECKPOINT   a LoRA checkpoint folder (holding adapter_config.json), or 'base'
+  RUN_FOLDER   a training run's folder (OPSD_OUTPUT, holding checkpoint-N folders): evaluates
+               every checkpoint in step order, one report each (a checkpoint whose report
+               exists with the same settings is skipped: re-run to resume), then writes
+               sweep_<run>.md/.json (accuracy vs step) and sweep_<run>.png beside the reports;
+               the last line is the best checkpoint's FINAL line, with whether it is
+               distinguishable from the last checkpoint (FINAL best checkpoint-N avg@k ...)
 
 environment:
   OPSD_MODEL         base model: hub id or local folder   (default Qwen/Qwen3-1.7B)
@@ -20,6 +27,7 @@ environment:
   OPSD_EVAL_OUT      output folder for eval_<name>.json   (default <repo>/outputs/eval/<dataset>)
   OPSD_PRESET=tiny   embedded tiny model and its 30-problem eval set, 8 samples of at most 96 tokens each
                      (OPSD_MODEL / OPSD_EVAL_DATA, when set, still win)
+  Any other OPSD_* variable set is an error (python opsd_config.py variables lists them all).
 USAGE
 }
 
@@ -31,6 +39,9 @@ if [[ $# -ne 1 ]]; then
   usage >&2
   exit 2
 fi
+repo="$(cd "$(dirname "$(realpath -- "${BASH_SOURCE[0]}")")" && pwd)"
+# Every OPSD_* variable set is a declared one (a misspelled name would be ignored): one error line.
+python "$repo/opsd_config.py" check-env
 
 # Paths the caller gave are relative to the caller's folder; make them absolute
 # before moving to the repository (hub names, which are not existing paths, pass as is).
@@ -54,5 +65,5 @@ else
 fi
 if [[ -n "${OPSD_EVAL_OUT:-}" ]]; then args+=(--output-dir "$(realpath -m -- "$OPSD_EVAL_OUT")"); fi
 
-cd "$(dirname "$(realpath -- "${BASH_SOURCE[0]}")")"
+cd "$repo"
 exec python opsd_eval.py "${args[@]}"

@@ -11,12 +11,18 @@ are accepted; budget knobs (`BUDGET_KNOBS`) are fixed by train_capped.sh and are
 ignored with a warning. Every other problem is a `RecipeError` whose message is
 one line, `PATH:LINE: message`.
 
-It also declares the multi-GPU engines train_capped.sh launches with (`OPSD_ACCELERATE_CONFIG`).
+It also declares the multi-GPU engines train_capped.sh launches with (`OPSD_ACCELERATE_CONFIG`),
+and every other `OPSD_*` variable the scripts read (`SCRIPT_VARIABLES`): an `OPSD_*` name set in
+the environment that none of these declares is an error (`check_env`), not a silent default.
 
 CLI:
     python opsd_config.py check RECIPE   # parsed recipe as key=value lines; exit 2 on error
     python opsd_config.py switches       # the OPSD_* switches and OPSD_REPORT_TO in effect; exit 2 on error
     python opsd_config.py accelerate-config [NAME|PATH]   # the accelerate config file; exit 2 on error
+    python opsd_config.py check-env      # exit 2 with one line if an OPSD_* variable set is unknown
+    python opsd_config.py variables      # every OPSD_* variable anything here reads, one line of help each
+
+Every subcommand but `variables` runs check-env first.
 """
 from __future__ import annotations
 
@@ -423,6 +429,66 @@ def accelerate_config_path(raw: str, var: str = ACCELERATE_CONFIG_VARIABLE) -> s
 
 
 # --------------------------------------------------------------------------
+# Every OPSD_* variable
+# --------------------------------------------------------------------------
+
+# The variables the scripts and entry points read besides the switches, OPSD_REPORT_TO and
+# OPSD_ACCELERATE_CONFIG (declared above): name -> one line of help. README documents each.
+SCRIPT_VARIABLES = {
+    "OPSD_MODEL": "model: hub id or local folder (train_capped.sh, dev_eval.sh; default Qwen/Qwen3-1.7B)",
+    "OPSD_DATA": "training data: HF name, .json, .jsonl or .parquet (train_capped.sh)",
+    "OPSD_OUTPUT": "run folder (train_capped.sh, quickstart.sh)",
+    "OPSD_PRESET": "tiny: the embedded tiny model and data on a CPU budget (train_capped.sh, dev_eval.sh, opsd_eval.py)",
+    "OPSD_NUM_PROCESSES": "training processes, one GPU each (train_capped.sh; default the visible GPUs)",
+    "OPSD_PER_DEVICE_BATCH": "micro-batch per process (train_capped.sh; default 4)",
+    "OPSD_USE_VLLM": "1/0: vLLM rollouts (train_capped.sh; default 1 when vllm is importable)",
+    "OPSD_VLLM_MODE": "colocate or server: where vLLM runs (train_capped.sh; default colocate)",
+    "OPSD_VLLM_SERVER_GPU": "server mode: the vLLM server's GPU id(s), or none (train_capped.sh; default 0)",
+    "OPSD_EVAL_DATA": "eval set: hub name, .json/.jsonl/.parquet or tiny[:SEED[:N]] (dev_eval.sh)",
+    "OPSD_EVAL_BACKEND": "transformers, vllm or auto (dev_eval.sh; default auto)",
+    "OPSD_EVAL_ENGINE": "the transformers backend's engine: auto, dynamic, paged, static, graph, graph_compiled (dev_eval.sh)",
+    "OPSD_EVAL_PAGED_GIB": "the paged engine's KV pool in GiB (dev_eval.sh)",
+    "OPSD_EVAL_OUT": "output folder of eval_<name>.json (dev_eval.sh)",
+    "OPSD_CACHE": "the embedded default's cache folder (default <repo>/.cache/opsd)",
+}
+# Known but not a user setting (README does not list them).
+INTERNAL_VARIABLES = {
+    "OPSD_TEST_PAUSE_IN_SAVE": "tests only: seconds a checkpoint save pauses half-written (opsd_trainer.py)",
+}
+VARIABLE_PREFIX = "OPSD_"
+
+
+def declared_variables() -> dict[str, str]:
+    """Every OPSD_* variable anything here reads -> one line of help: the switches and
+    OPSD_REPORT_TO (help derived from their allowed values), OPSD_ACCELERATE_CONFIG, and
+    SCRIPT_VARIABLES / INTERNAL_VARIABLES. The one list check_env holds the environment to."""
+    declared = {var: f"ablation switch: {', '.join(allowed)} (default {allowed[0]})"
+                for var, allowed in _SWITCHES.values()}
+    declared[REPORT_TO_VARIABLE] = f"where the logs also go: {', '.join(REPORT_TO_VALUES)} (default none)"
+    declared[ACCELERATE_CONFIG_VARIABLE] = (
+        f"the multi-GPU engine: {', '.join(ACCELERATE_CONFIGS)}, or an accelerate config file (default ddp)")
+    return {**declared, **SCRIPT_VARIABLES, **INTERNAL_VARIABLES}
+
+
+def check_env(env: Mapping[str, str] = os.environ) -> None:
+    """A ConfigError naming the first (sorted) variable of `env` that starts with OPSD_, in
+    any case, that no setting declares, and the closest declared name: a misspelled name
+    would otherwise be ignored silently and the run would use the default. Variables set
+    to an empty string are unset, as for the switches."""
+    declared = declared_variables()
+    unknown = sorted(name for name, value in env.items()
+                     if name.upper().startswith(VARIABLE_PREFIX) and name not in declared and value.strip())
+    if not unknown:
+        return
+    name = unknown[0]
+    # Compared without the common prefix, which would make every name look close.
+    tails = {var[len(VARIABLE_PREFIX):]: var for var in declared if var not in INTERNAL_VARIABLES}
+    close = difflib.get_close_matches(name[len(VARIABLE_PREFIX):].upper(), tails, n=1)
+    hint = f"did you mean {tails[close[0]]}?" if close else "python opsd_config.py variables lists them"
+    raise ConfigError(f"{name} is not an OPSD setting ({hint})")
+
+
+# --------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------
 
@@ -437,8 +503,16 @@ def main(argv: list[str] | None = None) -> int:
         "accelerate-config", help=f"print the accelerate config file that {ACCELERATE_CONFIG_VARIABLE} names",
         description=f"{ACCELERATE_CONFIG_VARIABLE}: {engines}; or the path of an accelerate config file.")
     engine.add_argument("value", nargs="?", default="", help="a name or a path; empty: the default (ddp)")
+    commands.add_parser("check-env", help="exit 2 with one line if an OPSD_* variable set is no OPSD setting")
+    commands.add_parser("variables", help="list every OPSD_* variable with one line of help")
     args = parser.parse_args(argv)
     try:
+        if args.command == "variables":
+            print("\n".join(f"{var:<24} {help}" for var, help in declared_variables().items()))
+            return 0
+        check_env()
+        if args.command == "check-env":
+            return 0
         if args.command == "check":
             recipe, warnings = parse_recipe(args.recipe)
             for warning in warnings:

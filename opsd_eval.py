@@ -12,25 +12,28 @@ a JSON report and prints, as its very last line:
 The report, `<output-dir>/eval_<name>.json` (name: `base` or
 `<run folder>_<checkpoint folder>`), holds the settings, model, checkpoint,
 dataset and backend; `metrics` (avg@k, pass@1..pass@k with the unbiased
-estimator, maj@k, truncation and no-answer rates, all in percent); and per
-problem the gold answer, accuracy, majority answer and every sample's
-extracted answer, correctness, reason, length in tokens, truncation flag and
-decoded text.
+estimator, maj@k, truncation and no-answer rates, all in percent; `graded_by`,
+how many samples were graded by string match, by math-verify, timed out...); and
+per problem the gold answer, accuracy, majority answer and every sample's
+extracted answer, correctness, reason, how it was graded, length in tokens,
+truncation flag and decoded text.
 
 The module reads top to bottom: frozen settings, grading (imported by other
 tools: `extract_boxed`, `is_correct`, `grade`), metrics, input validation,
 sampling, report, running. Bad inputs are reported as one `error: ...` line on
 stderr with exit status 2, before any model is loaded and without writing
-anything.
+anything; so is an answer checker that fails (GradingError), which never grades
+an answer wrong in its place.
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
-import logging
 import math
 import os
+import queue
 import re
 import sys
 import threading
@@ -97,9 +100,27 @@ def format_settings(settings: EvalSettings) -> str:
 
 # math-verify's own time limit uses signals, which fail outside the main thread, and
 # a thread cannot interrupt a big-integer computation that holds the GIL (an answer
-# such as 9^{9^{9^{9}}}): math-verify runs in a worker process, killed past this limit.
+# such as 9^{9^{9^{9}}}): math-verify runs in a worker process (grading_worker.py),
+# killed past this limit. The worker is a plain subprocess speaking JSON lines, never
+# a re-import of the caller's __main__ (multiprocessing's spawn), so grading is the
+# same from any caller: a script with or without a __main__ guard, `python -`,
+# `python -c`, a notebook.
 MATH_VERIFY_TIMEOUT_S = 5.0
 ANSWER_WORKER_START_TIMEOUT_S = 120.0  # importing math-verify (sympy) in a fresh process
+ANSWER_WORKER_PATH = Path(__file__).resolve().with_name("grading_worker.py")
+
+# How each answer was graded: the report's per-sample "graded_by" and metrics["graded_by"].
+#   string_match       the normalised strings are equal (correct; math-verify not asked)
+#   math_verify        math-verify's verdict
+#   math_verify_error  math-verify raised on the answer (wrong)
+#   timeout            math-verify overran MATH_VERIFY_TIMEOUT_S (wrong; its worker restarted)
+#   no_box             no \boxed{...} to grade (reason "no_answer" or "truncated")
+GRADED_BY = ("string_match", "math_verify", "math_verify_error", "timeout", "no_box")
+
+
+class GradingError(RuntimeError):
+    """The answer checker itself failed: its worker could not start, or died. Never
+    turned into a "wrong" grade; the command line reports it as one `error:` line."""
 
 
 class GradeResult(NamedTuple):
@@ -125,118 +146,204 @@ def normalize_answer(answer: str) -> str:
     return text
 
 
+def check_answer(answer: str, gold: str) -> tuple[bool, str]:
+    """(correct, how it was graded: one of GRADED_BY) for an extracted answer against
+    the gold answer: the normalised string form first, then math-verify (either one
+    accepting is enough). Raises GradingError when math-verify's worker fails."""
+    gold = extract_boxed(gold) or gold.strip()
+    if normalize_answer(answer) == normalize_answer(gold):
+        return True, "string_match"
+    try:
+        return _ANSWER_WORKER.check(answer, gold, MATH_VERIFY_TIMEOUT_S), "math_verify"
+    except _CheckTimeout:
+        return False, "timeout"
+    except _CheckFailed:  # math-verify could not handle this answer: the string comparison stands
+        return False, "math_verify_error"
+
+
 def answers_match(answer: str, gold: str) -> bool:
     """True when the extracted answer equals the gold answer, by math-verify or by
     the normalised string form (either one accepting is enough)."""
-    gold = extract_boxed(gold) or gold.strip()
-    if normalize_answer(answer) == normalize_answer(gold):
-        return True
-    try:
-        return _ANSWER_WORKER.check(answer, gold, MATH_VERIFY_TIMEOUT_S)
-    except Exception:  # parse failure or timeout: the string comparison above stands
-        return False
+    return check_answer(answer, gold)[0]
 
 
-def _math_verify_equal(answer: str, gold: str) -> bool:
-    from math_verify import parse, verify
-
-    _silence_math_verify_timeout_notice()
-    # Wrapped in \boxed{} so math-verify reads the bare answer as LaTeX.
-    # Gold comes first: verify() is not symmetric.
-    gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=None)
-    answer_parsed = parse(f"\\boxed{{{answer}}}", parsing_timeout=None)
-    return bool(verify(gold_parsed, answer_parsed, timeout_seconds=None))
+class _CheckTimeout(Exception):
+    """math-verify overran its limit on one answer (graded wrong)."""
 
 
-def _silence_math_verify_timeout_notice() -> None:
-    """math-verify warns that its timeouts are off, which is deliberate here."""
-    for name in ("math_verify.parser", "math_verify.grader"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropTimeoutNotice) for f in logger.filters):
-            logger.addFilter(_DropTimeoutNotice())
-
-
-class _DropTimeoutNotice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Timeout is disabled" not in record.getMessage()
-
-
-def _answer_worker_loop(conn) -> None:
-    """The worker process: (answer, gold) in, (True, equal) or (False, error) out."""
-    import math_verify  # noqa: F401  (imported before "ready", so the first check is not slower)
-
-    _silence_math_verify_timeout_notice()
-    conn.send("ready")
-    while True:
-        try:
-            answer, gold = conn.recv()
-        except EOFError:
-            return
-        try:
-            conn.send((True, _math_verify_equal(answer, gold)))
-        except Exception as exc:
-            conn.send((False, f"{type(exc).__name__}: {exc}"))
+class _CheckFailed(Exception):
+    """math-verify raised on one answer (graded wrong)."""
 
 
 class _AnswerWorker:
-    """One persistent process that runs math-verify; killed and restarted when a
-    check overruns its time limit, so no answer can stall grading. Thread-safe
-    (checks are serialised); the process is a daemon, ended with the interpreter."""
+    """One persistent grading_worker.py process that runs math-verify; killed when a
+    check overruns its time limit and started again for the next one, so no answer can
+    stall grading. Thread-safe (checks are serialised); killed at interpreter exit,
+    and it exits by itself when its input closes. A worker that cannot start or dies
+    raises GradingError."""
 
-    def __init__(self):
+    def __init__(self, command: Sequence[str] | None = None):
         self._lock = threading.Lock()
+        self._command = None if command is None else list(command)
         self._process = None
-        self._conn = None
+        self._replies = None  # queue of the worker's output lines; None marks its end
+        self._stderr = None   # a temporary file: the tail goes into GradingError
+        self._pid = None      # the process that started the worker (a fork must not share it)
+
+    def command(self) -> list[str]:
+        return list(self._command) if self._command is not None else [sys.executable, str(ANSWER_WORKER_PATH)]
+
+    def start(self) -> None:
+        """Start the worker unless it runs (an evaluation checks it before sampling)."""
+        with self._lock:
+            self._ensure_started()
 
     def check(self, answer: str, gold: str, timeout_s: float) -> bool:
         with self._lock:
-            if self._process is None or not self._process.is_alive():
-                self._start()
+            self._ensure_started()
             try:
-                self._conn.send((answer, gold))
-                if not self._conn.poll(timeout_s):
-                    self._stop()
-                    raise TimeoutError(f"answer check took longer than {timeout_s}s")
-                ok, value = self._conn.recv()
-            except (EOFError, OSError):  # the worker died (e.g. out of memory): restart next time
-                self._stop()
-                raise
-        if not ok:
-            raise ValueError(value)
-        return value
+                self._process.stdin.write((json.dumps({"answer": answer, "gold": gold}) + "\n").encode("ascii"))
+                self._process.stdin.flush()
+            except OSError:  # a broken pipe: the worker is gone
+                raise self._died(f"while checking the answer {_clip(answer, 60)!r}") from None
+            try:
+                line = self._replies.get(timeout=timeout_s)
+            except queue.Empty:
+                self._stop()  # the next check starts a fresh worker
+                raise _CheckTimeout(f"answer check took longer than {timeout_s}s") from None
+            if line is None:
+                raise self._died(f"while checking the answer {_clip(answer, 60)!r}")
+            reply = self._decode(line, "a reply")
+        if not reply.get("ok"):
+            raise _CheckFailed(reply.get("error", "?"))
+        return bool(reply["equal"])
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+    def _ensure_started(self) -> None:
+        if self._process is not None and self._pid != os.getpid():
+            self._process = self._replies = self._stderr = None  # inherited through a fork: the parent's
+        if self._process is None:
+            self._start()
+        elif self._process.poll() is not None:
+            raise self._died("while idle")
 
     def _start(self) -> None:
-        import multiprocessing
+        import subprocess
+        import tempfile
 
-        context = multiprocessing.get_context("spawn")  # a fork would copy torch's threads and memory
-        parent, child = context.Pipe()
-        process = context.Process(target=_answer_worker_loop, args=(child,), name="opsd-answer-check", daemon=True)
-        process.start()
-        child.close()
-        self._process, self._conn = process, parent
-        if not parent.poll(ANSWER_WORKER_START_TIMEOUT_S) or parent.recv() != "ready":
+        command = self.command()
+        self._stderr = tempfile.TemporaryFile()
+        try:
+            process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
+        except OSError as exc:
+            self._stderr.close()
+            self._stderr = None
+            raise GradingError(f"the answer-check worker ({_command_text(command)}) could not start: {exc}") from None
+        self._process, self._replies, self._pid = process, queue.Queue(), os.getpid()
+        threading.Thread(target=_read_lines, args=(process.stdout, self._replies), daemon=True,
+                         name="opsd-answer-check-reader").start()
+        try:
+            line = self._replies.get(timeout=ANSWER_WORKER_START_TIMEOUT_S)
+        except queue.Empty:
             self._stop()
-            raise TimeoutError("the answer-check worker did not start")
+            raise GradingError(f"the answer-check worker ({_command_text(command)}) was not ready "
+                               f"within {ANSWER_WORKER_START_TIMEOUT_S:.0f}s") from None
+        if line is None:
+            raise self._died("before it was ready")
+        if self._decode(line, "its first line") != {"ready": True}:
+            self._stop()
+            raise GradingError(f"the answer-check worker ({_command_text(command)}) did not report ready: "
+                               f"{_clip(line.decode('ascii', 'replace').strip(), 200)!r}")
+
+    def _decode(self, line: bytes, what: str) -> dict:
+        try:
+            value = json.loads(line)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            command = self.command()
+            self._stop()
+            raise GradingError(f"the answer-check worker ({_command_text(command)}) wrote {what} that is not "
+                               f"a JSON object: {_clip(line.decode('ascii', 'replace').strip(), 200)!r}")
+        return value
+
+    def _died(self, when: str) -> GradingError:
+        """The error for a worker that ended on its own; the worker is cleaned up."""
+        process = self._process
+        try:
+            status = process.wait(timeout=10)
+        except Exception:
+            status = None
+        if status is None:
+            how = "stopped answering"
+        elif status < 0:
+            how = f"was killed by signal {-status}" + (" (out of memory?)" if -status == 9 else "")
+        else:
+            how = f"exited with status {status}"
+        detail = ""
+        try:
+            self._stderr.seek(0)
+            lines = [text.strip() for text in self._stderr.read()[-4000:].decode("utf-8", "replace").splitlines()]
+            last = [text for text in lines if text]
+            detail = f": {_clip(last[-1], 300)}" if last else ""
+        except Exception:
+            pass
+        command = self.command()
+        self._stop()
+        return GradingError(f"the answer-check worker ({_command_text(command)}) {how} {when}{detail}")
 
     def _stop(self) -> None:
-        if self._process is not None:
-            self._process.kill()
-            self._process.join()
-            self._conn.close()
-        self._process = self._conn = None
+        process, stderr = self._process, self._stderr
+        self._process = self._replies = self._stderr = None
+        if process is not None and self._pid == os.getpid():
+            with contextlib.suppress(OSError):
+                process.kill()
+            with contextlib.suppress(Exception):
+                process.wait(timeout=10)
+            for stream in (process.stdin, process.stdout):
+                with contextlib.suppress(OSError):
+                    stream.close()
+        if stderr is not None:
+            stderr.close()
+
+
+def _read_lines(stream, lines: queue.Queue) -> None:
+    """The reader thread of one worker: its output lines, then None at its end."""
+    try:
+        for line in iter(stream.readline, b""):
+            lines.put(line)
+    except (OSError, ValueError):  # closed by _stop
+        pass
+    lines.put(None)
+
+
+def _command_text(command: Sequence[str]) -> str:
+    import shlex
+
+    return shlex.join(command)
 
 
 _ANSWER_WORKER = _AnswerWorker()
+atexit.register(_ANSWER_WORKER.close)
+
+
+def grade_sample(completion: str, gold: str, truncated: bool) -> tuple[GradeResult, str]:
+    """grade() and how the answer was graded (one of GRADED_BY)."""
+    answer = extract_boxed(completion)
+    if answer is None:
+        return GradeResult(None, False, "truncated" if truncated else "no_answer"), "no_box"
+    correct, graded_by = check_answer(answer, gold)
+    return GradeResult(answer, correct, "correct" if correct else "wrong_answer"), graded_by
 
 
 def grade(completion: str, gold: str, truncated: bool) -> GradeResult:
     """Grade one completion. A completion without a box is "truncated" when it ran
-    out of tokens and "no_answer" when it stopped on its own."""
-    answer = extract_boxed(completion)
-    if answer is None:
-        return GradeResult(None, False, "truncated" if truncated else "no_answer")
-    correct = answers_match(answer, gold)
-    return GradeResult(answer, correct, "correct" if correct else "wrong_answer")
+    out of tokens and "no_answer" when it stopped on its own. Raises GradingError
+    when the answer checker fails (never a silent "wrong")."""
+    return grade_sample(completion, gold, truncated)[0]
 
 
 def is_correct(completion: str, gold: str) -> bool:
@@ -303,7 +410,16 @@ def summarize(problems: Sequence[dict], k: int) -> dict:
     metrics["truncated_rate"] = 100.0 * _mean(s["truncated"] for s in samples)
     metrics["no_answer_rate"] = 100.0 * _mean(s["answer"] is None for s in samples)
     metrics["mean_num_tokens"] = _mean(s["num_tokens"] for s in samples)
+    metrics["graded_by"] = graded_by_counts(samples)
     return metrics
+
+
+def graded_by_counts(samples: Sequence[dict]) -> dict[str, int]:
+    """How many samples were graded each way (GRADED_BY; every one listed, zeros
+    included). Samples of a report written before the field existed count as
+    "unrecorded", listed only when there are some."""
+    counts = Counter(s.get("graded_by", "unrecorded") for s in samples)
+    return {**{name: counts.pop(name, 0) for name in GRADED_BY}, **dict(sorted(counts.items()))}
 
 
 def final_line(num_correct: int, num_samples: int, num_problems: int, k: int) -> str:
@@ -589,10 +705,10 @@ def grade_problem(index: int, problem: dict, completions, tokenizer) -> dict:
     samples = []
     for completion in completions:
         text = tokenizer.decode(completion.ids, skip_special_tokens=True)
-        result = grade(text, problem["answer"], completion.truncated)
+        result, graded_by = grade_sample(text, problem["answer"], completion.truncated)
         samples.append({"answer": result.answer, "correct": result.correct, "reason": result.reason,
-                        "num_tokens": len(completion.ids), "truncated": completion.truncated,
-                        "completion": text})
+                        "graded_by": graded_by, "num_tokens": len(completion.ids),
+                        "truncated": completion.truncated, "completion": text})
     return {"index": index, "problem": problem["problem"], "gold": problem["answer"],
             **problem_summary(samples), "samples": samples}
 
@@ -615,6 +731,14 @@ def format_metrics(metrics: dict) -> str:
             f"pass@{k} {metrics[f'pass@{k}']:.2f}% | maj@{k} {metrics[f'maj@{k}']:.2f}% | "
             f"truncated {metrics['truncated_rate']:.1f}% | no answer {metrics['no_answer_rate']:.1f}% | "
             f"mean length {metrics['mean_num_tokens']:.0f} tokens")
+
+
+def format_grading(metrics: dict) -> str:
+    """How the samples were graded, one line (metrics["graded_by"])."""
+    counts = dict(metrics["graded_by"])
+    labels = {"string_match": "string match", "math_verify": "math-verify",
+              "math_verify_error": "math-verify error", "timeout": "timed out", "no_box": "no box"}
+    return "graded: " + ", ".join(f"{labels.get(name, name)} {n}" for name, n in counts.items())
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
@@ -733,7 +857,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
     parser = argparse.ArgumentParser(
         description="Evaluate a LoRA checkpoint (or the base model) with the frozen OPSD protocol.")
-    parser.add_argument("checkpoint", help="LoRA checkpoint folder (with adapter_config.json), or 'base'")
+    parser.add_argument("checkpoint", help="LoRA checkpoint folder (with adapter_config.json), 'base', or a run "
+                                           "folder (holding checkpoint-N folders): every checkpoint in step order, "
+                                           "then an accuracy-vs-step table and the best (checkpoint_sweep.py)")
     parser.add_argument("--model", help=f"base model: hub id, local folder or 'tiny' (default {DEFAULT_MODEL})")
     parser.add_argument("--dataset", help=f"eval set: hub name, .json/.jsonl/.parquet or 'tiny' "
                                           f"(default {DEFAULT_DATASET})")
@@ -758,11 +884,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command line; returns the exit status (0, or 2 for bad inputs)."""
-    args = parse_args(argv)
+    """The command line; returns the exit status (0, or 2 for bad inputs and for an
+    answer checker that fails: GradingError). `argv` may be parsed already (an argparse
+    Namespace: one checkpoint of a sweep)."""
+    args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
+    import checkpoint_sweep  # standard library and run_folder only
+
+    if checkpoint_sweep.is_run_folder(args.checkpoint):  # a folder of checkpoint-N folders: all of them
+        return checkpoint_sweep.sweep(args, sys.modules[__name__])
+    from opsd_config import ConfigError, check_env
+
     try:
+        check_env()  # a misspelled OPSD_* name would otherwise be ignored
         request, problems = build_request(args)
-    except InputError as exc:
+    except (InputError, ConfigError) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
 
@@ -771,9 +906,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = f" (engine {request.engine}, batch size {request.batch_size})" if request.engine else ""
     print(f"model {request.model} | checkpoint {request.checkpoint or 'base'} | dataset {request.dataset} "
           f"({len(problems)} problems{first}) | backend {request.backend}{engine}", flush=True)
-    report = evaluate(request, problems)
+    try:
+        _ANSWER_WORKER.start()  # a checker that cannot start stops the run before any sampling
+        report = evaluate(request, problems)
+    except GradingError as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     metrics = report["metrics"]
     print(format_metrics(metrics))
+    print(format_grading(metrics))
     print(f"report: {request.output_path}")
     print(final_line(metrics["num_correct"], metrics["num_samples"], metrics["num_problems"], metrics["k"]),
           flush=True)

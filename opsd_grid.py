@@ -303,11 +303,14 @@ def main(argv=None) -> int:
     parser.add_argument("--parallel", type=int, default=1, help="cells run at once (default 1)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
+    from opsd_config import ConfigError, check_env
+
     try:
+        check_env()  # the cells inherit this environment: a misspelled OPSD_* name stops the grid, not each cell
         if args.parallel < 1:
             raise GridError(f"--parallel must be >= 1, got {args.parallel}")
         grid = load_grid(args.grid)
-    except GridError as exc:
+    except (GridError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out).resolve()

@@ -36,6 +36,7 @@ from opsd_config import (
     Recipe,
     RecipeError,
     Switches,
+    check_env,
     parse_recipe,
     read_report_to,
     recipe_field,
@@ -199,6 +200,7 @@ def parse(argv=None, env=os.environ, quiet: bool = False):
     early = _early_flags(argv)
     if early.preset not in (None, "", "tiny"):
         raise ConfigError(f"--preset {early.preset!r}: expected tiny")
+    check_env(env)  # a misspelled OPSD_* name would otherwise be ignored
     switches = Switches.from_env(env)
     report_to = read_report_to(env)
     recipe = None

@@ -6,6 +6,7 @@
 #   4. compare the two with run_stats (one verdict line).
 set -euo pipefail
 cd "$(dirname "$0")"
+python opsd_config.py check-env  # a misspelled OPSD_* variable stops here, before the install (stdlib only)
 bash install.sh
 export OPSD_PRESET=tiny OPSD_EVAL_DATA="${OPSD_EVAL_DATA:-tiny:7:16}"
 out="${OPSD_OUTPUT:-outputs/opsd-tiny}"

@@ -13,7 +13,8 @@ every run. `overlay` draws one panel per metric with one line per run folder or,
 a band from the lowest to the highest seed at each step (default output
 `GRID_DIR/curves.png`, which `opsd_grid.py` also draws). A metric is a `metrics.jsonl` key
 (`opsd/true_kl`) or its `[OPSD kl]` label (`true_kl`). `run_stats.py ... --plot FILE.png`
-draws its arms with the intervals it prints, through `plot_intervals`.
+draws its arms with the intervals it prints, through `plot_intervals`; `plot_sweep` draws a
+run's accuracy per checkpoint (`dev_eval.sh RUN_FOLDER`, checkpoint_sweep.py).
 
 Bad input (a missing folder or file, an unreadable `metrics.jsonl` line, a metric that no
 run logged, an output that is not a writable .png path) is one `error: ...` line on stderr
@@ -417,6 +418,30 @@ def plot_intervals(panels: Sequence[IntervalPanel], out, title: str = "") -> lis
         fig.suptitle("\n".join(textwrap.fill(line, 110) for line in title.splitlines()), fontsize=9)
     _save(fig, out)
     return drawn
+
+
+def plot_sweep(result: dict, out, title: str = "") -> list[int]:
+    """Accuracy against step for the checkpoints of one run (a `run_stats.sweep_checkpoints`
+    result): each checkpoint's avg@k with its problems 95% CI, the best one marked. Returns the
+    steps drawn."""
+    out = check_output(out)
+    rows = result["checkpoints"]
+    steps, avgs = [r["step"] for r in rows], [r["avg"] for r in rows]
+    fig, (ax,) = _figure(1, width=6.4, height=3.8)
+    low = [a - r["problems_ci"][0] for a, r in zip(avgs, rows)]
+    high = [r["problems_ci"][1] - a for a, r in zip(avgs, rows)]
+    ax.errorbar(steps, avgs, yerr=[low, high], marker="o", capsize=3, label=f"{result['metric']} (problems 95% CI)")
+    best = next(r for r in rows if r["checkpoint"] == result["best"])
+    ax.plot([best["step"]], [best["avg"]], "D", color="C3", markersize=9, label=f"best: {best['checkpoint']}")
+    ax.set_xlabel("step", fontsize=9)
+    ax.set_ylabel(f"{result['metric']} (%)", fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or f"{result['dataset']}: {result['num_problems']} problems x "
+                 f"{result['samples_per_problem']} samples", fontsize=10)
+    _save(fig, out)
+    return steps
 
 
 def draw_or_warn(what: str, draw, *args, **kwargs):

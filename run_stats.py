@@ -5,6 +5,9 @@
     python run_stats.py compare --a A1.json [A2.json ...] --b B1.json [B2.json ...]
                                 [--bootstrap N] [--seed S] [--run-sd SD] [--json OUT] [--plot FILE.png]
 
+`sweep_checkpoints` (with `format_sweep_markdown`, `sweep_final_line`) tabulates the
+checkpoints of one run against its last one, for `dev_eval.sh RUN_FOLDER` (checkpoint_sweep.py).
+
 `--plot` draws the printed numbers (run_plots.py): each arm's run means with its mean and
 t interval, and the difference with each of its intervals (`compare`); each run with its
 problems CI, and the arm's mean with its t and bootstrap intervals (`summary`).
@@ -585,6 +588,79 @@ def compare_arms(runs_a: Sequence[Run], runs_b: Sequence[Run], counts: np.ndarra
             "settings": runs_a[0].settings, "num_problems": int(counts.shape[1]), "samples_per_problem": k,
             "arms": arms, "difference": diff, "bootstrap": boot, "run_level_test": run_test,
             "per_problem": per_problem, "assumed_run_sd": assumed, "verdict": line}
+
+
+def sweep_checkpoints(steps: Sequence[int], runs: Sequence[Run], n_resamples: int = DEFAULT_BOOTSTRAP,
+                      seed: int = 0) -> dict:
+    """The checkpoints of ONE training run (`steps[i]` is the step of `runs[i]`, in step order):
+    each one's avg@k with its sampling se and problems CI, the difference to the last checkpoint
+    (`compare_arms` with one run on each side: problem-paired bootstrap, sign and sign-flip
+    tests), and the best checkpoint (highest avg@k; a tie goes to the later step). The
+    comparisons see evaluation-sampling and problem noise only (one training run), and the best
+    is picked on these very problems, so its lead over the last is optimistic."""
+    counts = check_comparable(runs)
+    k, last = runs[0].k, len(runs) - 1
+    rows = []
+    for i, (step, run) in enumerate(zip(steps, runs)):
+        boot = bootstrap_mean(100.0 * counts[i] / k, n_resamples, seed)
+        versus = compare_arms([runs[last]], [run], counts[[last, i]], n_resamples, seed) if i != last else None
+        rows.append({"step": int(step), "checkpoint": Path(run.checkpoint).name, "file": run.path, "avg": run.avg,
+                     "sampling_se": sampling_se(counts[i], k), "problems_ci": boot["ci"],
+                     "vs_last": None if versus is None else {
+                         "difference": versus["difference"], "ci": versus["bootstrap"]["ci"],
+                         "sign_flip_p": versus["per_problem"]["sign_flip_p"],
+                         "sign_test_p": versus["per_problem"]["sign_test_p"]}})
+    best = max(range(len(rows)), key=lambda i: (rows[i]["avg"], rows[i]["step"]))
+    versus = rows[best]["vs_last"]
+    if versus is None:
+        verdict_text = "the best is the last checkpoint"
+    else:
+        low, high = versus["ci"]
+        beyond = (low > 0 or high < 0) and versus["sign_flip_p"] < ALPHA
+        verdict_text = ("distinguishable from the last beyond evaluation-sampling noise" if beyond else
+                        "not distinguishable from the last" if not (low > 0 or high < 0 or versus["sign_flip_p"] < ALPHA)
+                        else "inconclusive against the last (the bootstrap CI and the sign-flip test disagree)")
+    return {"command": "sweep", "metric": f"avg@{k}", "dataset": runs[0].dataset, "settings": runs[0].settings,
+            "num_problems": int(counts.shape[1]), "samples_per_problem": k, "checkpoints": rows,
+            "best": rows[best]["checkpoint"], "best_step": rows[best]["step"], "last": rows[last]["checkpoint"],
+            "best_vs_last": versus, "verdict": verdict_text, "n_resamples": n_resamples, "seed": seed}
+
+
+def format_sweep_markdown(result: dict, title: str = "") -> str:
+    """The accuracy-vs-step table of `sweep_checkpoints` as markdown."""
+    metric = result["metric"]
+    lines = [f"# {title}" if title else "# checkpoint sweep", "",
+             (f"{metric} on `{result['dataset']}`, {result['num_problems']} problems x "
+              f"{result['samples_per_problem']} samples; differences to the last checkpoint with a "
+              f"problem-paired bootstrap ({result['n_resamples']} resamples, seed {result['seed']}) and an exact "
+              f"sign-flip test: evaluation-sampling and problem noise only (one training run)."), "",
+             f"| step | checkpoint | {metric} | sampling se | problems 95% CI | vs last | vs last 95% CI | "
+             "sign-flip p |", "|---|---|---|---|---|---|---|---|"]
+    for row in result["checkpoints"]:
+        versus = row["vs_last"]
+        mark = " (best)" if row["checkpoint"] == result["best"] else ""
+        lines.append(f"| {row['step']} | {row['checkpoint']}{mark} | {row['avg']:.2f} | {_f(row['sampling_se'])} | "
+                     f"{_ci(row['problems_ci'])} | {'-' if versus is None else format(versus['difference'], '+.2f')} | "
+                     f"{'-' if versus is None else _ci(versus['ci'], '+.2f')} | "
+                     f"{'-' if versus is None else format(versus['sign_flip_p'], '.3g')} |")
+    lines += ["", f"Best: {sweep_final_line(result)[len('FINAL best '):]}",
+              "The best is chosen on these same problems, so its lead over the last is optimistic: "
+              "confirm it on another eval set before preferring it."]
+    return "\n".join(lines) + "\n"
+
+
+def sweep_final_line(result: dict) -> str:
+    """`FINAL best checkpoint-N avg@k X% (last checkpoint-M Y%: ...)`: the sweep's last line."""
+    best = next(r for r in result["checkpoints"] if r["checkpoint"] == result["best"])
+    last = result["checkpoints"][-1]
+    head = f"FINAL best {best['checkpoint']} {result['metric']} {best['avg']:.2f}%"
+    count = f"{len(result['checkpoints'])} checkpoint(s)"
+    versus = result["best_vs_last"]
+    if versus is None:
+        return f"{head} (the last checkpoint; {count})"
+    return (f"{head} (last {last['checkpoint']} {last['avg']:.2f}%: best - last {versus['difference']:+.2f} points, "
+            f"95% CI {_ci(versus['ci'], '+.2f')}, sign-flip p = {versus['sign_flip_p']:.3g}: {result['verdict']}; "
+            f"{count})")
 
 
 def _f(value, spec: str = ".2f") -> str:

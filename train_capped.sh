@@ -24,7 +24,8 @@
 #                       (event files under OPSD_OUTPUT/runs/), wandb, trackio, or all installed ones
 #   OPSD_CLIP_MODE, OPSD_PAD_SIDE, OPSD_TEACHER_CONTEXT, OPSD_STUDENT_PROMPT, OPSD_DATA_SELECT: ablation switches
 # Paths (RECIPE_FILE, OPSD_OUTPUT, OPSD_DATA, OPSD_MODEL) are relative to the folder you call from.
-# Everything is validated before accelerate starts: a bad input is one `error:` line, exit 2.
+# Everything is validated before accelerate starts: a bad input is one `error:` line, exit 2; so is
+# an OPSD_* variable that is none of these (`python opsd_config.py variables` lists them all).
 # A run folder that already holds checkpoint-N of the same configuration resumes from the newest
 # one; a folder of another configuration is refused. SIGTERM / Ctrl-C stop at a step boundary
 # with a checkpoint (exit 143 / 130); re-running resumes.
@@ -38,6 +39,8 @@ if [[ "$recipe" == "-h" || "$recipe" == "--help" ]]; then
 fi
 # The processes run in the caller's folder (scripts by absolute path), so every relative path
 # means what it means to the caller.
+# First (instant): every OPSD_* variable set is a declared one (a misspelled name would be ignored).
+python "$repo/opsd_config.py" check-env
 if [[ -n "${OPSD_PRESET:-}" && "$OPSD_PRESET" != "tiny" ]]; then
   echo "error: OPSD_PRESET='$OPSD_PRESET' is not a preset; the only one is tiny (or leave it unset)" >&2
   exit 2
