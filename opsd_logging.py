@@ -1,7 +1,9 @@
 """Run logging: the `[OPSD kl]` console line and `metrics.jsonl` in the run folder.
 
 Both receive exactly the dict that goes to `report_to`, so the console, the file
-and wandb/tensorboard never disagree.
+and wandb/tensorboard never disagree. Also the collapse warning's signature
+(`CollapseSignature`, `CollapseDetector`: pure, no model), which the trainer checks
+at every logged step (opsd_trainer._CollapseWatch).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 
 # Metric keys the trainer records (one place, so the line and the docs agree).
 KL_LINE_FIELDS = (
@@ -50,3 +53,92 @@ def append_metrics(path: str, step: int, logs: dict) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+# --------------------------------------------------------------------------
+# The collapse warning (OPSD_EXPERIMENTS.md, "The collapse warning")
+# --------------------------------------------------------------------------
+
+COLLAPSE_FIELD = "opsd/collapse_warning"  # 1 in the metrics.jsonl row of the step where it fired
+KL_KEY, ENTROPY_KEY = "opsd/true_kl", "opsd/student_entropy"
+# The clip share that climbs in a collapse: the teacher's argmax entry clipped (entry clip), the
+# token clipped (token clip; the entry clip's argmax share is 0 there by construction).
+COLLAPSE_SHARE_KEYS = {"entry": "opsd/teacher_argmax_clipped_frac", "token": "opsd/clipped_token_frac"}
+
+
+@dataclass(frozen=True)
+class CollapseSignature:
+    """When a run looks like the recorded collapses: over the last `window` logged steps, the mean
+    true KL is at least `kl_factor` x, the mean student entropy at least `entropy_factor` x and the
+    mean clip share at least `share_factor` x their early level (and above 0), the mean of
+    the first `early_steps` logged steps. Checked once `early_steps + window` steps are logged (the
+    two windows never overlap). The factors sit between the collapsed and the healthy runs of
+    OPSD_EXPERIMENTS.md (the tables there, steps 1-5 -> 96-100): collapsed true KL x2.1 to x3.6,
+    entropy x1.17 to x5.6, share x2.1 to x3.4; healthy runs with a rising true KL (left padding
+    x1.6, SFT x2.1) have a falling share or none, and healthy OPSD runs a falling entropy."""
+    early_steps: int = 5
+    window: int = 5
+    kl_factor: float = 1.8
+    entropy_factor: float = 1.05
+    share_factor: float = 1.5
+
+
+COLLAPSE_SIGNATURE = CollapseSignature()
+
+
+def _mean(values) -> float:
+    return sum(values) / len(values)
+
+
+def collapse_evidence(records, share_key: str, signature: CollapseSignature = COLLAPSE_SIGNATURE) -> dict | None:
+    """The signature on `records` (metrics.jsonl rows in step order, ending at the step checked):
+    the evidence (early and trailing means and their ratios) when it holds, else None. Rows
+    without all three metrics (an SFT or Tinker run logs no clip share) are not counted."""
+    keys = (KL_KEY, ENTROPY_KEY, share_key)
+    rows = [r for r in records if all(isinstance(r.get(k), (int, float)) and math.isfinite(r[k]) for k in keys)]
+    if len(rows) < signature.early_steps + signature.window:
+        return None
+    early, trail = rows[:signature.early_steps], rows[-signature.window:]
+    evidence = {"step": trail[-1].get("step"), "share_key": share_key,
+                "early_steps": [early[0].get("step"), early[-1].get("step")],
+                "window_steps": [trail[0].get("step"), trail[-1].get("step")]}
+    factors = {KL_KEY: signature.kl_factor, ENTROPY_KEY: signature.entropy_factor, share_key: signature.share_factor}
+    for key, factor in factors.items():
+        before, now = _mean([r[key] for r in early]), _mean([r[key] for r in trail])
+        if not (now >= factor * before and now > 0):  # a share of 0 (nothing clipped) never counts
+            return None
+        evidence[key] = {"early": before, "window": now, "ratio": now / before if before > 0 else math.inf}
+    return evidence
+
+
+class CollapseDetector:
+    """Feeds `collapse_evidence` one logged step at a time; `update` returns the evidence the
+    first time the signature holds and None at every other step (one warning per run)."""
+
+    def __init__(self, share_key: str, signature: CollapseSignature = COLLAPSE_SIGNATURE):
+        self.share_key, self.signature = share_key, signature
+        self.records: list[dict] = []
+        self.fired: dict | None = None
+
+    def update(self, step: int, logs: dict) -> dict | None:
+        if self.fired is not None:
+            return None
+        self.records.append({"step": step, **logs})
+        if logs.get(COLLAPSE_FIELD):  # replayed from a resumed run that already warned
+            self.fired = {"step": step, "replayed": True}
+            return None
+        self.fired = collapse_evidence(self.records, self.share_key, self.signature)
+        return self.fired
+
+
+def collapse_line(evidence: dict) -> str:
+    """The one `[OPSD warn]` line."""
+    share = evidence["share_key"]
+    labels = ((KL_KEY, "true_kl", ".3g"), (ENTROPY_KEY, "H_student", ".3g"),
+              (share, share.split("/")[-1], ".1%"))
+    parts = [f"{label} {evidence[key]['early']:{spec}} -> {evidence[key]['window']:{spec}} "
+             f"(x{evidence[key]['ratio']:.2g})" for key, label, spec in labels]
+    (e0, e1), (w0, w1) = evidence["early_steps"], evidence["window_steps"]
+    return (f"[OPSD warn] step={evidence['step']} collapse signature: {', '.join(parts)} "
+            f"(steps {w0}-{w1} vs {e0}-{e1}); the run goes on - check its accuracy per checkpoint "
+            f"(bash dev_eval.sh RUN_FOLDER) and OPSD_EXPERIMENTS.md")

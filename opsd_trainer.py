@@ -41,6 +41,7 @@ from transformers.trainer_utils import rotate_checkpoints
 from trl import DistillationConfig, DistillationTrainer
 from trl.models.utils import unwrap_model_for_generation
 
+import opsd_logging
 import run_folder
 from adapter_layers import AdapterLayers
 from compiled_layers import CompiledLayers
@@ -322,6 +323,39 @@ class _RunLog(TrainerCallback):
         append_metrics(self.path, state.global_step, logs)
 
 
+class _CollapseWatch(TrainerCallback):
+    """The collapse warning (opsd_logging.CollapseSignature): once per run, the first step whose
+    logged metrics match the signature prints one `[OPSD warn]` line and gets
+    `opsd/collapse_warning: 1` in its metrics (metrics.jsonl, the trackers, trainer_state.json's
+    log history); `trainer.collapse_warning` holds the evidence. Training goes on. First in the
+    callback list, so every logger sees the field. A resumed run replays its log history, so the
+    early level is the run's own and a run that already warned does not warn again."""
+
+    def __init__(self, trainer: OPSDTrainer, clip_mode: str):
+        self.trainer, self.clip_mode = trainer, clip_mode
+        self.detector = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        share_key = opsd_logging.COLLAPSE_SHARE_KEYS[self.clip_mode]
+        self.detector = opsd_logging.CollapseDetector(share_key, opsd_logging.COLLAPSE_SIGNATURE)
+        for record in state.log_history:
+            if "step" in record and record["step"] <= state.global_step and opsd_logging.KL_KEY in record:
+                self.detector.update(record["step"], record)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs or "train_runtime" in logs or self.detector is None:
+            return
+        evidence = self.detector.update(state.global_step, logs)
+        if evidence is None:
+            return
+        self.trainer.collapse_warning = evidence
+        logs[opsd_logging.COLLAPSE_FIELD] = 1
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1][opsd_logging.COLLAPSE_FIELD] = 1  # Trainer.log stored a copy already
+        tqdm.write(opsd_logging.collapse_line(evidence), file=sys.stdout)
+        sys.stdout.flush()
+
+
 class _ProgressBarOnly(ProgressCallback):
     """The progress bar without its printed copy of every log dict (the `[OPSD kl]` line is the one line)."""
 
@@ -391,6 +425,9 @@ class OPSDTrainer(DistillationTrainer):
         self.ema = AdapterEMA(self.model, args.ema_decay) if args.use_ema_teacher else None
         if self.ema is not None:
             self.add_callback(_EMAUpdate(self.ema))
+        self.collapse_warning: dict | None = None  # the evidence once _CollapseWatch has warned
+        # First, so that _RunLog and every tracker's callback see its field in the step's logs.
+        self.callback_handler.callbacks.insert(0, _CollapseWatch(self, args.clip_mode))
         self.add_callback(_RunLog(os.path.join(args.output_dir, run_folder.METRICS_FILE)))
         if self.pop_callback(ProgressCallback) is not None:
             self.add_callback(_ProgressBarOnly())
