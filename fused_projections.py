@@ -110,8 +110,12 @@ class FusedAttention(nn.Module):
 
         self._attention_functions = ALL_ATTENTION_FUNCTIONS
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
-        # transformers 5.2x's signature and cache API (requirements.txt pins the version)
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None,
+                **kwargs):
+        # transformers 5.2x's signature and cache API (requirements.txt pins the version); the decoder layers of
+        # earlier 5.x (5.17, vLLM's environments) pass the cache as `past_key_values`: without it here the cache
+        # was never updated and static_decode's prefill attended over the packed keys (a shape error)
+        cache = cache if cache is not None else past_key_values
         input_shape = hidden_states.shape[:-1]
         qkv = project(self.qkv_proj, hidden_states)
         if self._attends_new_token(qkv, cache):

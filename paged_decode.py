@@ -138,8 +138,10 @@ def paged_generate(model, rows: list[list[int]], settings: SamplingSettings, gen
     if not rows:
         return PagedRun([], [])
     num_blocks = cache_blocks(model, [len(r) + settings.max_new_tokens for r in rows], cache_gib)
+    # transformers 5.17 (vLLM's environments) names the page `block_size`; 5.2x `page_size`.
+    page_field = "page_size" if "page_size" in ContinuousBatchingConfig.__dataclass_fields__ else "block_size"
     cb_config = ContinuousBatchingConfig(
-        page_size=PAGE_SIZE,
+        **{page_field: PAGE_SIZE},
         num_blocks=num_blocks,
         max_batch_tokens=min(MAX_BATCH_TOKENS, max(sum(len(r) for r in rows) + len(rows), PAGE_SIZE)),
         max_requests_per_batch=max_rows,

@@ -188,3 +188,30 @@ def test_stacked_projections_get_no_separate_weight_and_the_base_is_never_writte
     merged.refresh()
     after = model.state_dict()
     assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_the_fused_attention_takes_the_cache_under_either_name(name):
+    """Decoder layers of transformers 5.2x pass the KV cache as `cache`, those of 5.17 (the
+    version vLLM environments pin) as `past_key_values`: under either name the fused attention
+    fills the cache and computes what the separate projections compute with it."""
+    from transformers import DynamicCache
+
+    model = with_lora(random_model("qwen3"))
+    fused, separate = MergedStudent(model), MergedStudent(model, fuse=False)
+    fused.refresh()
+    separate.refresh()
+    hidden = torch.randn(1, 6, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(6)[None]
+    outputs, lengths = [], []
+    for network in (fused.network, separate.network):
+        attention = network.model.layers[0].self_attn
+        embeddings = network.model.rotary_emb(hidden, positions)
+        cache = DynamicCache(config=network.config)
+        with torch.no_grad():
+            out = attention(hidden, position_embeddings=embeddings, attention_mask=None, **{name: cache})[0]
+        outputs.append(out)
+        lengths.append(cache.get_seq_length(0))
+    assert isinstance(fused.network.model.layers[0].self_attn, FusedAttention)
+    assert lengths[0] == 6  # the fused attention wrote its keys and values into the cache
+    assert (outputs[0] - outputs[1]).abs().max() <= 1e-12 * outputs[1].abs().max()
