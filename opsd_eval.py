@@ -452,6 +452,7 @@ class EvalRequest:
     batch_size: int         # transformers: rows per generate() call (paged: per forward pass)
     engine: str | None = None  # the transformers engine, resolved ("dynamic", "paged", ...); None with vLLM
     paged_cache_gib: float | None = None  # the paged engine's KV pool, resolved (it changes the samples)
+    vllm_kv_cache_gib: float | None = None  # vLLM's KV cache, fixed (None: vLLM's profiled share of the GPU)
 
 
 def build_request(args: argparse.Namespace):
@@ -487,6 +488,11 @@ def build_request(args: argparse.Namespace):
         if args.paged_cache_gib is not None and not args.paged_cache_gib > 0:
             raise InputError(f"--paged-cache-gib must be > 0, got {args.paged_cache_gib}")
         paged_cache_gib = args.paged_cache_gib or round(_default_paged_cache_gib(), 3)
+    if args.vllm_kv_cache_gib is not None:
+        if backend != "vllm":
+            raise InputError(f"--vllm-kv-cache-gib sizes vLLM's KV cache; the backend here is {backend}")
+        if not args.vllm_kv_cache_gib > 0:
+            raise InputError(f"--vllm-kv-cache-gib must be > 0, got {args.vllm_kv_cache_gib}")
     output_dir = Path(args.output_dir) if args.output_dir else Path("outputs") / "eval" / dataset_tag(dataset)
     request = EvalRequest(
         checkpoint=checkpoint,
@@ -498,6 +504,7 @@ def build_request(args: argparse.Namespace):
         batch_size=batch_size,
         engine=engine,
         paged_cache_gib=paged_cache_gib,
+        vllm_kv_cache_gib=args.vllm_kv_cache_gib,
     )
     return request, problems
 
@@ -689,7 +696,8 @@ def _vllm_backend(request: EvalRequest, model_path: str, prompts: list[list[int]
     # Room for the longest prompt plus a full generation, within the model's context.
     needed = max(len(p) for p in prompts) + request.settings.max_new_tokens
     return VLLMBackend(model_path, lora_path=request.checkpoint, seed=request.settings.seed,
-                       max_model_len=min(needed, context) if context else needed)
+                       max_model_len=min(needed, context) if context else needed,
+                       kv_cache_gib=request.vllm_kv_cache_gib)
 
 
 def _pad_token_id(tokenizer) -> int:
@@ -880,6 +888,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=None,
                         help=f"transformers backend: rows per generate() call (default {BATCH_SIZE}); the paged "
                              f"engine: rows per forward pass, about the rows in flight (default {DEFAULT_MAX_ROWS})")
+    parser.add_argument("--vllm-kv-cache-gib", type=float, default=None, metavar="GIB",
+                        help="vLLM backend: a KV cache of this size instead of vLLM's profiled share (85%%) of the "
+                             "GPU, for an evaluation that shares the GPU with other processes")
     return parser.parse_args(argv)
 
 

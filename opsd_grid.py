@@ -7,6 +7,7 @@ A grid file (JSON) names the arms and what they share:
     {
       "preset": "tiny",                       # optional: the embedded default
       "eval_data": "tiny:31337:100",          # one eval set for every cell
+      "eval_flags": ["--backend", "vllm"],    # optional: more opsd_eval.py flags for every cell
       "seeds": [0, 1, 2],                     # training seeds, paired across arms
       "budget": {"max_steps": 100, "global_batch": 32, "per_device_batch": 32},
       "recipe": {"learning_rate": 1e-4},      # recipe keys every trained arm gets
@@ -72,6 +73,7 @@ class Grid:
     budget: dict
     recipe: dict
     baseline: str
+    eval_flags: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ def load_grid(path: str) -> Grid:
         raise GridError(f"{where}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg})") from None
     if not isinstance(spec, dict):
         raise GridError(f"{where}: expected a JSON object")
-    known = {"preset", "eval_data", "seeds", "budget", "recipe", "baseline", "arms"}
+    known = {"preset", "eval_data", "eval_flags", "seeds", "budget", "recipe", "baseline", "arms"}
     if unknown := sorted(set(spec) - known):
         raise GridError(f"{where}: unknown key {unknown[0]!r}; expected {', '.join(sorted(known))}")
     arms_spec = spec.get("arms")
@@ -136,11 +138,31 @@ def load_grid(path: str) -> Grid:
     baseline = spec.get("baseline", arms[0].name)
     if baseline not in {a.name for a in arms}:
         raise GridError(f"{where}: baseline {baseline!r} is not an arm")
+    eval_flags = spec.get("eval_flags", [])
+    if not isinstance(eval_flags, list) or not all(isinstance(f, str) for f in eval_flags):
+        raise GridError(f"{where}: 'eval_flags' must be a list of strings (opsd_eval.py flags)")
+    _check_eval_flags(eval_flags, where)
     grid = Grid(tuple(arms), tuple(seeds), spec.get("eval_data"), spec.get("preset"), budget,
-                dict(spec.get("recipe", {})), baseline)
+                dict(spec.get("recipe", {})), baseline, tuple(eval_flags))
     for arm in grid.arms:  # a recipe error surfaces now, with the arm's name, not after hours of training
         _check_recipe(recipe_text(grid, arm), f"{where}: arm {arm.name!r}")
     return grid
+
+
+def _check_eval_flags(flags: list[str], where: str) -> None:
+    """opsd_eval.py's own parser on the flags, so that a wrong one stops the grid now, not after training."""
+    import contextlib
+    import io
+
+    import opsd_eval
+
+    message = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(message):
+            opsd_eval.parse_args(["base", *flags])
+    except SystemExit:
+        last = (message.getvalue().strip().splitlines() or ["not valid"])[-1]
+        raise GridError(f"{where}: eval_flags {' '.join(flags)!r}: {last.split('error: ', 1)[-1]}") from None
 
 
 def recipe_text(grid: Grid, arm: Arm) -> str:
@@ -205,7 +227,7 @@ def eval_command(grid: Grid, cell: Cell) -> list[str]:
         command += ["--preset", grid.preset]
     if grid.eval_data:
         command += ["--dataset", grid.eval_data]
-    return command
+    return command + list(grid.eval_flags)
 
 
 def run_cell(grid: Grid, cell: Cell, log) -> str:

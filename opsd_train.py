@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import os
 import re
 import signal
@@ -223,8 +222,13 @@ def parse(argv=None, env=os.environ, quiet: bool = False):
     apply_switches(switches, env, given, script_args, config, quiet)
     config.check_combinations()
     check_trackers(config.report_to)
-    if config.use_vllm and importlib.util.find_spec("vllm") is None:
-        raise ConfigError("--use_vllm true: vllm is not installed (pip install -r requirements-gpu.txt)")
+    if config.use_vllm:
+        from rollout import BackendUnavailable, check_vllm_version
+
+        try:
+            check_vllm_version()
+        except BackendUnavailable as exc:
+            raise ConfigError(f"--use_vllm true: {exc}") from None
     check_model(script_args.model_name_or_path)
     run_folder.check_writable(config.output_dir)
     dataset = load_train_dataset(

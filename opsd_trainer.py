@@ -70,7 +70,7 @@ from opsd_config import (
 )
 from opsd_logging import append_metrics, kl_line
 from opsd_loss import divergence_loss, nll_loss, tinker_loss
-from rollout import TransformersBackend
+from rollout import TransformersBackend, kv_cache_options, trl_vllm_engine_options, vllm_environment
 from sampling import ROLLOUT_STREAMS, SamplingSettings, on_policy_step, rollout_seed, to_completion
 from static_decode import GRAPH_LOOPS
 from vllm_weights import merged_named_parameters
@@ -213,6 +213,13 @@ class OPSDConfig(DistillationConfig):
                           "filter, and the filter would make the host wait for the GPU at every micro-batch."},
     )
     remove_unused_columns: bool | None = field(default=False, metadata={"help": "Rows keep their privileged columns."})
+    vllm_kv_cache_gib: float | None = field(
+        default=None,
+        metadata={"help": "vLLM colocate: a KV cache of this many GiB instead of vllm_gpu_memory_utilization's profiled "
+                          "share of the GPU (vLLM's kv_cache_memory_bytes). vLLM measures the device's free memory "
+                          "while it profiles at start, so other processes allocating or exiting meanwhile shrink its "
+                          "cache or fail its start: use this when several runs share one GPU."},
+    )
 
     def __post_init__(self):
         if self.bf16 is None and not torch.cuda.is_available():
@@ -234,6 +241,10 @@ class OPSDConfig(DistillationConfig):
         low, high = VLLM_TEMPERATURE_RANGE
         if self.use_vllm and not low <= self.temperature <= high:  # else vLLM fails at the first rollout
             raise ValueError(f"temperature={self.temperature}: vLLM rollouts need a temperature in [{low}, {high}]")
+        if self.vllm_kv_cache_gib is not None and not (self.use_vllm and self.vllm_mode == "colocate"
+                                                       and self.vllm_kv_cache_gib > 0):
+            raise ValueError(f"vllm_kv_cache_gib={self.vllm_kv_cache_gib}: a size > 0 for vLLM colocate rollouts "
+                             "(--use_vllm true --vllm_mode colocate)")
         super().__post_init__()  # TRL turns the CLI's "none" / "32" into None / 32
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 0:
             raise ValueError(f"pad_to_multiple_of must be >= 0, got {self.pad_to_multiple_of}")
@@ -389,7 +400,12 @@ class OPSDTrainer(DistillationTrainer):
 
     def __init__(self, model, args: OPSDConfig, train_dataset, processing_class, peft_config=None, callbacks=None,
                  stop_request=None, base_model_name: str | None = None):
-        with warnings.catch_warnings():
+        engine_options = nullcontext()
+        if args.use_vllm:
+            vllm_environment(training=True)  # before TRL builds the engine
+            if args.vllm_mode == "colocate":
+                engine_options = trl_vllm_engine_options(**kv_cache_options(args.vllm_kv_cache_gib))
+        with warnings.catch_warnings(), engine_options:
             # peft reads the deprecated `is_gradient_checkpointing` while TRL wraps the model (not our call).
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             super().__init__(

@@ -55,6 +55,14 @@ VLLM_ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_LOGGING_STREAM": "ext://sys.stderr",
 }
+# vLLM's top-k/top-p sampler uses flashinfer when it thinks it can, and crashes at the first
+# sample when flashinfer is not installed (vLLM 0.26.0 on an H200): its own sampler then.
+VLLM_NO_FLASHINFER = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+# The vLLM releases this project runs with (README "Versions"): TRL 1.16's window, in which
+# 0.26.0 was run (torch 2.11.0) and 0.30.0 is the pin of requirements-gpu.txt (torch 2.13.0).
+VLLM_SUPPORTED = ("0.22.0", "0.31.0")
+VLLM_RUN = ("0.26.0",)
 
 
 class BackendUnavailable(RuntimeError):
@@ -307,9 +315,74 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def vllm_environment(training: bool = False) -> dict[str, str]:
+    """Set the environment vLLM needs here, where the user has not set it, and return what was
+    set: its sampler without flashinfer when flashinfer is missing; for evaluation also
+    VLLM_ENV_DEFAULTS (the trainer leaves vLLM's process layout and logs to TRL)."""
+    wanted = {} if training else dict(VLLM_ENV_DEFAULTS)
+    if importlib.util.find_spec("flashinfer") is None:
+        wanted.update(VLLM_NO_FLASHINFER)
+    applied = {name: value for name, value in wanted.items() if name not in os.environ}
+    os.environ.update(applied)
+    return applied
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """The installed vLLM's version, or a BackendUnavailable naming the supported range when it
+    lies outside it (or vLLM is missing). Reads the package metadata: nothing is imported."""
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    if version is None:
+        try:
+            version = metadata.version("vllm")
+        except metadata.PackageNotFoundError:
+            raise BackendUnavailable("vLLM is not installed (pip install -r requirements-gpu.txt on a GPU machine)") \
+                from None
+    low, high = VLLM_SUPPORTED
+    if not Version(low) <= Version(version) <= Version(high):
+        raise BackendUnavailable(f"vLLM {version} is outside the supported range {low}-{high} (TRL 1.16's window; "
+                                 f"run here: {', '.join(VLLM_RUN)}): install one inside it, e.g. pip install -r "
+                                 "requirements-gpu.txt")
+    return version
+
+
+@contextlib.contextmanager
+def trl_vllm_engine_options(**options):
+    """Extra keyword arguments for the `vllm.LLM` that TRL's colocate mode builds (TRL 1.16's
+    VLLMGeneration passes a fixed set and has no hook): inside the block its module's `LLM` is
+    `LLM` with `options` bound. Nothing happens without options."""
+    if not options:
+        yield
+        return
+    import functools
+
+    from trl.generation import vllm_generation
+
+    original = getattr(vllm_generation, "LLM", None)
+    if original is None:
+        raise BackendUnavailable("TRL's vLLM colocate mode is not available (vLLM missing?)")
+    vllm_generation.LLM = functools.partial(original, **options)
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = original
+
+
+def kv_cache_options(kv_cache_gib: float | None) -> dict:
+    """vLLM engine arguments for a KV cache of a fixed size: `kv_cache_memory_bytes` (no memory
+    profiling at start, which other processes on the same GPU can upset: vLLM measures the
+    device's free memory, so their allocations and exits during its profile shrink its cache or
+    fail its start) and a small `gpu_memory_utilization`, which then only sets how much must be
+    free at start. Empty for None: vLLM's share of the GPU, profiled."""
+    if kv_cache_gib is None:
+        return {}
+    return {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30), "gpu_memory_utilization": 0.02}
+
+
 def _import_vllm():
-    for name, value in VLLM_ENV_DEFAULTS.items():
-        os.environ.setdefault(name, value)
+    vllm_environment()
     try:
         import vllm
     except ImportError as exc:
@@ -341,13 +414,15 @@ class VLLMBackend:
     """
 
     def __init__(self, model_path: str, *, lora_path: str | None = None, max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1, seed: int = 0):
+                 gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1, seed: int = 0,
+                 kv_cache_gib: float | None = None):
         vllm = _import_vllm()
         engine_args = dict(
             model=str(model_path), tokenizer=str(model_path), seed=seed,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
         )
+        engine_args.update(kv_cache_options(kv_cache_gib))
         self.lora_request = None
         if lora_path is not None:
             from vllm.lora.request import LoRARequest
@@ -445,9 +520,10 @@ def resolve_backend_name(name: str) -> str:
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
     if name == "auto":
-        return "vllm" if vllm_available() and torch.cuda.is_available() else "transformers"
+        name = "vllm" if vllm_available() and torch.cuda.is_available() else "transformers"
     if name == "vllm":
         _import_vllm()
+        check_vllm_version()
     return name
 
 

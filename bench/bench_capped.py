@@ -1,9 +1,11 @@
 """A few optimizer steps of the real training CLI, timed, to extrapolate a capped run.
 
-    python bench/bench_capped.py --json $OUT/capped.json            # GPU
+    python bench/bench_capped.py --json $OUT/capped.json            # GPU, Qwen3-1.7B shape
+    python bench/bench_capped.py --shape qwen3-8b --micro-batches 2  # GPU, another shape (common.SHAPES)
+    python bench/bench_capped.py --trainer-args "--use_vllm true --vllm_mode colocate"   # vLLM rollouts
     python bench/bench_capped.py --tiny                              # CPU smoke run
 
-Writes a random-init Qwen3-1.7B-shaped model (bf16) with the project's Qwen3
+Writes a random-init model of the shape (bf16; default Qwen3-1.7B) with the project's Qwen3
 tokenizer to a folder, then runs `opsd_train.py` on it exactly as
 `train_capped.sh` does on one GPU (the OPSDConfig defaults, which are the released
 recipe; global batch 32 = micro-batch x accumulation; completions up to 1024
@@ -18,7 +20,9 @@ family); the capped run is extrapolated as (time to the last measured step) +
 compilation a longer run may still meet is not. (Before 2026-12-01 the fastest step
 stood in for the median; BENCHMARKS.md says which figures used it.)
 A random model almost never samples EOS, so every completion runs to the cap:
-the worst case of a real run.
+the worst case of a real run. On a GPU, the device's used memory (nvidia-smi, every 0.5 s,
+all processes: the trainer and, colocated, vLLM) is recorded per run: its peak, and its value
+when the first step is logged.
 """
 from __future__ import annotations
 
@@ -84,6 +88,7 @@ def run_cli(model_dir: Path, out_dir: Path, micro_batch: int, steps: int, comple
     ]
     start = time.time()
     stamps: dict[int, float] = {}
+    memory = _MemoryPoll()
     with open(log_path, "w", buffering=1) as log:  # line-buffered: a run killed from outside keeps its log
         proc = subprocess.Popen(cmd, cwd=tree or common.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         watchdog = threading.Timer(timeout_s, proc.kill)  # also ends a run that hangs without output
@@ -95,15 +100,54 @@ def run_cli(model_dir: Path, out_dir: Path, micro_batch: int, steps: int, comple
                 match = STEP_LINE.search(line)
                 if match:
                     stamps[int(match.group(1))] = now
+                    memory.mark(int(match.group(1)))
                     print(f"[capped] mb={micro_batch} step {match.group(1)} at {now:.1f} s", flush=True)
             rc = proc.wait()
         finally:
             watchdog.cancel()
+            memory.stop()
     metrics = out_dir / "metrics.jsonl"  # the trainer's timing/rollout_s per logged step
     records = [record for _, record in read_jsonl(metrics, RuntimeError)] if metrics.exists() else []
     rollout_s = {int(r["step"]): r["timing/rollout_s"] for r in records if "timing/rollout_s" in r}
     return {"micro_batch": micro_batch, "processes": processes, "rc": rc, "step_stamps": stamps,
-            "rollout_s": rollout_s, "wall_s": time.time() - start}
+            "rollout_s": rollout_s, "wall_s": time.time() - start, **memory.summary()}
+
+
+class _MemoryPoll:
+    """The GPU's used memory (nvidia-smi, MiB, every `period` s) while a run lasts: its peak, and
+    its value at each logged step. Empty where nvidia-smi is missing (a CPU machine)."""
+
+    def __init__(self, period: float = 0.5):
+        import shutil
+
+        self.peak_mib, self.at_step, self._stop = None, {}, threading.Event()
+        self._last = None
+        if shutil.which("nvidia-smi") and torch.cuda.is_available():
+            threading.Thread(target=self._run, args=(period,), daemon=True).start()
+
+    def _run(self, period: float) -> None:
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                      "--id=0"], capture_output=True, text=True, timeout=10).stdout
+                self._last = float(out.split()[0])
+                self.peak_mib = max(self.peak_mib or 0.0, self._last)
+            except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+                pass
+            self._stop.wait(period)
+
+    def mark(self, step: int) -> None:
+        if self._last is not None:
+            self.at_step[step] = self._last
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def summary(self) -> dict:
+        if self.peak_mib is None:
+            return {}
+        return {"gpu_used_peak_gib": self.peak_mib / 1024,
+                "gpu_used_at_step_gib": {k: v / 1024 for k, v in self.at_step.items()}}
 
 
 def summarize(run: dict, steps_total: int = 100) -> dict:
@@ -124,6 +168,8 @@ def summarize(run: dict, steps_total: int = 100) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="embedded tiny model shape, CPU smoke run")
+    parser.add_argument("--shape", choices=common.SHAPE_CHOICES, default=None,
+                        help="default: qwen3-1.7b on CUDA, tiny otherwise")
     parser.add_argument("--micro-batches", default="4,16")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--num-processes", type=int, default=1, help="> 1: accelerate launch, one process per GPU")
@@ -140,10 +186,11 @@ def main(argv=None) -> int:
     common.add_inductor_argument(parser, "in the CLI's process")
     parser.add_argument("--json", default=None)
     opts = parser.parse_args(argv)
-    shape = "tiny" if opts.tiny or not torch.cuda.is_available() else "qwen3-1.7b"
+    shape = "tiny" if opts.tiny or not torch.cuda.is_available() else common.default_shape(opts.shape)
     completion = opts.completion or (16 if shape == "tiny" else 1024)
     work = Path(tempfile.mkdtemp(prefix="opsd_capped_"))
     out_dir = Path(opts.json).parent if opts.json else work
+    out_dir.mkdir(parents=True, exist_ok=True)
     write_random_model(work / "model", shape)
     results = {"shape": shape, "machine": common.machine(), "completion": completion,
                "trainer_args": opts.trainer_args, "inductor": opts.inductor, "tree": str(opts.tree or common.ROOT),
@@ -164,13 +211,15 @@ def main(argv=None) -> int:
                          f"{r['first_step_s']:.1f}",
                          ", ".join(f"{t:.1f}" for t in r["step_times_s"]), f"{r['fastest_step_s']:.2f}",
                          f"{r['median_step_s']:.2f}", "" if rollout is None else f"{rollout:.2f}",
-                         f"{r['extrapolated_100_steps_min']:.1f}"])
+                         f"{r['extrapolated_100_steps_min']:.1f}",
+                         f"{r['gpu_used_peak_gib']:.1f}" if "gpu_used_peak_gib" in r else "-"])
         else:
             rows.append([r["processes"], r["micro_batch"], 32 // (r["micro_batch"] * r["processes"]), r["status"],
-                         f"rc={r['rc']}", "", "", "", ""])
+                         f"rc={r['rc']}", "", "", "", "", ""])
     table = common.markdown_table(
         ["processes", "micro-batch", "accumulation", "start to step 1 (s)", "later steps (s)", "fastest step (s)",
-         "median step (s)", "its rollout, median (s)", "100 steps at the median step (min)"], rows)
+         "median step (s)", "its rollout, median (s)", "100 steps at the median step (min)",
+         "GPU memory used, peak (GiB)"], rows)
     flags = f" + `{opts.trainer_args}`" if opts.trainer_args else ""
     flags += f", code of {opts.tree}" if opts.tree else ""
     flags += f", inductor {', '.join(opts.inductor)}" if opts.inductor else ""

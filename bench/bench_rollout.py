@@ -308,7 +308,8 @@ def agreement(a, b) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=["qwen3-1.7b", "tiny"], default=None)
+    parser.add_argument("--shape", choices=common.SHAPE_CHOICES, default=None,
+                        help="default: qwen3-1.7b on CUDA, tiny otherwise")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=None, help="default 1024 (tiny: 32)")
@@ -341,7 +342,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=400)
     parser.add_argument("--json", default=None)
     opts = parser.parse_args(argv)
-    shape = "tiny" if opts.tiny else (opts.shape or ("qwen3-1.7b" if torch.cuda.is_available() else "tiny"))
+    shape = "tiny" if opts.tiny else common.default_shape(opts.shape)
     tiny = shape == "tiny"
     new_tokens = opts.new_tokens or (32 if tiny else 1024)
     dynamic_tokens = opts.dynamic_new_tokens or (32 if tiny else 256)

@@ -310,7 +310,7 @@ def loss_chunk_sweep(model, geo, batch, chunk_sizes, log, repeats=3) -> list[dic
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=["qwen3-1.7b", "tiny"], default=None,
+    parser.add_argument("--shape", choices=common.SHAPE_CHOICES, default=None,
                         help="default: qwen3-1.7b on CUDA, tiny otherwise")
     parser.add_argument("--tiny", action="store_true", help="same as --shape tiny")
     parser.add_argument("--micro-batches", default="2,4,8,16,32,64")
@@ -327,7 +327,7 @@ def main(argv=None) -> int:
     opts = parser.parse_args(argv)
     for key, value in common.inductor_settings(opts.inductor).items():
         setattr(torch._inductor.config, key, value)
-    shape = "tiny" if opts.tiny else (opts.shape or ("qwen3-1.7b" if torch.cuda.is_available() else "tiny"))
+    shape = "tiny" if opts.tiny else common.default_shape(opts.shape)
     geo = common.TINY if shape == "tiny" else common.FULL
     start = time.time()
     lines: list[str] = []

@@ -1,10 +1,11 @@
 """Shared pieces of the benchmarks: the model shapes, the LoRA model as the trainer
 builds it, the FLOP count, timing and memory helpers, and a report writer.
 
-Shapes:
-- `qwen3-1.7b`: a random-init Qwen3-1.7B-shaped model (vocab 151936, hidden 2048,
-  intermediate 6144, 28 layers, 16 heads, 8 KV heads, head_dim 128, rope_theta 1e6,
-  tied embeddings), bf16, sdpa; for the GPU machine.
+Shapes (`SHAPES`, `--shape` of the scripts that take one):
+- `qwen3-1.7b`, `qwen3-4b`, `qwen3-8b`: random-init models of the published Qwen3 configs
+  (vocab 151936, head_dim 128, 8 KV heads, rope_theta 1e6; 1.7B: hidden 2048, intermediate
+  6144, 28 layers, 16 heads, tied embeddings; 4B: 2560 / 9728 / 36 / 32, tied; 8B:
+  4096 / 12288 / 36 / 32, untied), bf16, sdpa; for the GPU machine.
 - `tiny`: the embedded tiny default (`tiny_default.build_tiny_model()`, fp32), so
   the whole benchmark runs end to end on a CPU in about a minute.
 """
@@ -49,16 +50,32 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def qwen3_17b_config():
+# The published Qwen3 configurations: (hidden, intermediate, layers, attention heads, tied embeddings).
+SHAPES = {
+    "qwen3-1.7b": (2048, 6144, 28, 16, True),
+    "qwen3-4b": (2560, 9728, 36, 32, True),
+    "qwen3-8b": (4096, 12288, 36, 32, False),
+}
+SHAPE_CHOICES = (*SHAPES, "tiny")
+
+
+def qwen3_config(shape: str = "qwen3-1.7b"):
+    """The Qwen3Config of a `SHAPES` entry (8 KV heads, head_dim 128 at every size)."""
     from transformers import Qwen3Config
 
+    hidden, intermediate, layers, heads, tied = SHAPES[shape]
     return Qwen3Config(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        rms_norm_eps=1e-6, tie_word_embeddings=True,
+        vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, tie_word_embeddings=tied,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         bos_token_id=151643, eos_token_id=151645, pad_token_id=151643,
     )
+
+
+def default_shape(requested: str | None) -> str:
+    """`requested`, else qwen3-1.7b on CUDA and tiny elsewhere."""
+    return requested or ("qwen3-1.7b" if torch.cuda.is_available() else "tiny")
 
 
 def build_base_model(shape: str, seed: int = 0):
@@ -73,7 +90,7 @@ def build_base_model(shape: str, seed: int = 0):
         model.config._attn_implementation = "sdpa"
         return model
     with torch.device(device()):
-        model = AutoModelForCausalLM.from_config(qwen3_17b_config(), dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(qwen3_config(shape), dtype=torch.bfloat16, attn_implementation="sdpa")
     return model
 
 

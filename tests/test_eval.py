@@ -328,7 +328,8 @@ def write_jsonl(path: Path, rows) -> Path:
 
 
 @pytest.mark.parametrize("case", ["missing checkpoint", "not an adapter", "missing data", "no answer column",
-                                  "unknown preset", "unknown engine", "pool without paged", "empty pool"])
+                                  "unknown preset", "unknown engine", "pool without paged", "empty pool",
+                                  "vllm cache without vllm"])
 def test_bad_inputs_exit_2_with_one_line_and_write_nothing(case, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     checkpoint, extra = "base", []
@@ -347,6 +348,8 @@ def test_bad_inputs_exit_2_with_one_line_and_write_nothing(case, tmp_path, capsy
         extra = ["--engine", "dynamic", "--paged-cache-gib", "4"]
     elif case == "empty pool":
         extra = ["--engine", "paged", "--paged-cache-gib", "0"]
+    elif case == "vllm cache without vllm":
+        extra = ["--backend", "transformers", "--vllm-kv-cache-gib", "2"]
     if case == "unknown preset":
         monkeypatch.setenv("OPSD_PRESET", "huge")
         status = opsd_eval.main([checkpoint, "--output-dir", str(out)])

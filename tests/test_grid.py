@@ -62,6 +62,8 @@ def test_two_arms_two_seeds_end_to_end_and_resume(tmp_path):
     ({"arms": {"a": {}}, "budget": {"global_batch": 32, "per_device_batch": 5}}, "not a multiple"),
     ({"arms": {"a": {}}, "baseline": "b"}, "baseline 'b' is not an arm"),
     ({"arms": {"a": {}}, "colour": 1}, "unknown key 'colour'"),
+    ({"arms": {"a": {}}, "eval_flags": "--backend vllm"}, "'eval_flags' must be a list of strings"),
+    ({"arms": {"a": {}}, "eval_flags": ["--backend", "sglang"]}, "eval_flags"),
 ])
 def test_bad_grid_files_are_one_line_errors(tmp_path, spec, message):
     grid_file = tmp_path / "g.json"
@@ -99,3 +101,14 @@ def test_grid_curves_follow_the_grid_and_never_fail_it(tmp_path, capsys):
     curves = run_plots.grid_curves(out, ["loss"], [arm.name for arm in grid.arms])["loss"]
     assert [c.label for c in curves] == ["token (2 seeds)", "entry (2 seeds)"]
     assert curves[0].values == (1.5, 3.0) and curves[0].low == (1.0, 2.0) and curves[0].high == (2.0, 4.0)
+
+
+def test_eval_flags_reach_every_cells_evaluation(tmp_path):
+    grid_file = tmp_path / "g.json"
+    grid_file.write_text(json.dumps({"preset": "tiny", "eval_data": "tiny:5:2", "seeds": [3],
+                                     "eval_flags": ["--backend", "transformers", "--batch-size", "4"],
+                                     "arms": {"base": {"train": False}, "a": {}}}))
+    grid = opsd_grid.load_grid(str(grid_file))
+    for cell in opsd_grid.cells(grid, tmp_path / "out"):
+        command = opsd_grid.eval_command(grid, cell)
+        assert command[-4:] == ["--backend", "transformers", "--batch-size", "4"]

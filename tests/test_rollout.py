@@ -789,7 +789,7 @@ def test_paged_peft_model_samples_with_its_adapter_and_keeps_its_mode(tiny, prom
 @pytest.fixture(autouse=True)
 def vllm_environment(monkeypatch):
     """Importing vLLM sets its environment defaults; they are undone after each test."""
-    for name in rollout.VLLM_ENV_DEFAULTS:
+    for name in (*rollout.VLLM_ENV_DEFAULTS, *rollout.VLLM_NO_FLASHINFER):
         monkeypatch.setenv(name, "restored after the test")
         monkeypatch.delenv(name)
 
@@ -974,3 +974,80 @@ def test_the_whole_row_draw_samples_what_generate_drew(tiny, prompts, top_p):
                                           logits_processor=processors))
     assert torch.equal(outputs[0], outputs[1])
     assert outputs[0].shape[1] > ids.shape[1] + 1  # something was sampled
+
+
+def test_vllm_environment_fills_only_what_the_user_left_unset(monkeypatch):
+    monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stdout")  # the user's choice stays
+    monkeypatch.setattr(rollout.importlib.util, "find_spec", lambda name: None)  # no flashinfer here
+    applied = rollout.vllm_environment()
+    assert applied == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    assert os.environ["VLLM_LOGGING_STREAM"] == "ext://sys.stdout"
+    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+
+
+def test_vllm_environment_for_training_only_turns_flashinfer_off_when_missing(monkeypatch):
+    monkeypatch.setattr(rollout.importlib.util, "find_spec", lambda name: None)
+    assert rollout.vllm_environment(training=True) == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ  # TRL's colocate layout is left alone
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER")
+    monkeypatch.setattr(rollout.importlib.util, "find_spec", lambda name: object())  # flashinfer installed
+    assert rollout.vllm_environment(training=True) == {}
+    assert "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ
+
+
+@pytest.mark.parametrize("version,ok", [("0.22.0", True), ("0.26.0", True), ("0.31.0", True),
+                                        ("0.21.9", False), ("0.32.0", False), ("1.0.0", False)])
+def test_vllm_versions_outside_the_supported_range_are_one_line_errors(version, ok):
+    if ok:
+        assert rollout.check_vllm_version(version) == version
+        return
+    with pytest.raises(BackendUnavailable) as error:
+        rollout.check_vllm_version(version)
+    message = str(error.value)
+    assert "\n" not in message and version in message and "0.22.0-0.31.0" in message and "0.26.0" in message
+
+
+def test_a_missing_vllm_has_no_version(monkeypatch):
+    from importlib import metadata
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    with pytest.raises(BackendUnavailable, match="not installed"):
+        rollout.check_vllm_version()
+
+
+def test_kv_cache_options():
+    assert rollout.kv_cache_options(None) == {}
+    options = rollout.kv_cache_options(1.5)
+    assert options["kv_cache_memory_bytes"] == 3 * 2**29 and options["gpu_memory_utilization"] < 0.05
+
+
+def test_trl_engine_options_bind_arguments_of_trls_llm_and_restore_it(monkeypatch):
+    from trl.generation import vllm_generation
+
+    built = []
+
+    def llm(**kwargs):
+        built.append(kwargs)
+
+    monkeypatch.setattr(vllm_generation, "LLM", llm, raising=False)
+    with rollout.trl_vllm_engine_options(kv_cache_memory_bytes=5):
+        vllm_generation.LLM(model="m", gpu_memory_utilization=0.3)
+    vllm_generation.LLM(model="m")
+    assert built == [{"model": "m", "gpu_memory_utilization": 0.3, "kv_cache_memory_bytes": 5}, {"model": "m"}]
+    assert vllm_generation.LLM is llm
+    with rollout.trl_vllm_engine_options():  # no options: nothing patched, even without vLLM
+        assert vllm_generation.LLM is llm
+
+
+def test_vllm_backend_passes_a_fixed_kv_cache(monkeypatch, tiny):
+    import tiny_default
+
+    calls = {}
+    for name, module in fake_vllm(calls, tiny[1].eos_token_id).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    rollout.VLLMBackend(str(tiny_default.random_model_dir()), seed=0, kv_cache_gib=2)
+    assert calls["engine"]["kv_cache_memory_bytes"] == 2 * 2**30
+    assert calls["engine"]["gpu_memory_utilization"] == rollout.kv_cache_options(2)["gpu_memory_utilization"]

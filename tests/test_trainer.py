@@ -855,6 +855,16 @@ def test_one_process_seeing_several_gpus_is_a_one_line_error(tmp_path, monkeypat
     assert opsd_train.main(tiny_argv(tmp_path / "out", 1) + ["--check_only", "--world_size", "4"]) == 0
 
 
+@pytest.mark.parametrize("flags", [["--vllm_kv_cache_gib", "2"],
+                                   ["--use_vllm", "true", "--vllm_mode", "server", "--vllm_kv_cache_gib", "2"],
+                                   ["--use_vllm", "true", "--vllm_kv_cache_gib", "0"]])
+def test_a_fixed_vllm_kv_cache_is_for_colocated_vllm_only(tmp_path, capsys, flags):
+    assert opsd_train.main(tiny_argv(tmp_path / "out", 1, *flags)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: vllm_kv_cache_gib=") and "colocate" in err and "\n" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_use_vllm_without_vllm_is_a_one_line_error(tmp_path, capsys):
     pytest.importorskip("torch")
     import importlib.util
