@@ -2,7 +2,8 @@
 
     python bench/bench_capped.py --json $OUT/capped.json            # GPU, Qwen3-1.7B shape
     python bench/bench_capped.py --shape qwen3-8b --micro-batches 2  # GPU, another shape (common.SHAPES)
-    python bench/bench_capped.py --trainer-args "--use_vllm true --vllm_mode colocate"   # vLLM rollouts
+    python bench/bench_capped.py --trainer-args "" --trainer-args "--use_vllm true --vllm_mode colocate"
+                                                   # the own engine, then vLLM rollouts, on one model
     python bench/bench_capped.py --tiny                              # CPU smoke run
 
 Writes a random-init model of the shape (bf16; default Qwen3-1.7B) with the project's Qwen3
@@ -177,9 +178,10 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout-s", type=float, default=280,
                         help="per run of the CLI; writing the model comes first (about 20 s on an H200), so an outer "
                         "time limit needs that much more")
-    parser.add_argument("--trainer-args", default="",
+    parser.add_argument("--trainer-args", action="append", default=None,
                         help="more opsd_train.py flags, one string (e.g. '--activation_checkpointing false'; "
-                        "a single flag as --trainer-args=--flag)")
+                        "a single flag as --trainer-args=--flag); repeatable: one run per string and micro-batch, "
+                        "in order, on the one model written")
     parser.add_argument("--tree", type=Path, default=None,
                         help="run opsd_train.py of another checkout (e.g. a baseline commit unpacked from `git archive`): "
                         "an A/B of two commits on one machine")
@@ -187,43 +189,46 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     opts = parser.parse_args(argv)
     shape = "tiny" if opts.tiny or not torch.cuda.is_available() else common.default_shape(opts.shape)
+    variants = opts.trainer_args or [""]
     completion = opts.completion or (16 if shape == "tiny" else 1024)
     work = Path(tempfile.mkdtemp(prefix="opsd_capped_"))
     out_dir = Path(opts.json).parent if opts.json else work
     out_dir.mkdir(parents=True, exist_ok=True)
     write_random_model(work / "model", shape)
     results = {"shape": shape, "machine": common.machine(), "completion": completion,
-               "trainer_args": opts.trainer_args, "inductor": opts.inductor, "tree": str(opts.tree or common.ROOT),
+               "trainer_args": variants, "inductor": opts.inductor, "tree": str(opts.tree or common.ROOT),
                "runs": []}
-    for mb in (int(x) for x in opts.micro_batches.split(",")):
-        if 32 % (mb * opts.num_processes):
-            raise SystemExit(f"global batch 32 is not divisible by micro-batch {mb} x {opts.num_processes} processes")
-        run = run_cli(work / "model", work / f"run-mb{mb}", mb, opts.steps, completion,
-                      out_dir / f"capped_mb{mb}_np{opts.num_processes}.log", opts.timeout_s, opts.num_processes,
-                      tuple(shlex.split(opts.trainer_args)), opts.tree, common.inductor_settings(opts.inductor))
-        results["runs"].append(summarize(run))
-        common.write_json(opts.json, results)
+    for index, extra in enumerate(variants):
+        for mb in (int(x) for x in opts.micro_batches.split(",")):
+            if 32 % (mb * opts.num_processes):
+                raise SystemExit(f"global batch 32 is not divisible by micro-batch {mb} x {opts.num_processes} processes")
+            tag = f"mb{mb}_np{opts.num_processes}" + (f"_v{index}" if len(variants) > 1 else "")
+            run = run_cli(work / "model", work / f"run-{tag}", mb, opts.steps, completion,
+                          out_dir / f"capped_{tag}.log", opts.timeout_s, opts.num_processes,
+                          tuple(shlex.split(extra)), opts.tree, common.inductor_settings(opts.inductor))
+            results["runs"].append({**summarize(run), "trainer_args": extra})
+            common.write_json(opts.json, results)
     rows = []
     for r in results["runs"]:
         if r["status"] == "ok":
             rollout = r.get("median_rollout_s")
-            rows.append([r["processes"], r["micro_batch"], 32 // (r["micro_batch"] * r["processes"]),
+            rows.append([r["trainer_args"] or "defaults", r["processes"], r["micro_batch"],
+                         32 // (r["micro_batch"] * r["processes"]),
                          f"{r['first_step_s']:.1f}",
                          ", ".join(f"{t:.1f}" for t in r["step_times_s"]), f"{r['fastest_step_s']:.2f}",
                          f"{r['median_step_s']:.2f}", "" if rollout is None else f"{rollout:.2f}",
                          f"{r['extrapolated_100_steps_min']:.1f}",
                          f"{r['gpu_used_peak_gib']:.1f}" if "gpu_used_peak_gib" in r else "-"])
         else:
-            rows.append([r["processes"], r["micro_batch"], 32 // (r["micro_batch"] * r["processes"]), r["status"],
-                         f"rc={r['rc']}", "", "", "", "", ""])
+            rows.append([r["trainer_args"] or "defaults", r["processes"], r["micro_batch"],
+                         32 // (r["micro_batch"] * r["processes"]), r["status"], f"rc={r['rc']}", "", "", "", "", ""])
     table = common.markdown_table(
-        ["processes", "micro-batch", "accumulation", "start to step 1 (s)", "later steps (s)", "fastest step (s)",
+        ["trainer flags", "processes", "micro-batch", "accumulation", "start to step 1 (s)", "later steps (s)", "fastest step (s)",
          "median step (s)", "its rollout, median (s)", "100 steps at the median step (min)",
          "GPU memory used, peak (GiB)"], rows)
-    flags = f" + `{opts.trainer_args}`" if opts.trainer_args else ""
-    flags += f", code of {opts.tree}" if opts.tree else ""
+    flags = f", code of {opts.tree}" if opts.tree else ""
     flags += f", inductor {', '.join(opts.inductor)}" if opts.inductor else ""
-    report = (f"## Capped run, {shape}, 32 x {completion} per step, `opsd_train.py` defaults{flags} "
+    report = (f"## Capped run, {shape}, 32 x {completion} per step, `opsd_train.py` defaults and the flags of each row{flags} "
               f"({results['machine']})\n\n{table}")
     return common.finish(results, opts.json, report)
 
