@@ -23,7 +23,7 @@ from functools import partial
 
 import torch
 
-from model_utils import causal_lm
+from model_utils import causal_lm, import_inductor_quietly
 
 # Graphs one layer forward may need in one process: grad on / off, adapter on / off,
 # checkpointing on / off (per layer with every_n_layers), whether the input requires
@@ -60,6 +60,7 @@ class CompiledLayers:
     def active(self):
         if self._compiled is None:
             # Built lazily from whatever `forward` each layer has (hooks included); compiled at first call.
+            import_inductor_quietly()
             if self.own_cache:
                 call = torch.compile(_call, backend=self.backend, dynamic=self.dynamic)
                 self._compiled = [partial(call, layer.forward) for layer in self.layers]

@@ -1,12 +1,15 @@
 """Model helpers shared by the rollout engines, the compiled layers and the trainer.
 
 A leaf module (torch only): whatever needs to see through the peft wrapper, find a
-model's device or left-pad prompts imports it from here, so that the modules that use
-these helpers never import each other for them.
+model's device, left-pad prompts or silence a library's deprecation warning about its own
+internals imports it from here, so that the modules that use these helpers never import
+each other for them.
 """
 from __future__ import annotations
 
 import contextlib
+import sys
+import warnings
 
 import torch
 
@@ -21,6 +24,31 @@ def model_device(model) -> torch.device:
     """The device of the model's parameters (a PeftModel's `.device` is not reliable
     across versions; its parameters are)."""
     return next(model.parameters()).device
+
+
+@contextlib.contextmanager
+def peft_wrapping():
+    """Around our calls that wrap a model in peft (`PeftModel.from_pretrained`, TRL's
+    `get_peft_model`): peft 0.21's `PeftModel.__init__` reads transformers' deprecated
+    `is_gradient_checkpointing`, one FutureWarning per wrap that no argument of ours avoids.
+    Exactly that warning is ignored, and only inside the block."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        yield
+
+
+def import_inductor_quietly() -> None:
+    """Called where we `torch.compile`, before the first compiled call: torch's inductor then
+    imports `torch.utils.mkldnn`, whose module-level `@torch.jit.script_method` decorators raise
+    torch's own DeprecationWarning of TorchScript (torch 2.13), once per process and no use of
+    ours. Importing that module first, with exactly that warning ignored, keeps it silent."""
+    if "torch.utils.mkldnn" in sys.modules:
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated",
+                                category=DeprecationWarning)
+        import torch.utils.mkldnn  # noqa: F401
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from model_utils import import_inductor_quietly
 from opsd_loss import (
     DIVERGENCE_STAT_KEYS,
     NLL_STAT_KEYS,
@@ -81,6 +82,7 @@ _COMPILED: dict = {}
 def _compiled(fn):
     """`torch.compile(fn)` built once per function, for the one chunk shape it sees."""
     if fn not in _COMPILED:
+        import_inductor_quietly()
         _COMPILED[fn] = torch.compile(fn, dynamic=False)
     return _COMPILED[fn]
 

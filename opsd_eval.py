@@ -681,8 +681,11 @@ def _transformers_backend(request: EvalRequest, model_path: str, tokenizer):
     if request.checkpoint is not None:
         from peft import PeftModel
 
+        from model_utils import peft_wrapping
+
         # Merged once up front: sampling then runs at base-model speed.
-        model = PeftModel.from_pretrained(model, request.checkpoint).merge_and_unload()
+        with peft_wrapping():
+            model = PeftModel.from_pretrained(model, request.checkpoint).merge_and_unload()
     model.eval()
     return TransformersBackend(model, pad_token_id=_pad_token_id(tokenizer),
                                eos_token_ids=eos_token_ids_of(tokenizer, model.generation_config),

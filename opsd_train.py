@@ -434,7 +434,7 @@ def train(script_args: ScriptArguments, config, dataset, resume: tuple[int, str]
         processing_class=tokenizer,
         peft_config=lora_config(script_args),
         stop_request=stop,
-        base_model_name=script_args.model_name_or_path,
+        base_model_name=_absolute_if_local(script_args.model_name_or_path),  # as the adapter records it
     )
     if resume and trainer.accelerator.is_main_process:
         print(f"[OPSD] resuming from {resume[1]}", flush=True)

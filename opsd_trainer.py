@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
-import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -54,7 +55,7 @@ from data_collator import (
     select_completion_tokens,
 )
 from ema_teacher import AdapterEMA
-from model_utils import causal_lm, model_device
+from model_utils import causal_lm, model_device, peft_wrapping
 from opsd_chunked_loss import chunked_divergence_loss, chunked_nll_loss, chunked_tinker_loss
 from opsd_config import (
     CLIP_MODES,
@@ -73,6 +74,7 @@ from opsd_loss import divergence_loss, nll_loss, tinker_loss
 from rollout import TransformersBackend, kv_cache_options, trl_vllm_engine_options, vllm_environment
 from sampling import ROLLOUT_STREAMS, SamplingSettings, on_policy_step, rollout_seed, to_completion
 from static_decode import GRAPH_LOOPS
+from tiny_default import TINY, TINY_RANDOM
 from vllm_weights import merged_named_parameters
 
 EMA_FILE = "ema_adapter.pt"
@@ -405,9 +407,7 @@ class OPSDTrainer(DistillationTrainer):
             vllm_environment(training=True)  # before TRL builds the engine
             if args.vllm_mode == "colocate":
                 engine_options = trl_vllm_engine_options(**kv_cache_options(args.vllm_kv_cache_gib))
-        with warnings.catch_warnings(), engine_options:
-            # peft reads the deprecated `is_gradient_checkpointing` while TRL wraps the model (not our call).
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        with peft_wrapping(), engine_options:  # TRL wraps the model in peft here
             super().__init__(
                 model=model,
                 teacher_model=None,  # the teacher is this same network
@@ -759,23 +759,103 @@ class OPSDTrainer(DistillationTrainer):
             rotate_checkpoints(run_dir, save_total_limit=self.args.save_total_limit, use_mtime=False)
         self.accelerator.wait_for_everyone()
 
+    def _save(self, output_dir=None, state_dict=None):
+        """The adapter without a copy of the tokenizer: training leaves it as the base model's
+        folder or hub id holds it, where the run read it and where evaluation and the card's
+        snippet read it (Qwen3's tokenizer.json is 11 MB a copy). Its config and card then name
+        the base model as the run was given it (`base_model_name`: `tiny`, a hub id, a local
+        folder's absolute path), not the cache folder that `tiny` resolved to here."""
+        tokenizer, self.processing_class = self.processing_class, None
+        try:
+            super()._save(output_dir, state_dict=state_dict)
+        finally:
+            self.processing_class = tokenizer
+        folder = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.should_save and self.base_model_name:
+            name_adapter_base_model(folder, self.base_model_name)
+            self._fix_model_card(folder)
+
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's card names the base model only when it is a hub id read back from the
-        config, which is None for local folders (and the tiny default): name it from
-        what the user asked for instead."""
+        config, which is None for local folders (and the tiny default), and its quick start
+        loads a pipeline from the run's hub id (None here): name the base model from what the
+        user asked for and show how to load the adapter instead."""
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
-        path = os.path.join(self.args.output_dir, "README.md")
-        if self.base_model_name and self.is_world_process_zero() and os.path.isfile(path):
+        if self.is_world_process_zero():
+            self._fix_model_card(self.args.output_dir)
+
+    def _fix_model_card(self, folder: str) -> None:
+        path = os.path.join(folder, "README.md")
+        if self.base_model_name and os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
                 card = f.read()
-            name = self.base_model_name
-            card = card.replace("[None](https://huggingface.co/None)", f"`{name}`" if os.path.isdir(name) or
-                                name == "tiny" else f"[{name}](https://huggingface.co/{name})")
-            card = card.replace('model="None"', f'model="{name}"')
-            if "base_model:" not in card:
-                card = card.replace("library_name:", f"base_model: {name}\nlibrary_name:", 1)
+            card = portable_model_card(card, self.base_model_name, os.path.basename(os.path.normpath(folder)))
             with open(path, "w", encoding="utf-8") as f:
                 f.write(card)
+
+
+EMBEDDED_MODELS = (TINY, TINY_RANDOM)  # resolved by tiny_default.resolve_model, rebuilt when the cache is missing
+
+
+def name_adapter_base_model(folder: str, base_model: str) -> None:
+    """`base_model_name_or_path` of the adapter in `folder` set to `base_model` (peft records
+    the folder the weights were loaded from: for `tiny`, a cache path that stops loading once
+    the cache moves)."""
+    path = os.path.join(folder, "adapter_config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    if config.get("base_model_name_or_path") != base_model:
+        config["base_model_name_or_path"] = base_model
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(config, indent=2, sort_keys=True))  # as peft writes it
+
+
+def loading_snippet(base_model: str, adapter: str) -> str:
+    """The card's code: the adapter in the folder named `adapter` on its base model, with peft."""
+    lines = ["from peft import PeftModel", "from transformers import AutoModelForCausalLM, AutoTokenizer", ""]
+    if base_model in EMBEDDED_MODELS:
+        lines[2:2] = ["", "from tiny_default import resolve_model  # the OPSD repository's embedded models"]
+        lines.append(f"base = resolve_model({json.dumps(base_model)})  # rebuilt into the cache when it is missing")
+    else:
+        lines.append(f"base = {json.dumps(base_model)}")
+    lines += [
+        f"adapter = {json.dumps(adapter)}  # this folder (its path from where you run this)",
+        "tokenizer = AutoTokenizer.from_pretrained(base)",
+        "model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)",
+        "",
+        'messages = [{"role": "user", "content": "What is 12 + 30? Put the answer in \\\\boxed{}."}]',
+        "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", "
+        "return_dict=True)",
+        "output = model.generate(**inputs, max_new_tokens=64)",
+        "print(tokenizer.decode(output[0, inputs[\"input_ids\"].shape[1]:], skip_special_tokens=True))",
+    ]
+    return "```python\n" + "\n".join(lines) + "\n```\n"
+
+
+def portable_model_card(card: str, base_model: str, adapter: str) -> str:
+    """A model card written by TRL (the run folder's) or by peft (each checkpoint's) with the
+    base model named `base_model` and a quick start that loads the adapter (`adapter`: the
+    folder's name) with peft. Applying it twice changes nothing."""
+    shown = f"`{base_model}`" if base_model in EMBEDDED_MODELS or os.path.isdir(base_model) else \
+        f"[{base_model}](https://huggingface.co/{base_model})"
+    card = card.replace("[None](https://huggingface.co/None)", shown)
+    # peft records the folder the weights came from (front matter and tag): the name instead.
+    card = re.sub(r"(?m)^base_model: .*$", lambda _: f"base_model: {base_model}", card)
+    card = re.sub(r"(?m)^(\s*- base_model:adapter:).*$", lambda m: m.group(1) + base_model, card)
+    card = re.sub(r"(?m)^(- \*\*Finetuned from model \[optional\]:\*\* ).*$", lambda m: m.group(1) + shown, card)
+    if "base_model:" not in card:
+        card = card.replace("library_name:", f"base_model: {base_model}\nlibrary_name:", 1)
+    embedded = (f". `{base_model}` is an embedded model of the OPSD repository: run this in Python started in "
+                "the repository's root, or with that root on PYTHONPATH") if base_model in EMBEDDED_MODELS else ""
+    snippet = ("Load the adapter on its base model with peft; the tokenizer is the base model's (this folder holds "
+               f"none){embedded}:\n\n" + loading_snippet(base_model, adapter))
+    # TRL's quick start: a pipeline of the run's hub id, which does not exist
+    card = re.sub(r"```python\n(?:(?!```).)*?\bpipeline\(.*?```\n", lambda _: snippet, card, count=1, flags=re.S)
+    # peft's template, in each checkpoint's card
+    return card.replace("Use the code below to get started with the model.\n\n[More Information Needed]\n",
+                        snippet, 1)
 
 
 def _remove_if_empty(path: str) -> None:

@@ -318,13 +318,27 @@ def vllm_available() -> bool:
 def vllm_environment(training: bool = False) -> dict[str, str]:
     """Set the environment vLLM needs here, where the user has not set it, and return what was
     set: its sampler without flashinfer when flashinfer is missing; for evaluation also
-    VLLM_ENV_DEFAULTS (the trainer leaves vLLM's process layout and logs to TRL)."""
+    VLLM_ENV_DEFAULTS (the trainer leaves vLLM's process layout and logs to TRL); for a
+    training process started without a launcher, a free rendezvous port (MASTER_PORT) for the
+    process group that colocated vLLM opens: TRL takes 29500 whenever it looks free, so runs
+    started together on one machine all took it and all but one failed (EADDRINUSE)."""
     wanted = {} if training else dict(VLLM_ENV_DEFAULTS)
     if importlib.util.find_spec("flashinfer") is None:
         wanted.update(VLLM_NO_FLASHINFER)
+    if training and "MASTER_PORT" not in os.environ and "WORLD_SIZE" not in os.environ:
+        wanted["MASTER_PORT"] = str(_free_port())
     applied = {name: value for name, value in wanted.items() if name not in os.environ}
     os.environ.update(applied)
     return applied
+
+
+def _free_port() -> int:
+    """A TCP port the OS hands out as free now (each call a fresh one, not a fixed default)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 def check_vllm_version(version: str | None = None) -> str:

@@ -46,7 +46,7 @@ import decode_qkv
 import decode_sampler
 from compiled_layers import CompiledLayers, decoder_layers
 from merged_student import MergedStudent, MergeUnsupported, has_enabled_adapters
-from model_utils import causal_lm, eval_mode, kv_geometry, model_device
+from model_utils import causal_lm, eval_mode, import_inductor_quietly, kv_geometry, model_device
 from sampling import SamplingSettings
 
 # The engines of rollout.TransformersBackend (None = "dynamic"); "paged" is paged_decode.py.
@@ -650,6 +650,7 @@ def _compiled_decode_step():
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(config, name):
                 setattr(config, name, max(getattr(config, name), 64))
+        import_inductor_quietly()
         _COMPILED_STEPS[DECODE_COMPILE_MODE] = torch.compile(_decode_step, dynamic=False, mode=DECODE_COMPILE_MODE)
     return _COMPILED_STEPS[DECODE_COMPILE_MODE]
 

@@ -104,8 +104,11 @@ def build_lora_model(shape: str, seed: int = 0, b_std: float = 0.01):
 
     import opsd_train
 
+    from model_utils import peft_wrapping
+
     args = opsd_train.ScriptArguments(lora_r=LORA_R, lora_alpha=LORA_ALPHA)
-    model = get_peft_model(build_base_model(shape, seed), opsd_train.lora_config(args))
+    with peft_wrapping():
+        model = get_peft_model(build_base_model(shape, seed), opsd_train.lora_config(args))
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -43,6 +43,7 @@ for cell in base vllm_token_left/seed-10 vllm_token_left/seed-11 vllm_token_left
   [[ -f "$grid/$cell/eval.json" ]] || continue
   ckpt=base; [[ "$cell" == base ]] || ckpt="$grid/$cell/run/checkpoint-100"
   name=${cell//\//_}
+  compgen -G "$parity/$name/eval_*.json" > /dev/null && continue  # done in an earlier call
   timeout $((END_S - SECONDS - 20)) python3 opsd_eval.py "$ckpt" --preset tiny --dataset tiny:27182:200 \
     --backend transformers --output-dir "$parity/$name" > "$work/parity_$name.log" 2>&1 &
   pids+=($!)

@@ -12,11 +12,14 @@ def acting_lora(model, targets, r: int, dtype=None, seed: int = 0):
     would make the adapter depend on whatever ran before in the process."""
     from peft import LoraConfig, get_peft_model
 
+    from model_utils import peft_wrapping
+
     base = copy.deepcopy(model)
     if dtype is not None:
         base = base.to(dtype)
-    peft_model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0,
-                                                 target_modules=list(targets)))
+    with peft_wrapping():
+        peft_model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0,
+                                                     target_modules=list(targets)))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():

@@ -298,8 +298,11 @@ def make_lora_checkpoint(folder: Path) -> Path:
 
     import tiny_default
 
+    from model_utils import peft_wrapping
+
     model = AutoModelForCausalLM.from_pretrained(tiny_default.resolve_model("tiny"))  # the preset's model
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    with peft_wrapping():
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -320,6 +323,25 @@ def test_lora_checkpoint_changes_completions(base_run, first_problems, tmp_path,
     assert report["checkpoint"] == str(checkpoint)
     base = completions_of(json.loads(base_run[1].read_text()))[:FIRST]
     assert completions_of(report) != base
+
+
+def test_evaluating_a_checkpoint_raises_no_deprecation_warning(tmp_path, monkeypatch, capsys):
+    """peft reads transformers' deprecated `is_gradient_checkpointing` whenever it wraps a model:
+    the evaluation's PeftModel.from_pretrained keeps that FutureWarning to itself, and nothing
+    else on the way (loading, merging, sampling, grading) warns of a deprecation."""
+    import warnings
+
+    checkpoint = make_lora_checkpoint(tmp_path / "run" / "checkpoint-7")
+    monkeypatch.setattr(opsd_eval, "TINY_SETTINGS",
+                        opsd_eval.replace(TINY_SETTINGS, n_samples=2, max_new_tokens=6, max_problems=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        status, out, err = in_process(capsys, str(checkpoint), "--dataset", "tiny:7:1", "--batch-size", "2",
+                                      "--output-dir", str(tmp_path / "out"))
+    assert status == 0, err
+    assert FINAL_RE.match(out.strip().splitlines()[-1])
+    assert "Warning" not in err
 
 
 def write_jsonl(path: Path, rows) -> Path:
@@ -543,6 +565,9 @@ def test_vllm_evaluation_env_logs_teardown_and_last_line(monkeypatch, tmp_path, 
     modules, logger = fake_vllm_modules(events)
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
+    import rollout
+
+    monkeypatch.setattr(rollout, "check_vllm_version", lambda: "0.26.0")  # the fake has no package metadata
     # A budget that leaves the tiny prompts too little of the context: the warning case.
     context = opsd_eval.model_context(opsd_eval.resolve_model_path("tiny"))  # the learned tiny model's: 4096
     monkeypatch.setattr(opsd_eval, "TINY_SETTINGS", opsd_eval.replace(TINY_SETTINGS, max_new_tokens=context - 20))
@@ -566,3 +591,17 @@ def test_vllm_evaluation_env_logs_teardown_and_last_line(monkeypatch, tmp_path, 
     assert "engine ready" not in captured.out and "[fake vllm] engine ready" in captured.err
     warnings = [line for line in captured.err.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 1 and f"that the model's context of {context} leaves after max_new_tokens={context - 20}" in warnings[0]
+
+
+def test_a_vllm_outside_the_supported_range_is_one_line_before_loading(monkeypatch, tmp_path, capsys):
+    from importlib import metadata
+
+    import rollout
+
+    monkeypatch.setattr(rollout, "_import_vllm", lambda: None)  # "installed"
+    monkeypatch.setattr(metadata, "version", lambda name: "0.40.0" if name == "vllm" else "0")
+    status = opsd_eval.main(["base", "--preset", "tiny", "--backend", "vllm", "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1
+    assert err[0].startswith("error: vLLM 0.40.0 is outside the supported range 0.22.0-0.31.0")
+    assert not (tmp_path / "out").exists()

@@ -222,9 +222,12 @@ def test_peft_model_samples_with_its_adapter_and_keeps_its_mode(tiny, prompts):
 
     from peft import LoraConfig, get_peft_model
 
+    from model_utils import peft_wrapping
+
     model, _ = tiny
-    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
-                                                                 target_modules=["q_proj", "v_proj"]))
+    with peft_wrapping():
+        peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                                                                     target_modules=["q_proj", "v_proj"]))
     torch.manual_seed(0)
     for name, param in peft_model.named_parameters():
         if "lora_B" in name:
@@ -397,8 +400,11 @@ def test_graph_loop_samples_in_eval_mode_and_switches_the_model_only_when_it_sam
 
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(copy.deepcopy(tiny[0]), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5,
-                                                                    target_modules=ALL_PROJECTIONS))
+    from model_utils import peft_wrapping
+
+    with peft_wrapping():
+        peft_model = get_peft_model(copy.deepcopy(tiny[0]), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5,
+                                                                        target_modules=ALL_PROJECTIONS))
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
@@ -583,10 +589,12 @@ def test_adapters_that_cannot_merge_are_sampled_unmerged(tiny, prompts):
     from peft import LoraConfig, get_peft_model
 
     from merged_student import MergedStudent, MergeUnsupported
+    from model_utils import peft_wrapping
 
     model, _ = tiny
-    dora = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, use_dora=True,
-                                                           target_modules=["q_proj", "v_proj"]))
+    with peft_wrapping():
+        dora = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, use_dora=True,
+                                                               target_modules=["q_proj", "v_proj"]))
     with pytest.raises(MergeUnsupported, match="DoRA"):
         MergedStudent(dora)
     with pytest.warns(RuntimeWarning, match="unmerged adapters"):
@@ -986,6 +994,7 @@ def test_vllm_environment_fills_only_what_the_user_left_unset(monkeypatch):
 
 
 def test_vllm_environment_for_training_only_turns_flashinfer_off_when_missing(monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", "1234")  # a launcher's port stays
     monkeypatch.setattr(rollout.importlib.util, "find_spec", lambda name: None)
     assert rollout.vllm_environment(training=True) == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ  # TRL's colocate layout is left alone
@@ -1051,3 +1060,23 @@ def test_vllm_backend_passes_a_fixed_kv_cache(monkeypatch, tiny):
     rollout.VLLMBackend(str(tiny_default.random_model_dir()), seed=0, kv_cache_gib=2)
     assert calls["engine"]["kv_cache_memory_bytes"] == 2 * 2**30
     assert calls["engine"]["gpu_memory_utilization"] == rollout.kv_cache_options(2)["gpu_memory_utilization"]
+
+
+def test_a_training_process_without_a_launcher_gets_its_own_rendezvous_port(monkeypatch):
+    """Colocated vLLM opens a process group; TRL would take 29500 whenever it looks free, so runs
+    started together all took it (device run: four of six failed with EADDRINUSE)."""
+    import socket
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ports = []
+    for _ in range(2):
+        monkeypatch.delenv("MASTER_PORT", raising=False)
+        applied = rollout.vllm_environment(training=True)
+        ports.append(int(applied["MASTER_PORT"]))
+        assert os.environ["MASTER_PORT"] == applied["MASTER_PORT"]
+    assert 29500 not in ports and all(p > 0 for p in ports)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", ports[-1]))  # free when handed out
+    monkeypatch.setenv("WORLD_SIZE", "2")  # launched: the launcher's rendezvous is left alone
+    monkeypatch.delenv("MASTER_PORT")
+    assert "MASTER_PORT" not in rollout.vllm_environment(training=True)

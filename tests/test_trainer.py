@@ -6,6 +6,7 @@ what is tested here is what users run.
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM
 import opsd_train
 import opsd_trainer
 from data_collator import OPSDCollator, build_scoring_batch
+from model_utils import peft_wrapping
 from opsd_trainer import SCORING_PAD_MULTIPLE, OPSDTrainer, completion_hidden_states, make_collator
 from tiny_default import build_qwen3_tokenizer, resolve_model
 
@@ -92,7 +94,9 @@ def test_checkpoint_reloads_and_changes_logits(trained_run):
     assert not (trained_run / opsd_trainer.STAGING_DIR).exists()  # every staged save was moved into place
     with torch.no_grad():
         base_logits = base_model()(PROBE).logits
-        tuned_logits = PeftModel.from_pretrained(base_model(), ckpt).eval()(PROBE).logits
+        with peft_wrapping():
+            tuned = PeftModel.from_pretrained(base_model(), ckpt)
+        tuned_logits = tuned.eval()(PROBE).logits
     assert (tuned_logits - base_logits).abs().max() > 1e-3
 
 
@@ -127,6 +131,72 @@ def test_align_and_kl_lines_printed(tmp_path, capsys):
     # The run's curves are drawn at its end, and the summary line says where.
     assert f" | curves {tmp_path / 'curves.png'}" in out
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.mark.slow
+def test_a_tiny_checkpoint_loads_with_its_cards_snippet_after_the_cache_moves(tmp_path, monkeypatch):
+    """A run of the tiny preset names its base model `tiny` in every adapter config and card (not
+    the cache folder `tiny` resolved to), holds no copy of the tokenizer, and the snippet of a
+    checkpoint's card loads that checkpoint with peft once the cache has moved elsewhere."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    import tiny_default
+
+    learned = tiny_default.learned_model_dir()  # in the session's cache, built once
+    cache = tmp_path / "cache"
+    shutil.copytree(learned, cache / learned.name)  # this run's own cache, moved below
+    monkeypatch.setenv("OPSD_CACHE", str(cache))
+    out = tmp_path / "run"
+    argv = tiny_argv(out, 1, "--max_completion_length", "8")
+    argv[argv.index("--model_name_or_path") + 1] = "tiny"  # the preset's learned model
+    assert opsd_train.main(argv) == 0
+    checkpoint = out / "checkpoint-1"
+    for folder in (checkpoint, out):  # the checkpoint and the final adapter
+        assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
+        card = (folder / "README.md").read_text()
+        assert re.search(r"(?m)^base_model: tiny$", card) and "base_model:adapter:tiny" in card
+        assert str(cache) not in card and "pipeline(" not in card
+        assert f'adapter = "{folder.name}"' in card and 'base = resolve_model("tiny")' in card
+    assert [p for p in out.rglob("*") if p.name in TOKENIZER_FILES] == []  # the base model's folder holds it
+
+    moved = tmp_path / "moved"
+    cache.rename(moved)
+    code = re.search(r"```python\n(.*?)```", (checkpoint / "README.md").read_text(), flags=re.S).group(1)
+    code = code.replace('adapter = "checkpoint-1"', f"adapter = {json.dumps(str(checkpoint))}")
+    code += 'assert any(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)\n'
+    root = Path(opsd_train.__file__).resolve().parent
+    result = subprocess.run([sys.executable, "-"], input=code, cwd=root, capture_output=True, text=True,
+                            env={**os.environ, "OPSD_CACHE": str(moved)}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip()  # the decoded completion
+    assert not cache.exists() and (moved / learned.name).is_dir()
+
+
+def test_model_cards_name_a_hub_base_model_and_load_the_adapter():
+    """Both cards a run writes (TRL's at the top of the run folder, peft's in each checkpoint)
+    name a hub base model by its id and show the peft snippet instead of TRL's pipeline of a
+    hub id the run never had; fixing a card twice changes nothing."""
+    from huggingface_hub import ModelCard, ModelCardData
+    from trl.trainer.utils import generate_model_card
+
+    base = "Qwen/Qwen3-1.7B"
+    trl_card = str(generate_model_card(base_model=base, model_name="run", hub_model_id=None, dataset_name=None,
+                                       tags=["trl"], wandb_url=None, trackio_url=None, trainer_name="Distillation"))
+    peft_card = str(ModelCard.from_template(ModelCardData(base_model="/somewhere/cache/model", library_name="peft",
+                                                          tags=["base_model:adapter:/somewhere/cache/model"])))
+    for card in (trl_card, peft_card):
+        fixed = opsd_trainer.portable_model_card(card, base, "checkpoint-100")
+        assert opsd_trainer.portable_model_card(fixed, base, "checkpoint-100") == fixed
+        assert "pipeline(" not in fixed and "/somewhere" not in fixed and "tiny_default" not in fixed
+        assert f"base_model: {base}\n" in fixed
+        assert opsd_trainer.loading_snippet(base, "checkpoint-100") in fixed
+    assert 'base = "Qwen/Qwen3-1.7B"\nadapter = "checkpoint-100"' in opsd_trainer.loading_snippet(base, "checkpoint-100")
 
 
 def test_a_figure_that_cannot_be_drawn_is_one_warning_not_a_failure(tmp_path, monkeypatch, capsys):
@@ -862,6 +932,17 @@ def test_a_fixed_vllm_kv_cache_is_for_colocated_vllm_only(tmp_path, capsys, flag
     assert opsd_train.main(tiny_argv(tmp_path / "out", 1, *flags)) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: vllm_kv_cache_gib=") and "colocate" in err and "\n" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_use_vllm_with_a_vllm_outside_the_range_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    from importlib import metadata
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "0.21.0" if name == "vllm" else real(name))
+    assert opsd_train.main(tiny_argv(tmp_path / "out", 1, "--use_vllm", "true")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --use_vllm true: vLLM 0.21.0 is outside the supported range") and "\n" not in err
     assert not (tmp_path / "out").exists()
 
 

@@ -52,9 +52,11 @@ def peft_model():
     from peft import LoraConfig, get_peft_model
 
     import tiny_default
+    from model_utils import peft_wrapping
 
-    model = get_peft_model(tiny_default.build_tiny_model(0), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    return model
+    with peft_wrapping():
+        return get_peft_model(tiny_default.build_tiny_model(0),
+                              LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
 
 
 class FakeGeneration:

@@ -4,6 +4,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from model_utils import peft_wrapping
 from tiny_default import build_tiny_model
 from vllm_weights import merged_named_parameters
 
@@ -12,9 +13,10 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def lora_model(dtype):
     torch.manual_seed(0)
-    model = get_peft_model(
-        build_tiny_model(0).to(dtype), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
-    )
+    with peft_wrapping():
+        model = get_peft_model(
+            build_tiny_model(0).to(dtype), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
+        )
     with torch.no_grad():  # a trained adapter: B is non-zero
         for name, p in model.named_parameters():
             if "lora_B" in name:
