@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # its wheel's METADATA (pip download --no-deps vllm==X, then
 # unzip -p vllm-X-*.whl '*/METADATA' | grep Requires-Dist).
 VLLM_REQUIRES = {
+    "0.26.0": {"torch": "==2.11.0", "transformers": ">=5.5.3"},  # the release run on the H200 (README "Versions")
     "0.27.1": {"torch": "==2.13.0", "transformers": ">=5.5.3"},
     "0.28.0": {"torch": "==2.13.0", "transformers": ">=5.5.3"},
     "0.29.0": {"torch": "==2.13.0", "transformers": ">=5.10.4"},
@@ -112,3 +113,14 @@ def test_installed_vllm_matches_the_pin(pinned):
     assert installed == pinned["vllm"]
     requires = {Requirement(r).name: Requirement(r) for r in importlib.metadata.requires("vllm") or []}
     assert pinned["torch"] in requires["torch"].specifier
+
+
+def test_the_vllm_that_was_run_is_in_trls_range_and_the_projects():
+    """vLLM 0.26.0 ran on the H200 (torch 2.11.0, transformers 5.17.0): it lies in TRL's window and in
+    the range the project accepts (rollout.VLLM_SUPPORTED), which is TRL's."""
+    import rollout
+
+    assert set(rollout.VLLM_RUN) <= set(VLLM_REQUIRES)
+    assert all(in_trl_range(v) for v in rollout.VLLM_RUN)
+    assert rollout.VLLM_SUPPORTED == (TRL_VLLM_RANGE["lowest"], TRL_VLLM_RANGE["highest"])
+    assert compatible("0.26.0", "2.11.0", "5.17.0")
