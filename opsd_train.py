@@ -447,9 +447,13 @@ def train(script_args: ScriptArguments, config, dataset, resume: tuple[int, str]
 def _summary_line(trainer, started: float) -> str:
     last = run_folder.last_checkpoint(trainer.args.output_dir)
     kl = next((r["opsd/true_kl"] for r in reversed(trainer.state.log_history) if "opsd/true_kl" in r), None)
+    from opsd_logging import COLLAPSE_FIELD
+
+    warned = next((r["step"] for r in trainer.state.log_history if r.get(COLLAPSE_FIELD)), None)
     return (
         f"[OPSD] done: {trainer.state.global_step} steps in {time.time() - started:.1f} s | last checkpoint "
         f"{last[1] if last else 'none'} | last true_kl {'n/a' if kl is None else f'{kl:.4g}'}"
+        + (f" | collapse warning at step {warned} (see [OPSD warn] above)" if warned is not None else "")
     )
 
 

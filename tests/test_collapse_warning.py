@@ -165,6 +165,8 @@ def test_training_prints_one_warning_records_it_and_goes_on(tmp_path, monkeypatc
     stdout = capsys.readouterr().out
     warnings = [line for line in stdout.splitlines() if line.startswith("[OPSD warn]")]
     assert len(warnings) == 1 and warnings[0].startswith("[OPSD warn] step=2 collapse signature:"), stdout[-3000:]
+    summary = [line for line in stdout.splitlines() if line.startswith("[OPSD] done:")]
+    assert len(summary) == 1 and "| collapse warning at step 2" in summary[0]  # the run's summary says it too
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]  # training went on after the warning
     assert [r["step"] for r in records if r.get(COLLAPSE_FIELD) == 1] == [2]
