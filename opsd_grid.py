@@ -8,6 +8,7 @@ A grid file (JSON) names the arms and what they share:
       "preset": "tiny",                       # optional: the embedded default
       "eval_data": "tiny:31337:100",          # one eval set for every cell
       "eval_flags": ["--backend", "vllm"],    # optional: more opsd_eval.py flags for every cell
+      "sweep_every": 25,                      # optional: checkpoints every 25 steps, each evaluated
       "seeds": [0, 1, 2],                     # training seeds, paired across arms
       "budget": {"max_steps": 100, "global_batch": 32, "per_device_batch": 32},
       "recipe": {"learning_rate": 1e-4},      # recipe keys every trained arm gets
@@ -31,6 +32,11 @@ end: `results.md` (one table, the verdict of `run_stats compare` of each arm
 against the baseline) and `results.json` (every number) in the grid folder, and
 `curves.png` beside them: each trained arm's training curves, the mean over its
 seeds with the lowest-to-highest band (`run_plots.py overlay --grid`).
+
+With `sweep_every: N`, trained cells save a checkpoint every N steps and evaluate every one
+(`opsd_eval.py RUN_FOLDER`, checkpoint_sweep.py: one report per checkpoint, the cell's
+`sweep.json` with accuracy against step, best against last); the arms' table still compares
+the last checkpoints, and `results.md` / `results.json` add each arm's mean accuracy per step.
 """
 from __future__ import annotations
 
@@ -74,6 +80,7 @@ class Grid:
     recipe: dict
     baseline: str
     eval_flags: tuple[str, ...] = ()
+    sweep_every: int | None = None  # save and evaluate a checkpoint every this many steps
 
 
 @dataclass(frozen=True)
@@ -106,7 +113,7 @@ def load_grid(path: str) -> Grid:
         raise GridError(f"{where}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg})") from None
     if not isinstance(spec, dict):
         raise GridError(f"{where}: expected a JSON object")
-    known = {"preset", "eval_data", "eval_flags", "seeds", "budget", "recipe", "baseline", "arms"}
+    known = {"preset", "eval_data", "eval_flags", "sweep_every", "seeds", "budget", "recipe", "baseline", "arms"}
     if unknown := sorted(set(spec) - known):
         raise GridError(f"{where}: unknown key {unknown[0]!r}; expected {', '.join(sorted(known))}")
     arms_spec = spec.get("arms")
@@ -142,8 +149,13 @@ def load_grid(path: str) -> Grid:
     if not isinstance(eval_flags, list) or not all(isinstance(f, str) for f in eval_flags):
         raise GridError(f"{where}: 'eval_flags' must be a list of strings (opsd_eval.py flags)")
     _check_eval_flags(eval_flags, where)
+    sweep_every = spec.get("sweep_every")
+    if sweep_every is not None and not (isinstance(sweep_every, int) and not isinstance(sweep_every, bool)
+                                        and 0 < sweep_every <= budget["max_steps"]):
+        raise GridError(f"{where}: 'sweep_every' must be a whole number of steps from 1 to max_steps "
+                        f"({budget['max_steps']}), got {sweep_every!r}")
     grid = Grid(tuple(arms), tuple(seeds), spec.get("eval_data"), spec.get("preset"), budget,
-                dict(spec.get("recipe", {})), baseline, tuple(eval_flags))
+                dict(spec.get("recipe", {})), baseline, tuple(eval_flags), sweep_every)
     for arm in grid.arms:  # a recipe error surfaces now, with the arm's name, not after hours of training
         _check_recipe(recipe_text(grid, arm), f"{where}: arm {arm.name!r}")
     return grid
@@ -214,14 +226,20 @@ def train_command(grid: Grid, cell: Cell) -> list[str]:
         "--seed", str(cell.seed), "--max_steps", str(b["max_steps"]),
         "--per_device_train_batch_size", str(b["per_device_batch"]),
         "--gradient_accumulation_steps", str(accumulation),
-        "--save_strategy", "steps", "--save_steps", str(b["max_steps"]), "--report_to", "none",
+        "--save_strategy", "steps", "--save_steps", str(grid.sweep_every or b["max_steps"]), "--report_to", "none",
         "--logging_steps", "1", *cell.arm.flags,
     ]
     return command
 
 
 def eval_command(grid: Grid, cell: Cell) -> list[str]:
-    checkpoint = "base" if cell.seed is None else str(cell.folder / "run" / f"checkpoint-{grid.budget['max_steps']}")
+    """The last checkpoint's evaluation, or with `sweep_every` every checkpoint's (the run folder)."""
+    if cell.seed is None:
+        checkpoint = "base"
+    elif grid.sweep_every:
+        checkpoint = str(cell.folder / "run")
+    else:
+        checkpoint = str(cell.folder / "run" / f"checkpoint-{grid.budget['max_steps']}")
     command = [sys.executable, str(REPO / "opsd_eval.py"), checkpoint, "--output-dir", str(cell.folder / "eval")]
     if grid.preset:
         command += ["--preset", grid.preset]
@@ -252,6 +270,12 @@ def run_cell(grid: Grid, cell: Cell, log) -> str:
             return f"failed: {kind} exited {status} (see {cell.folder / f'{kind}.log'})"
         log(f"{cell.name}: {kind} done in {time.time() - start:.0f} s")
     reports = sorted((cell.folder / "eval").glob("eval_*.json"))
+    if cell.seed is not None and grid.sweep_every:  # the last checkpoint's report is the cell's
+        reports = [r for r in reports if r.name.endswith(f"_checkpoint-{grid.budget['max_steps']}.json")]
+        sweeps = sorted((cell.folder / "eval").glob("sweep_*.json"))
+        if len(sweeps) != 1:
+            return f"failed: expected one sweep table in {cell.folder / 'eval'}, found {len(sweeps)}"
+        shutil.copyfile(sweeps[0], cell.folder / "sweep.json")
     if len(reports) != 1:
         return f"failed: expected one eval report in {cell.folder / 'eval'}, found {len(reports)}"
     tmp = cell.report.with_suffix(".json.tmp")
@@ -288,8 +312,25 @@ def results(grid: Grid, out: Path, all_cells: list[Cell]) -> dict:
             entry["difference"] = compare["difference"]
             entry["ci"] = compare["bootstrap"]["ci"]
             entry["verdict"] = compare["verdict"]
+        if grid.sweep_every and arm.train:
+            entry["per_step"] = _mean_per_step([c for c in all_cells if c.arm is arm])
         table["arms"][arm.name] = entry
     return table
+
+
+def _mean_per_step(cells: list[Cell]) -> dict[str, float]:
+    """{step: the mean over the arm's seeds of that checkpoint's accuracy}, from each cell's
+    sweep.json (steps every finished seed has)."""
+    per_seed = []
+    for cell in cells:
+        path = cell.folder / "sweep.json"
+        if cell.report.is_file() and path.is_file():
+            rows = json.loads(path.read_text(encoding="utf-8"))["checkpoints"]
+            per_seed.append({row["step"]: row["avg"] for row in rows})
+    if not per_seed:
+        return {}
+    steps = sorted(set.intersection(*(set(s) for s in per_seed)))
+    return {str(step): sum(s[step] for s in per_seed) / len(per_seed) for step in steps}
 
 
 def markdown(table: dict) -> str:
@@ -305,6 +346,15 @@ def markdown(table: dict) -> str:
         diff = f"{a['difference']:+.2f} [{a['ci'][0]:+.2f}, {a['ci'][1]:+.2f}]" if "difference" in a else "-"
         verdict = a.get("verdict", "-").split(": ", 1)[-1]
         lines.append(f"| {name} | {a['runs']} | {per_run} | {mean} | {diff} | {verdict} |")
+    swept = {name: a["per_step"] for name, a in table["arms"].items() if a.get("per_step")}
+    if swept:
+        steps = sorted({int(step) for per_step in swept.values() for step in per_step})
+        lines += ["", f"{metric} per checkpoint, mean over each arm's seeds (`sweep.json` of each cell: "
+                      "every checkpoint's table, best against last):", "",
+                  "| step | " + " | ".join(swept) + " |", "|---|" + "---|" * len(swept)]
+        for step in steps:
+            cells = [f"{per_step[str(step)]:.2f}" if str(step) in per_step else "-" for per_step in swept.values()]
+            lines.append(f"| {step} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

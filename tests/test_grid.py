@@ -64,6 +64,8 @@ def test_two_arms_two_seeds_end_to_end_and_resume(tmp_path):
     ({"arms": {"a": {}}, "colour": 1}, "unknown key 'colour'"),
     ({"arms": {"a": {}}, "eval_flags": "--backend vllm"}, "'eval_flags' must be a list of strings"),
     ({"arms": {"a": {}}, "eval_flags": ["--backend", "sglang"]}, "eval_flags"),
+    ({"arms": {"a": {}}, "sweep_every": 0}, "'sweep_every' must be"),
+    ({"arms": {"a": {}}, "sweep_every": 500}, "'sweep_every' must be"),
 ])
 def test_bad_grid_files_are_one_line_errors(tmp_path, spec, message):
     grid_file = tmp_path / "g.json"
@@ -112,3 +114,31 @@ def test_eval_flags_reach_every_cells_evaluation(tmp_path):
     for cell in opsd_grid.cells(grid, tmp_path / "out"):
         command = opsd_grid.eval_command(grid, cell)
         assert command[-4:] == ["--backend", "transformers", "--batch-size", "4"]
+
+
+@pytest.mark.slow
+def test_a_swept_grid_evaluates_every_checkpoint_and_tables_accuracy_per_step(tmp_path):
+    """sweep_every: each trained cell saves every N steps, evaluates every checkpoint
+    (checkpoint_sweep), keeps its last checkpoint's report as the cell's, and results.md /
+    results.json give each arm's mean accuracy per step."""
+    grid_file = tmp_path / "grid.json"
+    grid_file.write_text(json.dumps({**GRID, "seeds": [0], "sweep_every": 1,
+                                     "budget": {"max_steps": 2, "global_batch": 2, "per_device_batch": 2},
+                                     "arms": {"base": {"train": False}, "token": {"env": {"OPSD_CLIP_MODE": "token"}}},
+                                     "baseline": "base"}))
+    out = tmp_path / "grid"
+    result = _run(grid_file, out)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    cell = out / "token" / "seed-0"
+    assert sorted(p.name for p in (cell / "run").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert sorted(p.name for p in (cell / "eval").glob("eval_*.json")) == [
+        "eval_run_checkpoint-1.json", "eval_run_checkpoint-2.json"]
+    assert (cell / "eval.json").read_bytes() == (cell / "eval" / "eval_run_checkpoint-2.json").read_bytes()
+    sweep = json.loads((cell / "sweep.json").read_text())
+    assert [row["step"] for row in sweep["checkpoints"]] == [1, 2]
+    table = json.loads((out / "results.json").read_text())
+    per_step = table["arms"]["token"]["per_step"]
+    assert per_step == {str(row["step"]): row["avg"] for row in sweep["checkpoints"]}  # one seed: its own values
+    assert "per_step" not in table["arms"]["base"]
+    text = (out / "results.md").read_text()
+    assert "| step | token |" in text and f"| 2 | {per_step['2']:.2f} |" in text
