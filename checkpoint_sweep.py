@@ -56,8 +56,8 @@ def sweep(args: argparse.Namespace, opsd_eval) -> int:
     """`args`: opsd_eval's parsed command line, its checkpoint a run folder; `opsd_eval`: that
     module (passed in by its main, which calls this: importing it here would be a cycle).
     Returns the exit status."""
-    import run_plots
-    import run_stats
+    from analysis import plots as run_plots
+    from analysis import stats as run_stats
 
     folder = Path(args.checkpoint).resolve()
     cells = []

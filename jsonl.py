@@ -1,7 +1,7 @@
 """JSON-lines files (one JSON object per line) read with one-line errors.
 
 Shared by the readers of training data (`opsd_data`), of saved rollouts (`opsd_probe`)
-and of `metrics.jsonl` (`run_plots`); each passes its own error class and keeps its own
+and of `metrics.jsonl` (`analysis.plots`); each passes its own error class and keeps its own
 field checks. Blank lines are skipped; lines are numbered from 1 as an editor shows them.
 Every problem is `error(message)` with a one-line message naming the file (as `name`,
 the path unless given) and, for a bad line, its number:

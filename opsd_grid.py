@@ -28,10 +28,10 @@ Seed s is the same training seed in every arm (same data order, same initial
 rollout RNG), so arms are compared on paired seeds. A cell whose `eval.json`
 exists is skipped; a cell with a partial run resumes from its last checkpoint,
 so re-running the same command after an interruption finishes the grid. At the
-end: `results.md` (one table, the verdict of `run_stats compare` of each arm
+end: `results.md` (one table, the verdict of `analysis.stats` compare of each arm
 against the baseline) and `results.json` (every number) in the grid folder, and
 `curves.png` beside them: each trained arm's training curves, the mean over its
-seeds with the lowest-to-highest band (`run_plots.py overlay --grid`).
+seeds with the lowest-to-highest band (`python -m analysis.plots overlay --grid`).
 
 With `sweep_every: N`, trained cells save a checkpoint every N steps and evaluate every one
 (`opsd_eval.py RUN_FOLDER`, checkpoint_sweep.py: one report per checkpoint, the cell's
@@ -289,8 +289,8 @@ def run_cell(grid: Grid, cell: Cell, log) -> str:
 # --------------------------------------------------------------------------
 
 def results(grid: Grid, out: Path, all_cells: list[Cell]) -> dict:
-    """run_stats summary per arm and compare of each arm against the baseline."""
-    import run_stats
+    """analysis.stats summary per arm and compare of each arm against the baseline."""
+    from analysis import stats as run_stats
 
     runs = {arm.name: [run_stats.load_run(c.report) for c in all_cells if c.arm is arm and c.report.is_file()]
             for arm in grid.arms}
@@ -361,7 +361,7 @@ def markdown(table: dict) -> str:
 def draw_curves(grid: Grid, out: Path) -> Path | None:
     """curves.png beside results.md, arms in the grid's order; None (one warning line) when it
     cannot be drawn: the grid's results stand without it."""
-    import run_plots
+    from analysis import plots as run_plots
 
     arms = [arm.name for arm in grid.arms if arm.train]
     drawn = run_plots.draw_or_warn("grid curves", run_plots.overlay_grid, out, arms=arms)

@@ -458,9 +458,9 @@ def _summary_line(trainer, started: float) -> str:
 
 
 def draw_curves(out: str) -> str | None:
-    """The run's curves.png beside metrics.jsonl (run_plots.py); its path, or None with one
+    """The run's curves.png beside metrics.jsonl (analysis/plots.py); its path, or None with one
     warning line: a finished run never fails for its figure."""
-    import run_plots  # stdlib at import; matplotlib only once it draws
+    from analysis import plots as run_plots  # stdlib at import; matplotlib only once it draws
 
     drawn = run_plots.draw_or_warn("training curves", run_plots.plot_run_curves, out)
     return None if drawn is None else os.path.join(os.path.abspath(out), run_plots.CURVES_FILE)  # as checkpoints

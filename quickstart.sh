@@ -43,6 +43,6 @@ OPSD_EVAL_OUT="$evals" bash dev_eval.sh "$out/checkpoint-8" | tee /tmp/opsd_quic
 echo
 echo "base:    $(tail -n 1 /tmp/opsd_quickstart_base.log)"
 echo "trained: $(tail -n 1 /tmp/opsd_quickstart_trained.log)"
-python run_stats.py compare --a "$evals/eval_base.json" --b "$evals"/eval_*checkpoint-8.json | grep "^verdict:"
+python -m analysis.stats compare --a "$evals/eval_base.json" --b "$evals"/eval_*checkpoint-8.json | grep "^verdict:"
 echo "(8 CPU steps are far too few to move this model. On a machine with a CUDA GPU this script trains the full"
 echo " capped budget instead, where the token clip + left padding arm lands well above base: README \"Quick start\".)"

@@ -7,9 +7,9 @@
 # 2. grids/tiny_engines.json with opsd_grid.py into runs/tiny_engines (resumable): the learned
 #    tiny default trained 100 x 32 by the own engine and by vLLM colocate (token clip + left
 #    padding, seeds 10-12), the released recipe by vLLM, every cell evaluated with vLLM; then
-#    run_stats.py compare of the two engines' arms;
+#    python -m analysis.stats compare of the two engines' arms;
 # 3. eval parity: the base model and the vLLM-trained checkpoints evaluated again with the
-#    transformers backend, each pair compared problem by problem (run_stats.py compare).
+#    transformers backend, each pair compared problem by problem (python -m analysis.stats compare).
 # Everything stops by END_S seconds after the start (default 560). OUT_DIR gets sync.json,
 # sync_skipped.json, results.md, parity.md and vllm_gpu.tgz (every log and report).
 set -uo pipefail
@@ -33,7 +33,7 @@ timeout $((END_S - SECONDS - 150)) python3 opsd_grid.py grids/tiny_engines.json 
 echo "opsd_grid exit $?" | tee -a "$work/grid.log"
 cp "$grid/results.md" "$OUT_DIR/results.md" 2>/dev/null
 { echo; echo "## Engines: own engine (A) vs vLLM colocate (B), token clip + left padding, seeds 10-12"
-  python3 run_stats.py compare --a "$grid"/own_token_left/seed-*/eval.json --b "$grid"/vllm_token_left/seed-*/eval.json 2>&1
+  python3 -m analysis.stats compare --a "$grid"/own_token_left/seed-*/eval.json --b "$grid"/vllm_token_left/seed-*/eval.json 2>&1
 } >> "$OUT_DIR/results.md"
 
 parity=runs/tiny_engines_parity
@@ -56,7 +56,7 @@ wait "${pids[@]}" 2>/dev/null
     hf=$(ls "$parity/$name"/eval_*.json 2>/dev/null | head -1)
     [[ -n "$hf" ]] || { echo "$cell: no transformers report"; continue; }
     echo "## $cell"
-    python3 run_stats.py compare --a "$grid/$cell/eval.json" --b "$hf" 2>&1 | grep -E "^(arm|A |B |  per problem|verdict)"
+    python3 -m analysis.stats compare --a "$grid/$cell/eval.json" --b "$hf" 2>&1 | grep -E "^(arm|A |B |  per problem|verdict)"
   done
 } > "$OUT_DIR/parity.md" 2>&1
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import run_stats
+from analysis import stats as run_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -98,7 +98,7 @@ def test_grid_curves_follow_the_grid_and_never_fail_it(tmp_path, capsys):
                 "".join(f'{{"step": {s}, "loss": {s * (cell.seed + 1)}, "opsd/true_kl": 0.1}}\n' for s in (1, 2)))
     assert opsd_grid.draw_curves(grid, out) == out / "curves.png"
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    import run_plots
+    from analysis import plots as run_plots
 
     curves = run_plots.grid_curves(out, ["loss"], [arm.name for arm in grid.arms])["loss"]
     assert [c.label for c in curves] == ["token (2 seeds)", "entry (2 seeds)"]

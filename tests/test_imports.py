@@ -7,10 +7,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def packages() -> list[Path]:
+    """Every package folder of the project (a folder with __init__.py; sub-packages too)."""
+    return sorted(init.parent for init in ROOT.rglob("__init__.py")
+                  if not {"tests", "bench", ".git", ".cache"} & set(init.relative_to(ROOT).parts))
+
+
 def project_modules() -> dict[str, Path]:
     modules = {path.stem: path for path in ROOT.glob("*.py")}
-    for package in ("tiny_default",):
-        for path in (ROOT / package).glob("*.py"):
+    for folder in packages():
+        package = ".".join(folder.relative_to(ROOT).parts)
+        for path in folder.glob("*.py"):
             name = package if path.stem == "__init__" else f"{package}.{path.stem}"
             modules[name] = path
     return modules
@@ -39,7 +46,7 @@ def test_no_import_cycles():
     known = set(modules)
     graph = {}
     for name, path in modules.items():
-        package = name.split(".")[0] if path.parent != ROOT else None
+        package = ".".join(path.parent.relative_to(ROOT).parts) if path.parent != ROOT else None
         graph[name] = imports_of(path, package, known) - {name}
     # A package's __init__ importing its own submodules is not a cycle.
     graph = {name: {dep for dep in deps if not (name in known and dep.startswith(f"{name}."))}

@@ -201,7 +201,7 @@ def test_model_cards_name_a_hub_base_model_and_load_the_adapter():
 
 def test_a_figure_that_cannot_be_drawn_is_one_warning_not_a_failure(tmp_path, monkeypatch, capsys):
     """draw_curves runs after the last step: whatever fails there is one warning line."""
-    import run_plots
+    from analysis import plots as run_plots
 
     assert opsd_train.draw_curves(str(tmp_path)) is None  # no metrics.jsonl
     err = capsys.readouterr().err

@@ -1,14 +1,14 @@
 """Statistics for comparing evaluation runs: is arm B better than arm A, or is it noise?
 
-    python run_stats.py summary RUN.json [RUN2.json ...]            [--bootstrap N] [--seed S] [--json OUT]
+    python -m analysis.stats summary RUN.json [RUN2.json ...]            [--bootstrap N] [--seed S] [--json OUT]
                                                                     [--plot FILE.png]
-    python run_stats.py compare --a A1.json [A2.json ...] --b B1.json [B2.json ...]
+    python -m analysis.stats compare --a A1.json [A2.json ...] --b B1.json [B2.json ...]
                                 [--bootstrap N] [--seed S] [--run-sd SD] [--json OUT] [--plot FILE.png]
 
 `sweep_checkpoints` (with `format_sweep_markdown`, `sweep_final_line`) tabulates the
 checkpoints of one run against its last one, for `dev_eval.sh RUN_FOLDER` (checkpoint_sweep.py).
 
-`--plot` draws the printed numbers (run_plots.py): each arm's run means with its mean and
+`--plot` draws the printed numbers (analysis.plots): each arm's run means with its mean and
 t interval, and the difference with each of its intervals (`compare`); each run with its
 problems CI, and the arm's mean with its t and bootstrap intervals (`summary`).
 
@@ -70,7 +70,7 @@ says the noise level was assumed).
 
 The statistics are pure functions on numbers and arrays (no files); the file
 handling and the command line sit at the bottom. Standard library and numpy only (with
-`--plot`, matplotlib through run_plots.py).
+`--plot`, matplotlib through analysis.plots).
 """
 from __future__ import annotations
 
@@ -743,7 +743,7 @@ def format_compare(result: dict) -> str:
 def interval_panels(result: dict) -> tuple[list, str]:
     """The numbers of a `summary` or `compare` result as run_plots interval panels, and the
     figure's title: exactly the estimates and intervals the text prints."""
-    from run_plots import Interval, IntervalPanel
+    from analysis.plots import Interval, IntervalPanel
 
     metric = result["metric"]
     head = f"{metric} | {result['dataset']} | {result['num_problems']} problems x {result['samples_per_problem']} samples"
@@ -777,7 +777,7 @@ def interval_panels(result: dict) -> tuple[list, str]:
 
 def _plot_output(path: str, panels=None, title: str = "") -> None:
     """Check the --plot path (no panels) or draw the panels into it; a problem is an InputError."""
-    import run_plots  # only with --plot: its figures need matplotlib
+    from analysis import plots as run_plots  # only with --plot: its figures need matplotlib
 
     try:
         if panels is None:
@@ -793,7 +793,7 @@ def _pair(ci) -> tuple[float, float] | None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Statistics over opsd_eval reports: one arm's spread "
+    parser = argparse.ArgumentParser(prog="python -m analysis.stats", description="Statistics over opsd_eval reports: one arm's spread "
                                                  "(summary) or arm B against arm A (compare).")
     commands = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)

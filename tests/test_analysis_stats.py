@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import run_stats
+from analysis import stats as run_stats
 from opsd_eval import FROZEN_SETTINGS, TINY_SETTINGS, problem_summary, summarize, write_json_atomic
-from run_stats import (betainc, bootstrap_difference, bootstrap_mean, describe, problem_scores, run_level_test,
+from analysis.stats import (betainc, bootstrap_difference, bootstrap_mean, describe, problem_scores, run_level_test,
                        sampling_se, sign_flip_test, sign_test, single_run_t, t_cdf, t_ppf, t_two_sided_p, verdict,
                        welch_t)
 
@@ -366,8 +366,8 @@ def test_bad_inputs_exit_2_with_one_line(arms, tmp_path, capsys, difficulty):
 
 
 def test_missing_file_from_a_real_process(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "run_stats.py"), "summary", str(tmp_path / "nope.json")],
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run([sys.executable, "-m", "analysis.stats", "summary", str(tmp_path / "nope.json")],
+                          capture_output=True, text=True, timeout=60, check=False, cwd=ROOT)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == f"error: {tmp_path / 'nope.json'}: no such file\n"
 
@@ -385,7 +385,7 @@ def test_compare_end_to_end(arms, tmp_path, capsys):
     assert result["difference"] == pytest.approx(b.mean() - a.mean())
     assert result["arms"]["A"]["per_run"] == pytest.approx(list(a.mean(axis=1)))
     assert result["arms"]["B"]["sd"] == pytest.approx(b.mean(axis=1).std(ddof=1))
-    order = sorted(range(P), key=problem_text)  # run_stats puts problems in (text, gold) order
+    order = sorted(range(P), key=problem_text)  # analysis.stats puts problems in (text, gold) order
     boot = bootstrap_difference(a[:, order], b[:, order], 2000, seed=3)
     welch = welch_t(a.mean(axis=1), b.mean(axis=1))
     assert result["bootstrap"]["ci"] == pytest.approx(boot["ci"])
@@ -464,7 +464,7 @@ def test_summary_end_to_end(arms, tmp_path, capsys):
 
 def test_plot_draws_the_printed_numbers(arms, tmp_path, capsys):
     """--plot draws exactly the numbers of the result (the same dict --json writes)."""
-    import run_plots
+    from analysis import plots as run_plots
 
     _, _, paths_a, paths_b = arms
     png, out_json = tmp_path / "cmp.png", tmp_path / "cmp.out.json"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import run_plots
+from analysis import plots as run_plots
 from opsd_logging import KL_LINE_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,8 +43,8 @@ def no_pngs(folder: Path):
     return not [p for p in folder.rglob("*") if p.suffix == ".png" or p.name.endswith(".tmp")]
 
 
-def test_importing_run_plots_does_not_import_matplotlib():
-    code = "import sys, run_plots; print('matplotlib' in sys.modules)"
+def test_importing_the_plots_does_not_import_matplotlib():
+    code = "import sys; from analysis import plots; print('matplotlib' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "False", result.stderr
 
@@ -178,10 +178,10 @@ def test_a_failed_write_leaves_no_partial_png(tmp_path, monkeypatch):
 
 def test_cli_in_a_real_process(tmp_path):
     run = write_run(tmp_path / "run")
-    ok = subprocess.run([sys.executable, str(ROOT / "run_plots.py"), "curves", str(run)],
-                        capture_output=True, text=True, timeout=120)
+    ok = subprocess.run([sys.executable, "-m", "analysis.plots", "curves", str(run)],
+                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert ok.returncode == 0 and ok.stderr == "", ok.stderr
     assert_png(run / "curves.png")
-    bad = subprocess.run([sys.executable, str(ROOT / "run_plots.py"), "curves", str(tmp_path / "nope")],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run([sys.executable, "-m", "analysis.plots", "curves", str(tmp_path / "nope")],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr == f"error: {tmp_path / 'nope'}: no such folder\n"

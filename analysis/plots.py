@@ -1,8 +1,8 @@
 """Plots (PNG): one run's training curves, several runs overlaid, arms with their intervals.
 
-    python run_plots.py curves RUN_DIR [--metric KEY ...] [--out FILE.png]
-    python run_plots.py overlay RUN_DIR [RUN_DIR ...] [--metric KEY ...] --out FILE.png
-    python run_plots.py overlay --grid GRID_DIR [--metric KEY ...] [--out FILE.png]
+    python -m analysis.plots curves RUN_DIR [--metric KEY ...] [--out FILE.png]
+    python -m analysis.plots overlay RUN_DIR [RUN_DIR ...] [--metric KEY ...] --out FILE.png
+    python -m analysis.plots overlay --grid GRID_DIR [--metric KEY ...] [--out FILE.png]
 
 `curves` draws what a run folder's `metrics.jsonl` holds, one panel per quantity (loss,
 true KL, divergence before the clip, clip shares, teacher mass removed, entropies,
@@ -12,7 +12,7 @@ every run. `overlay` draws one panel per metric with one line per run folder or,
 `--grid`, one line per arm of an `opsd_grid.py` folder: the mean over the arm's seeds, with
 a band from the lowest to the highest seed at each step (default output
 `GRID_DIR/curves.png`, which `opsd_grid.py` also draws). A metric is a `metrics.jsonl` key
-(`opsd/true_kl`) or its `[OPSD kl]` label (`true_kl`). `run_stats.py ... --plot FILE.png`
+(`opsd/true_kl`) or its `[OPSD kl]` label (`true_kl`). `python -m analysis.stats ... --plot FILE.png`
 draws its arms with the intervals it prints, through `plot_intervals`; `plot_sweep` draws a
 run's accuracy per checkpoint (`dev_eval.sh RUN_FOLDER`, checkpoint_sweep.py).
 
@@ -459,7 +459,7 @@ def draw_or_warn(what: str, draw, *args, **kwargs):
 # --------------------------------------------------------------------------
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="run_plots.py", description="PNG plots of training runs (metrics.jsonl).")
+    parser = argparse.ArgumentParser(prog="python -m analysis.plots", description="PNG plots of training runs (metrics.jsonl).")
     commands = parser.add_subparsers(dest="command", required=True)
     metric = argparse.ArgumentParser(add_help=False)
     metric.add_argument("--metric", action="append", metavar="KEY",
