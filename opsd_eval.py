@@ -476,7 +476,7 @@ def build_request(args: argparse.Namespace):
     engine = resolve_engine(args.engine, backend, tiny)
     batch_size = args.batch_size
     if batch_size is None:
-        from paged_decode import DEFAULT_MAX_ROWS
+        from rollout.paged_decode import DEFAULT_MAX_ROWS
 
         batch_size = DEFAULT_MAX_ROWS if engine == "paged" else BATCH_SIZE
     if batch_size < 1:
@@ -512,7 +512,7 @@ def build_request(args: argparse.Namespace):
 def _default_paged_cache_gib() -> float:
     import torch
 
-    from paged_decode import default_cache_gib
+    from rollout.paged_decode import default_cache_gib
 
     return default_cache_gib(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
@@ -529,7 +529,7 @@ BATCH_SIZE = 16  # rows per generate() call, every engine but paged (paged: page
 
 
 def engine_names() -> tuple[str, ...]:
-    from static_decode import CACHE_IMPLEMENTATIONS
+    from rollout.static_decode import CACHE_IMPLEMENTATIONS
 
     return tuple(name for name in CACHE_IMPLEMENTATIONS if name is not None)
 
@@ -864,7 +864,7 @@ def _json_or_none(line: str):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    from paged_decode import DEFAULT_MAX_ROWS
+    from rollout.paged_decode import DEFAULT_MAX_ROWS
 
     parser = argparse.ArgumentParser(
         description="Evaluate a LoRA checkpoint (or the base model) with the frozen OPSD protocol.")

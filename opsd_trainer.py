@@ -45,7 +45,7 @@ from trl.models.utils import unwrap_model_for_generation
 import opsd_logging
 import run_folder
 from adapter_layers import AdapterLayers
-from compiled_layers import CompiledLayers
+from rollout.compiled_layers import CompiledLayers
 from data_collator import (
     OPSDCollator,
     ScoringBatch,
@@ -71,11 +71,11 @@ from opsd_config import (
 )
 from opsd_logging import append_metrics, kl_line
 from opsd_loss import divergence_loss, nll_loss, tinker_loss
-from rollout import TransformersBackend, kv_cache_options, trl_vllm_engine_options, vllm_environment
+from rollout import BackendUnavailable, TransformersBackend, kv_cache_options, vllm_environment
 from sampling import ROLLOUT_STREAMS, SamplingSettings, on_policy_step, rollout_seed, to_completion
-from static_decode import GRAPH_LOOPS
+from rollout.static_decode import GRAPH_LOOPS
 from tiny_default import TINY, TINY_RANDOM
-from vllm_weights import merged_named_parameters
+from rollout.vllm_weights import merged_named_parameters
 
 EMA_FILE = "ema_adapter.pt"
 STAGING_DIR = run_folder.STAGING_DIR  # checkpoints are written here, then renamed into place
@@ -393,6 +393,28 @@ class _StopOnSignal(TrainerCallback):
             self.trainer.stopped_by_signal = signum
             control.should_save = True
             control.should_training_stop = True
+
+
+@contextmanager
+def trl_vllm_engine_options(**options):
+    """Extra keyword arguments for the `vllm.LLM` that TRL's colocate mode builds (TRL 1.16's
+    VLLMGeneration passes a fixed set and has no hook): inside the block its module's `LLM` is
+    `LLM` with `options` bound. Nothing happens without options."""
+    if not options:
+        yield
+        return
+    import functools
+
+    from trl.generation import vllm_generation
+
+    original = getattr(vllm_generation, "LLM", None)
+    if original is None:
+        raise BackendUnavailable("TRL's vLLM colocate mode is not available (vLLM missing?)")
+    vllm_generation.LLM = functools.partial(original, **options)
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = original
 
 
 class OPSDTrainer(DistillationTrainer):

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
 
-import decode_attention
-import decode_qkv
+from rollout.kernels import attention as decode_attention
+from rollout.kernels import qkv as decode_qkv
 
 LAYERS, BATCH, KV_HEADS, GROUPS, DIM, LENGTH = 28, 32, 8, 2, 128, 1216
 # (block, warps, stages, chunks, span) of split_kv to measure (chunks None: split_count decides;

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
 
-import paged_decode
+from rollout import paged_decode as paged_decode
 from bench_rollout import agreement
 from rollout import TransformersBackend
 from sampling import SamplingSettings

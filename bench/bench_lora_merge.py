@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
 
-import lora_merge
-from merged_student import MergedStudent
+from rollout.kernels import lora_merge as lora_merge
+from rollout.merged_student import MergedStudent
 
 
 def timed_refresh(merged: MergedStudent, repeats: int) -> float:

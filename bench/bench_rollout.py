@@ -27,15 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
 
-import decode_attention
-import decode_matmul
-import decode_qkv
-import decode_sampler
-import static_decode
+from rollout.kernels import attention as decode_attention
+from rollout.kernels import matmul as decode_matmul
+from rollout.kernels import qkv as decode_qkv
+from rollout.kernels import sampler as decode_sampler
+from rollout import static_decode as static_decode
 from model_utils import causal_lm
 from rollout import TransformersBackend
 from sampling import SamplingSettings
-from static_decode import DECODE_ATTENTION, StaticDecoder
+from rollout.static_decode import DECODE_ATTENTION, StaticDecoder
 
 # configuration suffixes besides attn=NAME, qkv=NAME, topk=N
 FLAGS = ("merged", "fullkv", "unfused", "autotune", "torchmm", "torchgate", "nospan", "separateqkv", "eagerprefill")
@@ -173,7 +173,7 @@ def profile_decode_step(state, steps: int, log) -> dict:
     middle KV window of the rollout, as its recorded graph reads the cache."""
     from torch.profiler import ProfilerActivity, profile
 
-    from static_decode import _static_attention, attention_limit
+    from rollout.static_decode import _static_attention, attention_limit
 
     middle = len(state.limits) // 2
     limit = state.limits[middle]

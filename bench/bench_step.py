@@ -39,7 +39,7 @@ import common
 import torch
 
 import opsd_trainer
-from compiled_layers import CompiledLayers
+from rollout.compiled_layers import CompiledLayers
 from data_collator import build_scoring_batch, gather_completion_positions
 from opsd_chunked_loss import chunked_divergence_loss
 from opsd_loss import divergence_loss

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
 
-import static_decode
+from rollout import static_decode as static_decode
 from bench_rollout import EOS_IDS, PAD_ID, bench_prompts, recipe_sampling, trainer_model
 from model_utils import causal_lm
 from rollout import TransformersBackend

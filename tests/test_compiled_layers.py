@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-import compiled_layers
-from compiled_layers import CompiledLayers, decoder_layers
+from rollout import compiled_layers as compiled_layers
+from rollout.compiled_layers import CompiledLayers, decoder_layers
 from tiny_default import build_tiny_model
 
 

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-import decode_attention
-import static_decode
+from rollout.kernels import attention as decode_attention
+from rollout import static_decode as static_decode
 
 
 def reference(query, key, value, mask, scale):
@@ -217,7 +217,7 @@ def test_split_kv_new_token_is_decode_qkv_then_split_kv(interpreted_triton, monk
     """One kernel or two (decode_qkv's, then split_kv): the same cache column bit for bit (one
     Triton function makes it), the same output to float32 rounding (the new column is added
     first instead of in its block)."""
-    import decode_qkv
+    from rollout.kernels import qkv as decode_qkv
 
     monkeypatch.setattr(decode_qkv, "IMPLEMENTATION", "triton")
     new, key, value, mask = new_token_case(3, 2, 2, 16, 200, torch.float32, True, seed=2)
@@ -233,7 +233,7 @@ def test_split_kv_new_token_is_decode_qkv_then_split_kv(interpreted_triton, monk
 def test_new_token_attention_dispatch_and_fallback(interpreted_triton, monkeypatch):
     """split_kv with SPLIT_NEW_TOKEN: the one kernel; off, or under sdpa: decode_qkv then the
     attention; under "auto", a failing kernel warns once and decode_qkv + sdpa take over."""
-    import decode_qkv
+    from rollout.kernels import qkv as decode_qkv
 
     monkeypatch.setattr(decode_qkv, "IMPLEMENTATION", "triton")
     monkeypatch.setattr(decode_attention, "_AUTO_FAILURE", None)
@@ -273,7 +273,7 @@ def test_decode_loop_through_the_one_kernel_samples_what_two_kernels_sample(inte
     decode_qkv's kernel and then split_kv: the same tokens, greedy and seeded, and the same
     log-probabilities to float32 rounding. (Two kernels against the model's own operations:
     test_decode_qkv; split_kv against sdpa: the test above.)"""
-    import decode_qkv
+    from rollout.kernels import qkv as decode_qkv
     from test_fused_projections import GREEDY, SAMPLE, random_model, sample, with_lora
 
     model = with_lora(random_model("qwen3", torch.float32, head_dim=16))  # split_kv takes head dims from 16

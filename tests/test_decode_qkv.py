@@ -8,9 +8,9 @@ log-probability check covers the compiled kernel)."""
 import pytest
 import torch
 
-import decode_qkv
-import static_decode
-from static_decode import StaticDecoder
+from rollout.kernels import qkv as decode_qkv
+from rollout import static_decode as static_decode
+from rollout.static_decode import StaticDecoder
 
 
 @pytest.fixture

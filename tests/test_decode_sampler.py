@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-import decode_sampler
-import static_decode
+from rollout.kernels import sampler as decode_sampler
+from rollout import static_decode as static_decode
 from sampling import SamplingSettings
 
 # (temperature, top_p, top_k): the recipe's; top-p inside a wider top-k (not a power of two); no top-p; a small k

@@ -423,7 +423,7 @@ def test_engine_choice():
 def test_paged_engine_end_to_end(tmp_path, monkeypatch, capsys):
     """The tiny preset (2 samples of up to 96 tokens here) on 4 problems through the
     paged engine: every problem's samples in one call, graded, the engine in the report."""
-    from paged_decode import DEFAULT_MAX_ROWS
+    from rollout.paged_decode import DEFAULT_MAX_ROWS
 
     monkeypatch.setattr(opsd_eval, "TINY_SETTINGS", opsd_eval.replace(TINY_SETTINGS, n_samples=2))
     calls = []

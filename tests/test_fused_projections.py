@@ -7,12 +7,12 @@ import pytest
 import torch
 from lora_helpers import acting_lora
 
-import static_decode
-from fused_projections import FusedAttention, FusedMLP, fusable_projections, fuse
-from merged_student import MergedStudent
+from rollout import static_decode as static_decode
+from rollout.fused_projections import FusedAttention, FusedMLP, fusable_projections, fuse
+from rollout.merged_student import MergedStudent
 from rollout import TransformersBackend
 from sampling import SamplingSettings
-from static_decode import StaticDecoder
+from rollout.static_decode import StaticDecoder
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GREEDY = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=10, seed=None)

@@ -16,7 +16,7 @@ import rollout
 from lora_helpers import acting_lora
 from rollout import BackendUnavailable, TransformersBackend, make_backend, resolve_backend_name, vllm_lora_rank
 from sampling import ROLLOUT_STREAMS, Completion, SamplingSettings, derive_seed, rollout_seed, to_completion
-from static_decode import StaticDecoder, bucket_width, resolve_cache_implementation
+from rollout.static_decode import StaticDecoder, bucket_width, resolve_cache_implementation
 
 SAMPLE = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=123)
 GREEDY = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=None)
@@ -269,7 +269,7 @@ def test_prefill_writes_the_cache_and_gives_each_prompts_last_logits(tiny, compi
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    import static_decode
+    from rollout import static_decode as static_decode
 
     model, tokenizer = tiny
     model = copy.deepcopy(model).double()
@@ -427,7 +427,7 @@ def test_merged_student_samples_what_the_adapters_sample(tiny, prompts, dtype):
     """The merged sampling copy: the same network as base + unmerged adapters (float64:
     logits to rounding, greedy token for token; bf16: within bf16 rounding), the teacher
     (adapter disabled) sampled from the untouched base, the base weights bit-identical."""
-    from merged_student import MergedStudent
+    from rollout.merged_student import MergedStudent
 
     model = lora_model(tiny, dtype)
     before = {name: t.clone() for name, t in model.state_dict().items()}
@@ -504,7 +504,7 @@ def test_engine_logprobs_match_the_trainers_forward(tiny, prompts, merge_lora):
 
 
 def test_kv_windows_cover_every_decode_column():
-    from static_decode import decode_limits
+    from rollout.static_decode import decode_limits
 
     assert decode_limits(64, 300, 128) == [192, 320, 364]
     assert decode_limits(64, 256, 128) == [192, 320]
@@ -518,7 +518,7 @@ def test_kv_windows_cover_every_decode_column():
 
 def test_kv_windows_sample_what_the_whole_cache_samples(tiny, prompts, monkeypatch):
     """Attending to the filled windows only (KV_WINDOW) changes nothing: the mask hid the rest."""
-    import static_decode
+    from rollout import static_decode as static_decode
 
     settings = SamplingSettings(temperature=1.1, top_p=0.95, top_k=20, max_new_tokens=40, seed=5)
     monkeypatch.setattr(static_decode, "KV_WINDOW", 16)
@@ -545,7 +545,7 @@ def test_a_decoder_does_not_keep_its_model_alive(tiny, prompts, merge_lora):
 
 
 def test_pack_prompts_places_each_token_and_rejects_empty_prompts():
-    import static_decode
+    from rollout import static_decode as static_decode
 
     packed = static_decode.pack_prompts([[5, 6, 7], [8]], 4, torch.device("cpu"))
     assert packed.input_ids.tolist() == [[5, 6, 7, 8]] and packed.positions.tolist() == [[0, 1, 2, 0]]
@@ -557,7 +557,7 @@ def test_pack_prompts_places_each_token_and_rejects_empty_prompts():
 
 def test_model_state_walk_sees_every_tuner_layer_and_parameter(tiny):
     """`_model_state` walks the module tree by hand: it must see what modules() / parameters() see."""
-    from static_decode import _is_tuner_layer, _model_state
+    from rollout.static_decode import _is_tuner_layer, _model_state
 
     model = lora_model(tiny)
     states, fingerprint = _model_state(model)
@@ -588,7 +588,7 @@ def test_adapters_that_cannot_merge_are_sampled_unmerged(tiny, prompts):
 
     from peft import LoraConfig, get_peft_model
 
-    from merged_student import MergedStudent, MergeUnsupported
+    from rollout.merged_student import MergedStudent, MergeUnsupported
     from model_utils import peft_wrapping
 
     model, _ = tiny
@@ -607,7 +607,7 @@ def test_sampler_keeps_what_transformers_warpers_keep():
     """Temperature -> top-k -> top-p: the same candidates with the same probabilities."""
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    from static_decode import _Sampler
+    from rollout.static_decode import _Sampler
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 500, generator=gen) * 3
@@ -629,7 +629,7 @@ def test_sampler_keeps_what_transformers_warpers_keep():
 def test_sampler_reads_bf16_logits_as_their_float32_copy(top_k):
     """The decode step hands the sampler the model's bf16 logits: the candidates, their ids,
     the log-sum-exp and the sampled tokens' log-probabilities are those of the float32 copy."""
-    from static_decode import _Sampler
+    from rollout.static_decode import _Sampler
 
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(4, 3000, generator=gen) * 3).bfloat16()
@@ -651,7 +651,7 @@ def test_top_k_in_blocks_is_exact(vocab, block, dtype):
     largest values (float64 sort here), ids that point at them (distinct, even where most
     logits tie), and the log-sum-exp of the whole row (-inf, not NaN, for a row of -inf);
     300 logits in blocks of 16 are fewer than k blocks (one torch.topk instead)."""
-    from decode_sampler import top_k_and_logsumexp
+    from rollout.kernels.sampler import top_k_and_logsumexp
 
     gen = torch.Generator().manual_seed(vocab)
     k = 20
@@ -674,7 +674,7 @@ def test_top_k_in_blocks_is_exact(vocab, block, dtype):
 
 
 def test_sampler_draws_from_the_filtered_distribution():
-    from static_decode import _Sampler
+    from rollout.static_decode import _Sampler
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(20000, 1)
     sampler = _Sampler(SamplingSettings(temperature=1.0, top_p=0.9, top_k=3, max_new_tokens=1), 4)
@@ -750,7 +750,7 @@ def test_paged_same_seed_same_samples_and_the_caller_rng_untouched(tiny, prompts
 def test_paged_memory_is_bounded_by_its_pool(tiny, prompts):
     """A pool of 2 pages (one row each) still samples every row, rows waiting for pages
     (greedy: the same ids); a pool smaller than one row is refused."""
-    from paged_decode import PAGE_SIZE, cache_blocks, kv_bytes_per_token
+    from rollout.paged_decode import PAGE_SIZE, cache_blocks, kv_bytes_per_token
 
     model, _ = tiny
     page_gib = PAGE_SIZE * kv_bytes_per_token(model) / 2**30
@@ -768,7 +768,7 @@ def test_paged_deadline_hands_back_partial_rows(tiny, prompts):
     what it has sampled, marked unfinished; the next call runs normally."""
     import time
 
-    from paged_decode import paged_generate
+    from rollout.paged_decode import paged_generate
 
     model, tokenizer = tiny
     backend = paged(tiny, batch_size=2)
@@ -1036,18 +1036,20 @@ def test_kv_cache_options():
 def test_trl_engine_options_bind_arguments_of_trls_llm_and_restore_it(monkeypatch):
     from trl.generation import vllm_generation
 
+    import opsd_trainer
+
     built = []
 
     def llm(**kwargs):
         built.append(kwargs)
 
     monkeypatch.setattr(vllm_generation, "LLM", llm, raising=False)
-    with rollout.trl_vllm_engine_options(kv_cache_memory_bytes=5):
+    with opsd_trainer.trl_vllm_engine_options(kv_cache_memory_bytes=5):
         vllm_generation.LLM(model="m", gpu_memory_utilization=0.3)
     vllm_generation.LLM(model="m")
     assert built == [{"model": "m", "gpu_memory_utilization": 0.3, "kv_cache_memory_bytes": 5}, {"model": "m"}]
     assert vllm_generation.LLM is llm
-    with rollout.trl_vllm_engine_options():  # no options: nothing patched, even without vLLM
+    with opsd_trainer.trl_vllm_engine_options():  # no options: nothing patched, even without vLLM
         assert vllm_generation.LLM is llm
 
 

@@ -44,7 +44,7 @@ from scipy import stats
 
 from rollout import TransformersBackend
 from sampling import SamplingSettings
-from static_decode import _Sampler
+from rollout.static_decode import _Sampler
 
 VOCAB = 1000
 ROW_SCALES = (3.0, 1.5, 0.6)  # logits = scale * N(0, 1): peaked, medium, flat rows
@@ -209,7 +209,7 @@ def blockwise_top_k_draws(logits: torch.Tensor, temperature: float, top_p: float
     """The static decoder's sampler with its top-k searched in blocks of 16 logits (the
     shipped block of 128 leaves this vocabulary's 8 blocks fewer than k, where it takes
     one torch.topk instead)."""
-    import static_decode
+    from rollout import static_decode as static_decode
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(static_decode, "SAMPLER_TOPK_BLOCK", 16)

@@ -14,9 +14,9 @@ import pytest
 import torch
 from test_fused_projections import EOS, GREEDY, PAD, SAMPLE, prompts, sample, with_lora
 
-import decode_attention
-import static_decode
-from static_decode import StaticDecoder
+from rollout.kernels import attention as decode_attention
+from rollout import static_decode as static_decode
+from rollout.static_decode import StaticDecoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import common  # noqa: E402

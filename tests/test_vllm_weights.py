@@ -6,7 +6,7 @@ from peft import LoraConfig, get_peft_model
 
 from model_utils import peft_wrapping
 from tiny_default import build_tiny_model
-from vllm_weights import merged_named_parameters
+from rollout.vllm_weights import merged_named_parameters
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

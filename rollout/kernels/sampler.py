@@ -44,7 +44,7 @@ import math
 
 import torch
 
-import triton_support
+from rollout.kernels import triton_support
 
 IMPLEMENTATIONS = ("auto", "torch", "triton")
 IMPLEMENTATION = "auto"
@@ -227,6 +227,6 @@ def torch_draw(values: torch.Tensor, index: torch.Tensor, logsumexp: torch.Tenso
 @functools.cache
 def _kernel():
     """The Triton kernel, built on first use (Triton is imported only here)."""
-    import decode_sampler_triton
+    from rollout.kernels import sampler_triton as decode_sampler_triton
 
     return decode_sampler_triton.kernel

@@ -40,12 +40,12 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-import decode_attention
-import decode_matmul
-import decode_qkv
-import decode_sampler
-from compiled_layers import CompiledLayers, decoder_layers
-from merged_student import MergedStudent, MergeUnsupported, has_enabled_adapters
+from rollout.kernels import attention as decode_attention
+from rollout.kernels import matmul as decode_matmul
+from rollout.kernels import qkv as decode_qkv
+from rollout.kernels import sampler as decode_sampler
+from rollout.compiled_layers import CompiledLayers, decoder_layers
+from rollout.merged_student import MergedStudent, MergeUnsupported, has_enabled_adapters
 from model_utils import causal_lm, eval_mode, import_inductor_quietly, kv_geometry, model_device
 from sampling import SamplingSettings
 

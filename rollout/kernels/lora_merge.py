@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-import triton_support
+from rollout.kernels import triton_support
 
 IMPLEMENTATIONS = ("auto", "torch", "triton")
 IMPLEMENTATION = "torch"  # "auto" once bench/bench_lora_merge.py has measured it faster on a GPU

@@ -1,4 +1,9 @@
-"""Sampling backends: turn prompt token ids into sampled completions.
+"""The rollout engine. This module is its facade, the sampling backends: turn prompt token ids
+into sampled completions. Behind it: `static_decode` (the project's CUDA-graph decode loop),
+`paged_decode` (transformers' continuous batching), `merged_student` and `fused_projections` (the
+sampling copy with the LoRA delta merged and q/k/v, gate/up stacked), `compiled_layers` (decoder
+layers through torch.compile, shared with the trainer's step), `vllm_weights` (the student's
+weights for vLLM, merged out of place) and `kernels/` (Triton). Importable without TRL.
 
 Evaluation and the trainer both need "sample n completions for each of these
 prompts with these settings", and both need the result in the same form: the
@@ -33,9 +38,9 @@ from pathlib import Path
 import torch
 
 from model_utils import eval_mode, left_pad, model_device
-from paged_decode import PAGED, paged_generate
+from rollout.paged_decode import PAGED, paged_generate
 from sampling import Completion, SamplingSettings, derive_seed, to_completion
-from static_decode import (
+from rollout.static_decode import (
     CACHE_IMPLEMENTATIONS,
     GRAPH_LOOPS,
     StaticDecoder,
@@ -360,28 +365,6 @@ def check_vllm_version(version: str | None = None) -> str:
                                  f"run here: {', '.join(VLLM_RUN)}): install one inside it, e.g. pip install -r "
                                  "requirements-gpu.txt")
     return version
-
-
-@contextlib.contextmanager
-def trl_vllm_engine_options(**options):
-    """Extra keyword arguments for the `vllm.LLM` that TRL's colocate mode builds (TRL 1.16's
-    VLLMGeneration passes a fixed set and has no hook): inside the block its module's `LLM` is
-    `LLM` with `options` bound. Nothing happens without options."""
-    if not options:
-        yield
-        return
-    import functools
-
-    from trl.generation import vllm_generation
-
-    original = getattr(vllm_generation, "LLM", None)
-    if original is None:
-        raise BackendUnavailable("TRL's vLLM colocate mode is not available (vLLM missing?)")
-    vllm_generation.LLM = functools.partial(original, **options)
-    try:
-        yield
-    finally:
-        vllm_generation.LLM = original
 
 
 def kv_cache_options(kv_cache_gib: float | None) -> dict:

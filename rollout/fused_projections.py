@@ -29,8 +29,8 @@ import sys
 import torch
 from torch import nn
 
-import decode_matmul
-import decode_qkv
+from rollout.kernels import matmul as decode_matmul
+from rollout.kernels import qkv as decode_qkv
 
 # Class name (transformers' own classes only) -> the projections stacked into one product, in order.
 FUSABLE = {

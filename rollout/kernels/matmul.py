@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-import triton_support
+from rollout.kernels import triton_support
 
 # "auto": split_k where it measured faster (see `applies`); "split_k": wherever the kernel
 # can run (Triton's interpreter on CPU included: the tests). Read when a decode step is recorded.

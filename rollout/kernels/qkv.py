@@ -29,7 +29,7 @@ import functools
 
 import torch
 
-import triton_support
+from rollout.kernels import triton_support
 
 IMPLEMENTATIONS = ("auto", "torch", "triton")
 IMPLEMENTATION = "auto"  # read when a decode step is recorded (part of its key)
@@ -166,7 +166,7 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    from decode_qkv_triton import new_token
+    from rollout.kernels.qkv_triton import new_token
 
     @triton.jit
     def kernel(qkv_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, key_ptr, value_ptr, slot_ptr, query_ptr,

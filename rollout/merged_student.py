@@ -35,9 +35,9 @@ import copy
 
 import torch
 
-import lora_merge
-from fused_projections import fusable_projections
-from fused_projections import fuse as fuse_module
+from rollout.kernels import lora_merge
+from rollout.fused_projections import fusable_projections
+from rollout.fused_projections import fuse as fuse_module
 from model_utils import causal_lm
 
 

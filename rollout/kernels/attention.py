@@ -35,8 +35,8 @@ from typing import NamedTuple
 
 import torch
 
-import decode_qkv
-import triton_support
+from rollout.kernels import qkv as decode_qkv
+from rollout.kernels import triton_support
 
 IMPLEMENTATIONS = ("auto", "sdpa", "split_kv")
 

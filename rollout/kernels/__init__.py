@@ -1,0 +1,8 @@
+"""The rollout engine's Triton kernels, fenced off from the rest: the decode step's attention
+(`attention`: split-KV flash decoding, with the new token's q/k/v work folded in), its q/k norms,
+rotary embedding and cache writes (`qkv`, `qkv_triton`), the narrow products and the SiLU-gated
+gate/up product (`matmul`), the top-k / top-p draw (`sampler`, `sampler_triton`), the merged
+copy's LoRA refresh (`lora_merge`), and what they share (`triton_support`: when Triton is usable,
+the one-warning fallback to torch). Each module has an `IMPLEMENTATION` switch ("auto": the kernel
+on CUDA where it applies, torch elsewhere); Triton itself is imported only when a kernel is built.
+"""
