@@ -31,7 +31,7 @@ import json
 import sys
 from pathlib import Path
 
-import run_folder
+from opsd import run_folder as run_folder
 
 
 def is_run_folder(path: str) -> bool:

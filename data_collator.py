@@ -38,8 +38,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from opsd_config import PAD_SIDES, STUDENT_PROMPTS, TEACHER_CONTEXTS
-from prompts import (
+from opsd.config import PAD_SIDES, STUDENT_PROMPTS, TEACHER_CONTEXTS
+from opsd.prompts import (
     TRUNCATION_NOTE,
     eval_messages,
     privileged_context,

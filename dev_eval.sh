@@ -27,7 +27,7 @@ environment:
   OPSD_EVAL_OUT      output folder for eval_<name>.json   (default <repo>/outputs/eval/<dataset>)
   OPSD_PRESET=tiny   embedded tiny model and its 30-problem eval set, 8 samples of at most 96 tokens each
                      (OPSD_MODEL / OPSD_EVAL_DATA, when set, still win)
-  Any other OPSD_* variable set is an error (python opsd_config.py variables lists them all).
+  Any other OPSD_* variable set is an error (python -m opsd.config variables lists them all).
 USAGE
 }
 
@@ -41,7 +41,7 @@ if [[ $# -ne 1 ]]; then
 fi
 repo="$(cd "$(dirname "$(realpath -- "${BASH_SOURCE[0]}")")" && pwd)"
 # Every OPSD_* variable set is a declared one (a misspelled name would be ignored): one error line.
-python "$repo/opsd_config.py" check-env
+PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" python -m opsd.config check-env
 
 # Paths the caller gave are relative to the caller's folder; make them absolute
 # before moving to the repository (hub names, which are not existing paths, pass as is).

@@ -29,7 +29,7 @@ import math
 import re
 from typing import Iterable, Mapping, Sequence
 
-from answers import BOX_OPEN, closing_brace
+from opsd.answers import BOX_OPEN, closing_brace
 
 GROUPS = ("answer", "digit", "operator", "reflection", "other")
 REFLECTION_WORDS = frozenset(

@@ -43,9 +43,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from answers import extract_boxed
-from jsonl import split_lines
-from run_folder import write_text_atomic
+from opsd.answers import extract_boxed
+from opsd.jsonl import split_lines
+from opsd.run_folder import write_text_atomic
 
 DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
 DEFAULT_DATASET = "HuggingFaceH4/aime_2024"
@@ -100,14 +100,14 @@ def format_settings(settings: EvalSettings) -> str:
 
 # math-verify's own time limit uses signals, which fail outside the main thread, and
 # a thread cannot interrupt a big-integer computation that holds the GIL (an answer
-# such as 9^{9^{9^{9}}}): math-verify runs in a worker process (grading_worker.py),
+# such as 9^{9^{9^{9}}}): math-verify runs in a worker process (opsd/grading_worker.py),
 # killed past this limit. The worker is a plain subprocess speaking JSON lines, never
 # a re-import of the caller's __main__ (multiprocessing's spawn), so grading is the
 # same from any caller: a script with or without a __main__ guard, `python -`,
 # `python -c`, a notebook.
 MATH_VERIFY_TIMEOUT_S = 5.0
 ANSWER_WORKER_START_TIMEOUT_S = 120.0  # importing math-verify (sympy) in a fresh process
-ANSWER_WORKER_PATH = Path(__file__).resolve().with_name("grading_worker.py")
+ANSWER_WORKER_PATH = Path(__file__).resolve().parent / "opsd" / "grading_worker.py"
 
 # How each answer was graded: the report's per-sample "graded_by" and metrics["graded_by"].
 #   string_match       the normalised strings are equal (correct; math-verify not asked)
@@ -176,7 +176,7 @@ class _CheckFailed(Exception):
 
 
 class _AnswerWorker:
-    """One persistent grading_worker.py process that runs math-verify; killed when a
+    """One persistent opsd/grading_worker.py process that runs math-verify; killed when a
     check overruns its time limit and started again for the next one, so no answer can
     stall grading. Thread-safe (checks are serialised); killed at interpreter exit,
     and it exits by itself when its input closes. A worker that cannot start or dies
@@ -191,7 +191,8 @@ class _AnswerWorker:
         self._pid = None      # the process that started the worker (a fork must not share it)
 
     def command(self) -> list[str]:
-        return list(self._command) if self._command is not None else [sys.executable, str(ANSWER_WORKER_PATH)]
+        # -P: the worker's own folder (opsd/, whose modules could shadow others) is not put on sys.path
+        return list(self._command) if self._command is not None else [sys.executable, "-P", str(ANSWER_WORKER_PATH)]
 
     def start(self) -> None:
         """Start the worker unless it runs (an evaluation checks it before sampling)."""
@@ -457,7 +458,7 @@ class EvalRequest:
 
 def build_request(args: argparse.Namespace):
     """Check every input and load the problems. Raises InputError."""
-    from opsd_data import DataError, load_eval_dataset
+    from opsd.data import DataError, load_eval_dataset
     from rollout import BackendUnavailable, resolve_backend_name
 
     if args.preset not in (None, TINY):
@@ -591,7 +592,7 @@ def resolve_model_path(model: str) -> str:
 
 def prompt_token_ids(tokenizer, problems: Sequence[dict], enable_thinking: bool) -> list[list[int]]:
     """The evaluation prompt of each problem, rendered by the chat template."""
-    from prompts import eval_messages
+    from opsd.prompts import eval_messages
 
     texts = [tokenizer.apply_chat_template(eval_messages(p["problem"]), tokenize=False,
                                            add_generation_prompt=True, enable_thinking=enable_thinking)
@@ -622,7 +623,7 @@ def problem_chunks(request: EvalRequest, num_problems: int) -> list[range]:
 
 
 def _sample_chunk(backend, request: EvalRequest, prompts: list[list[int]], chunk: range):
-    from sampling import SamplingSettings, derive_seed
+    from opsd.sampling import SamplingSettings, derive_seed
 
     s = request.settings
     sampling = SamplingSettings(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
@@ -681,7 +682,7 @@ def _transformers_backend(request: EvalRequest, model_path: str, tokenizer):
     if request.checkpoint is not None:
         from peft import PeftModel
 
-        from model_utils import peft_wrapping
+        from opsd.model_utils import peft_wrapping
 
         # Merged once up front: sampling then runs at base-model speed.
         with peft_wrapping():
@@ -906,7 +907,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if checkpoint_sweep.is_run_folder(args.checkpoint):  # a folder of checkpoint-N folders: all of them
         return checkpoint_sweep.sweep(args, sys.modules[__name__])
-    from opsd_config import ConfigError, check_env
+    from opsd.config import ConfigError, check_env
 
     try:
         check_env()  # a misspelled OPSD_* name would otherwise be ignored

@@ -51,7 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from run_folder import write_text_atomic
+from opsd.run_folder import write_text_atomic
 
 REPO = Path(__file__).resolve().parent
 BUDGET_DEFAULT = {"max_steps": 100, "global_batch": 32, "per_device_batch": 4}
@@ -100,7 +100,7 @@ class Cell:
 
 def load_grid(path: str) -> Grid:
     """Read and check a grid file; every problem is one GridError line."""
-    from opsd_config import SWITCH_VARIABLES
+    from opsd.config import SWITCH_VARIABLES
 
     where = path
     try:
@@ -189,7 +189,7 @@ def _recipe_value(value) -> str:
 def _check_recipe(text: str, where: str) -> None:
     import tempfile
 
-    from opsd_config import RecipeError, parse_recipe
+    from opsd.config import RecipeError, parse_recipe
 
     with tempfile.NamedTemporaryFile("w", suffix=".env", delete=False) as f:
         f.write(text)
@@ -375,7 +375,7 @@ def main(argv=None) -> int:
     parser.add_argument("--parallel", type=int, default=1, help="cells run at once (default 1)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
-    from opsd_config import ConfigError, check_env
+    from opsd.config import ConfigError, check_env
 
     try:
         check_env()  # the cells inherit this environment: a misspelled OPSD_* name stops the grid, not each cell

@@ -46,13 +46,13 @@ import time
 from contextlib import redirect_stdout
 from dataclasses import dataclass, field
 
-from answers import reference_answer
-from jsonl import parse_json, read_jsonl, read_text
+from opsd.answers import reference_answer
+from opsd.jsonl import parse_json, read_jsonl, read_text
 from opsd_attribution import format_summary, pre_box, summarize, token_groups
-from opsd_config import SWITCH_VALUES, ConfigError, parse_recipe_value, parse_switch_value
-from opsd_data import DataError, load_train_dataset
-from opsd_logging import KL_LINE_FIELDS
-from run_folder import write_text_atomic
+from opsd.config import SWITCH_VALUES, ConfigError, parse_recipe_value, parse_switch_value
+from opsd.data import DataError, load_train_dataset
+from opsd.run_log import KL_LINE_FIELDS
+from opsd.run_folder import write_text_atomic
 
 # Settings that change how fixed rollouts are scored: the prompts each role sees, the scoring
 # geometry and the objective. Sampling settings cannot change frozen rollouts, and
@@ -360,7 +360,7 @@ def token_scores(student_hidden, teacher_hidden, head, divergence, targets, answ
     the sampled token's tempered log-prob, top entries and the answer token's probability."""
     import torch
 
-    from opsd_loss import compute_dtype, rows_divergence, tempered_log_probs
+    from opsd.loss import compute_dtype, rows_divergence, tempered_log_probs
 
     out = {k: [] for k in ("loss", "stats", "lp_student", "lp_teacher", "teacher_top", "student_top",
                            "p_teacher_answer", "p_student_answer")}
@@ -412,7 +412,7 @@ class Scorer:
     def score(self, config) -> tuple[list[RowScores], dict]:
         import torch
 
-        from opsd_loss import DivergenceConfig
+        from opsd.loss import DivergenceConfig
         from opsd_trainer import divergence_settings, lm_head, make_collator
 
         collator = make_collator(self.tokenizer, config)
@@ -451,7 +451,7 @@ class Scorer:
     def _alone_log_probs(self, i, student_prompt, teacher_prompt, head, divergence, targets):
         """The sampled tokens' tempered log-probs with row i scored alone: a batch of one has no
         pads under either geometry, so this is where the padding's effect is measured from."""
-        from opsd_loss import compute_dtype, tempered_log_probs
+        from opsd.loss import compute_dtype, tempered_log_probs
 
         key = (i, tuple(student_prompt), tuple(teacher_prompt), divergence.temperature)
         if key not in self._alone:

@@ -22,9 +22,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import run_folder
+from opsd import run_folder as run_folder
 
-from opsd_config import (
+from opsd.config import (
     DATA_SELECTS,
     REPORT_TO_VALUES,
     REPORT_TO_VARIABLE,
@@ -41,7 +41,7 @@ from opsd_config import (
     recipe_field,
     recipe_value_problem,
 )
-from opsd_data import DataError, load_train_dataset
+from opsd.data import DataError, load_train_dataset
 
 TINY_PRESET = {  # the embedded default: its worked solutions take ~50 tokens, its longest teacher prompt ~300
     "max_completion_length": 64,
@@ -447,7 +447,7 @@ def train(script_args: ScriptArguments, config, dataset, resume: tuple[int, str]
 def _summary_line(trainer, started: float) -> str:
     last = run_folder.last_checkpoint(trainer.args.output_dir)
     kl = next((r["opsd/true_kl"] for r in reversed(trainer.state.log_history) if "opsd/true_kl" in r), None)
-    from opsd_logging import COLLAPSE_FIELD
+    from opsd.run_log import COLLAPSE_FIELD
 
     warned = next((r["step"] for r in trainer.state.log_history if r.get(COLLAPSE_FIELD)), None)
     return (

@@ -42,9 +42,9 @@ from transformers.trainer_utils import rotate_checkpoints
 from trl import DistillationConfig, DistillationTrainer
 from trl.models.utils import unwrap_model_for_generation
 
-import opsd_logging
-import run_folder
-from adapter_layers import AdapterLayers
+from opsd import run_log as opsd_logging
+from opsd import run_folder as run_folder
+from opsd.adapter_layers import AdapterLayers
 from rollout.compiled_layers import CompiledLayers
 from data_collator import (
     OPSDCollator,
@@ -54,10 +54,10 @@ from data_collator import (
     gather_completion_positions,
     select_completion_tokens,
 )
-from ema_teacher import AdapterEMA
-from model_utils import causal_lm, model_device, peft_wrapping
-from opsd_chunked_loss import chunked_divergence_loss, chunked_nll_loss, chunked_tinker_loss
-from opsd_config import (
+from opsd.ema_teacher import AdapterEMA
+from opsd.model_utils import causal_lm, model_device, peft_wrapping
+from opsd.chunked_loss import chunked_divergence_loss, chunked_nll_loss, chunked_tinker_loss
+from opsd.config import (
     CLIP_MODES,
     PAD_SIDES,
     REPORT_TO_VALUES,
@@ -69,10 +69,10 @@ from opsd_config import (
     recipe_field,
     recipe_value_problem,
 )
-from opsd_logging import append_metrics, kl_line
-from opsd_loss import divergence_loss, nll_loss, tinker_loss
+from opsd.run_log import append_metrics, kl_line
+from opsd.loss import divergence_loss, nll_loss, tinker_loss
 from rollout import BackendUnavailable, TransformersBackend, kv_cache_options, vllm_environment
-from sampling import ROLLOUT_STREAMS, SamplingSettings, on_policy_step, rollout_seed, to_completion
+from opsd.sampling import ROLLOUT_STREAMS, SamplingSettings, on_policy_step, rollout_seed, to_completion
 from rollout.static_decode import GRAPH_LOOPS
 from tiny_default import TINY, TINY_RANDOM
 from rollout.vllm_weights import merged_named_parameters

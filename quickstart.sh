@@ -10,7 +10,7 @@
 #   usage: bash quickstart.sh [--skip-install]
 set -euo pipefail
 cd "$(dirname "$0")"
-python opsd_config.py check-env  # a misspelled OPSD_* variable stops here, before the install (stdlib only)
+python -m opsd.config check-env  # a misspelled OPSD_* variable stops here, before the install (stdlib only)
 case "${1:-}" in
   "") bash install.sh ;;
   --skip-install) ;;

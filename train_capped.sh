@@ -11,7 +11,7 @@
 #   OPSD_NUM_PROCESSES  processes, one per GPU, default = visible GPUs (1 without GPUs); fewer than
 #                       the visible GPUs train on the first ones (CUDA_VISIBLE_DEVICES is narrowed)
 #   OPSD_ACCELERATE_CONFIG  the multi-GPU engine: ddp (default), fsdp2, zero2, zero3, or the path of
-#                       an accelerate config file (`python opsd_config.py accelerate-config -h`)
+#                       an accelerate config file (`python -m opsd.config accelerate-config -h`)
 #   OPSD_PER_DEVICE_BATCH  micro-batch per process, default 4; accumulation fills up to 32
 #   OPSD_USE_VLLM       1 = vLLM rollouts, default 1 when vllm is importable
 #   OPSD_VLLM_MODE      colocate (default: vLLM shares the training GPUs) or server (a separate
@@ -25,7 +25,7 @@
 #   OPSD_CLIP_MODE, OPSD_PAD_SIDE, OPSD_TEACHER_CONTEXT, OPSD_STUDENT_PROMPT, OPSD_DATA_SELECT: ablation switches
 # Paths (RECIPE_FILE, OPSD_OUTPUT, OPSD_DATA, OPSD_MODEL) are relative to the folder you call from.
 # Everything is validated before accelerate starts: a bad input is one `error:` line, exit 2; so is
-# an OPSD_* variable that is none of these (`python opsd_config.py variables` lists them all).
+# an OPSD_* variable that is none of these (`python -m opsd.config variables` lists them all).
 # A run folder that already holds checkpoint-N of the same configuration resumes from the newest
 # one; a folder of another configuration is refused. SIGTERM / Ctrl-C stop at a step boundary
 # with a checkpoint (exit 143 / 130); re-running resumes.
@@ -40,14 +40,15 @@ fi
 # The processes run in the caller's folder (scripts by absolute path), so every relative path
 # means what it means to the caller.
 # First (instant): every OPSD_* variable set is a declared one (a misspelled name would be ignored).
-python "$repo/opsd_config.py" check-env
+opsd_config() { PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" python -m opsd.config "$@"; }  # from the caller's folder
+opsd_config check-env
 if [[ -n "${OPSD_PRESET:-}" && "$OPSD_PRESET" != "tiny" ]]; then
   echo "error: OPSD_PRESET='$OPSD_PRESET' is not a preset; the only one is tiny (or leave it unset)" >&2
   exit 2
 fi
 
 # The multi-GPU engine, checked first (instant): its accelerate config file, or one error line.
-engine_config=$(python "$repo/opsd_config.py" accelerate-config "${OPSD_ACCELERATE_CONFIG:-}")
+engine_config=$(opsd_config accelerate-config "${OPSD_ACCELERATE_CONFIG:-}")
 
 if [[ "${OPSD_PRESET:-}" == "tiny" ]]; then
   steps=8; global_batch=4; per_device=2; save_steps=4

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from jsonl import read_jsonl
-from opsd_logging import KL_LINE_FIELDS
-from run_folder import METRICS_FILE
+from opsd.jsonl import read_jsonl
+from opsd.run_log import KL_LINE_FIELDS
+from opsd.run_folder import METRICS_FILE
 
 CURVES_FILE = "curves.png"  # beside metrics.jsonl (opsd_train.py) and beside results.md (opsd_grid.py)
 DPI = 100

@@ -44,14 +44,14 @@ done
   || { echo "error: --completion must be an integer in [1, 4096], got '$completion'" >&2; exit 2; }
 IFS=, read -ra arm_list <<< "${arms// /}"
 (( ${#arm_list[@]} )) || { echo "error: --arms is empty; $usage" >&2; exit 2; }
-engines=$(cd "$repo" && python3 -c 'import opsd_config; print(" ".join(opsd_config.ACCELERATE_CONFIGS))')
+engines=$(cd "$repo" && python3 -c 'from opsd import config; print(" ".join(config.ACCELERATE_CONFIGS))')
 declare -A engine_config=()
 for arm in "${arm_list[@]}"; do
   [[ -z "${engine_config[$arm]+x}" ]] || { echo "error: --arms names $arm twice" >&2; exit 2; }
   if [[ "$arm" == single ]]; then
     engine_config[$arm]=""
   elif [[ " $engines " == *" $arm "* ]]; then
-    engine_config[$arm]=$(python3 "$repo/opsd_config.py" accelerate-config "$arm") || exit 2
+    engine_config[$arm]=$(PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" python3 -m opsd.config accelerate-config "$arm") || exit 2
   else
     echo "error: --arms: '$arm' is not an arm; expected single or an engine: ${engines// /, }" >&2
     exit 2

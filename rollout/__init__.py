@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from model_utils import eval_mode, left_pad, model_device
+from opsd.model_utils import eval_mode, left_pad, model_device
 from rollout.paged_decode import PAGED, paged_generate
-from sampling import Completion, SamplingSettings, derive_seed, to_completion
+from opsd.sampling import Completion, SamplingSettings, derive_seed, to_completion
 from rollout.static_decode import (
     CACHE_IMPLEMENTATIONS,
     GRAPH_LOOPS,

@@ -23,7 +23,7 @@ from functools import partial
 
 import torch
 
-from model_utils import causal_lm, import_inductor_quietly
+from opsd.model_utils import causal_lm, import_inductor_quietly
 
 # Graphs one layer forward may need in one process: grad on / off, adapter on / off,
 # checkpointing on / off (per layer with every_n_layers), whether the input requires

@@ -38,7 +38,7 @@ import torch
 from rollout.kernels import lora_merge
 from rollout.fused_projections import fusable_projections
 from rollout.fused_projections import fuse as fuse_module
-from model_utils import causal_lm
+from opsd.model_utils import causal_lm
 
 
 class MergeUnsupported(ValueError):

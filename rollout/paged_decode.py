@@ -56,8 +56,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model_utils import causal_lm, kv_geometry, model_device
-from sampling import SamplingSettings, derive_seed
+from opsd.model_utils import causal_lm, kv_geometry, model_device
+from opsd.sampling import SamplingSettings, derive_seed
 
 PAGED = "paged"
 # The default KV pool: this share of the device's total memory (RAM on CPU), capped at

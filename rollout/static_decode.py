@@ -46,8 +46,8 @@ from rollout.kernels import qkv as decode_qkv
 from rollout.kernels import sampler as decode_sampler
 from rollout.compiled_layers import CompiledLayers, decoder_layers
 from rollout.merged_student import MergedStudent, MergeUnsupported, has_enabled_adapters
-from model_utils import causal_lm, eval_mode, import_inductor_quietly, kv_geometry, model_device
-from sampling import SamplingSettings
+from opsd.model_utils import causal_lm, eval_mode, import_inductor_quietly, kv_geometry, model_device
+from opsd.sampling import SamplingSettings
 
 # The engines of rollout.TransformersBackend (None = "dynamic"); "paged" is paged_decode.py.
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static", "graph", "graph_compiled", "paged", "auto")

@@ -12,7 +12,7 @@ def acting_lora(model, targets, r: int, dtype=None, seed: int = 0):
     would make the adapter depend on whatever ran before in the process."""
     from peft import LoraConfig, get_peft_model
 
-    from model_utils import peft_wrapping
+    from opsd.model_utils import peft_wrapping
 
     base = copy.deepcopy(model)
     if dtype is not None:

@@ -13,7 +13,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 
 import opsd_trainer
 import tiny_default
-from adapter_layers import AdapterLayers
+from opsd.adapter_layers import AdapterLayers
 
 IDS = torch.tensor([[3, 17, 42, 9, 5, 77]])
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from analysis import plots as run_plots
-from opsd_logging import KL_LINE_FIELDS
+from opsd.run_log import KL_LINE_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

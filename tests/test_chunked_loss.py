@@ -7,14 +7,14 @@ size (1, a divisor-free 8, 64 and more than N).
 import pytest
 import torch
 
-import opsd_chunked_loss
-from opsd_chunked_loss import (
+from opsd import chunked_loss as opsd_chunked_loss
+from opsd.chunked_loss import (
     DivergenceObjective,
     chunked_divergence_loss,
     chunked_tinker_loss,
     forward_kl_logit_grad,
 )
-from opsd_loss import DIVERGENCE_STAT_KEYS, TINKER_STAT_KEYS, DivergenceConfig, divergence_loss, tinker_loss
+from opsd.loss import DIVERGENCE_STAT_KEYS, TINKER_STAT_KEYS, DivergenceConfig, divergence_loss, tinker_loss
 
 F64 = torch.float64
 N, H, V = 37, 16, 300
@@ -261,8 +261,8 @@ def test_compiled_chunk_math_matches_reference(opts):
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 1024])
 def test_nll_matches_reference(chunk_size):
-    from opsd_chunked_loss import chunked_nll_loss
-    from opsd_loss import NLL_STAT_KEYS, nll_loss
+    from opsd.chunked_loss import chunked_nll_loss
+    from opsd.loss import NLL_STAT_KEYS, nll_loss
 
     student, teacher, weight, _ = make_inputs()
     ids = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(4))

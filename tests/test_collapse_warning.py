@@ -19,8 +19,8 @@ import types
 
 import pytest
 
-import opsd_logging
-from opsd_logging import COLLAPSE_FIELD, ENTROPY_KEY, KL_KEY, CollapseDetector, CollapseSignature
+from opsd import run_log as opsd_logging
+from opsd.run_log import COLLAPSE_FIELD, ENTROPY_KEY, KL_KEY, CollapseDetector, CollapseSignature
 
 ARGMAX, TOKEN = opsd_logging.COLLAPSE_SHARE_KEYS["entry"], opsd_logging.COLLAPSE_SHARE_KEYS["token"]
 

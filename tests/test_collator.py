@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-import prompts
+from opsd import prompts as prompts
 import tiny_default
 from data_collator import (
     AlignmentError,
@@ -386,7 +386,7 @@ def test_tail_padding_leaves_completion_logits_unchanged(side):
 
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_tiny_rows_align_for_both_roles(tok, side):
-    from opsd_data import load_train_dataset
+    from opsd.data import load_train_dataset
 
     rows = load_train_dataset("tiny", teacher_context="both").select(range(8)).to_list()
     collator = OPSDCollator(tok, teacher_context="both", pad_side=side)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from opsd_config import BUDGET_KNOBS, ConfigError, Recipe, RecipeError, Switches, parse_recipe
+from opsd.config import BUDGET_KNOBS, ConfigError, Recipe, RecipeError, Switches, parse_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def write(tmp_path, text, name="recipe.env"):
 
 
 def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, str(ROOT / "opsd_config.py"), *args],
+    return subprocess.run([sys.executable, "-m", "opsd.config", *args],
                           capture_output=True, text=True, env=env, cwd=ROOT)
 
 
@@ -243,7 +243,7 @@ def test_cli_switches(tmp_path):
 
 
 def test_report_to_variable():
-    from opsd_config import REPORT_TO_VALUES, read_report_to
+    from opsd.config import REPORT_TO_VALUES, read_report_to
 
     assert read_report_to({}) is None and read_report_to({"OPSD_REPORT_TO": "  "}) is None  # the config's default
     assert REPORT_TO_VALUES[0] == "none"
@@ -305,7 +305,7 @@ def test_switches_read_os_environ_by_default(monkeypatch):
 
 
 def test_one_value_parsers_match_the_recipe_and_switch_rules():
-    from opsd_config import parse_recipe_value, parse_switch_value
+    from opsd.config import parse_recipe_value, parse_switch_value
 
     assert parse_recipe_value("beta", " 0.5 ") == 0.5 and parse_recipe_value("jsd_token_clip", "none") == 0.0
     assert parse_recipe_value("top_k_loss", "20") == 20 and parse_recipe_value("teacher_thinking", "true") is True

@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 from one_line_errors import one_line_message
 
-import opsd_data
+from opsd import data as opsd_data
 import tiny_default
-from opsd_data import DataError, load_eval_dataset, load_train_dataset
-from prompts import SHUFFLED_SOLUTION
+from opsd.data import DataError, load_eval_dataset, load_train_dataset
+from opsd.prompts import SHUFFLED_SOLUTION
 
 # COT_Reason lengths 3, 10, 5, 10, 1, 5, 7; sources mix "math" with others.
 LENGTHS = [3, 10, 5, 10, 1, 5, 7]
@@ -176,7 +176,7 @@ def test_combined_selection_drops_math_then_keeps_the_longer_half(tmp_path, writ
 
 
 def test_combined_selection_from_the_switch(tmp_path):
-    from opsd_config import Switches
+    from opsd.config import Switches
 
     switches = Switches.from_env({"OPSD_DATA_SELECT": "hard,nomath"})
     assert switches.data_select == "nomath,hard"

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 from test_engines import launcher_environment
 
-from opsd_config import accelerate_config_path
+from opsd.config import accelerate_config_path
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP = ROOT / "tests" / "ddp_step.py"

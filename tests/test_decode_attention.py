@@ -143,7 +143,7 @@ def test_decode_loop_with_the_kernel_samples_what_sdpa_samples(interpreted_trito
 
     import tiny_default
     from rollout import TransformersBackend
-    from sampling import SamplingSettings
+    from opsd.sampling import SamplingSettings
 
     model = AutoModelForCausalLM.from_pretrained(tiny_default.random_model_dir()).eval()
     rows = [[151644, 872, 198, 16, 10, 16], [151644, 872, 198, 50, 30, 20, 17, 10, 19, 24, 11], [87, 30]]

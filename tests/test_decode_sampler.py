@@ -15,7 +15,7 @@ import torch
 
 from rollout.kernels import sampler as decode_sampler
 from rollout import static_decode as static_decode
-from sampling import SamplingSettings
+from opsd.sampling import SamplingSettings
 
 # (temperature, top_p, top_k): the recipe's; top-p inside a wider top-k (not a power of two); no top-p; a small k
 SETTINGS = [(1.1, 0.95, 20), (0.8, 0.6, 50), (1.0, 1.0, 5), (0.7, 0.9, 3)]

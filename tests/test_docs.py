@@ -43,7 +43,7 @@ def test_nothing_points_outside_the_repository():
 def test_reference_commands_are_valid_commands_of_this_repository():
     """Each arm of the reference table in OPSD_EXPERIMENTS.md is a train_capped.sh
     command whose switches and recipe file this repository accepts."""
-    from opsd_config import Switches, parse_recipe
+    from opsd.config import Switches, parse_recipe
 
     text = (ROOT / "OPSD_EXPERIMENTS.md").read_text()
     table = text.split("## Reference results reported by the fork's study (not run here)", 1)[1].split("\n\n")[2]

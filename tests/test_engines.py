@@ -3,6 +3,7 @@ configs go through accelerate's own loader and launcher, and what the training p
 would then be told is what OPSD relies on (docs: README, "More than one GPU").
 How train_capped.sh passes them on is tested in test_scripts.py."""
 
+import os
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ from accelerate.commands.launch import _validate_launch_command, launch_command_
 from accelerate.utils import FullyShardedDataParallelPlugin
 from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-from opsd_config import ACCELERATE_CONFIGS, CONFIGS_DIR, ConfigError, accelerate_config_path
+from opsd.config import ACCELERATE_CONFIGS, CONFIGS_DIR, ConfigError, accelerate_config_path
 
 
 def launcher_environment(path):
@@ -90,10 +91,11 @@ def test_names_paths_and_bad_values(tmp_path, monkeypatch):
 
 
 def test_cli_prints_the_file_or_one_error_line():
-    cli = [sys.executable, f"{CONFIGS_DIR}/../opsd_config.py", "accelerate-config"]
-    ok = subprocess.run([*cli, "zero3"], capture_output=True, text=True)
+    cli = [sys.executable, "-m", "opsd.config", "accelerate-config"]
+    repo = os.path.dirname(CONFIGS_DIR)
+    ok = subprocess.run([*cli, "zero3"], capture_output=True, text=True, cwd=repo)
     assert ok.returncode == 0 and ok.stdout.strip() == f"{CONFIGS_DIR}/zero3.yaml"
-    bad = subprocess.run([*cli, "fsdp"], capture_output=True, text=True)
+    bad = subprocess.run([*cli, "fsdp"], capture_output=True, text=True, cwd=repo)
     assert bad.returncode == 2 and not bad.stdout
     assert bad.stderr.splitlines() == [
         "error: OPSD_ACCELERATE_CONFIG='fsdp' is not allowed; expected one of: ddp, fsdp2, zero2, zero3, or the path "

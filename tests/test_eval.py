@@ -298,7 +298,7 @@ def make_lora_checkpoint(folder: Path) -> Path:
 
     import tiny_default
 
-    from model_utils import peft_wrapping
+    from opsd.model_utils import peft_wrapping
 
     model = AutoModelForCausalLM.from_pretrained(tiny_default.resolve_model("tiny"))  # the preset's model
     with peft_wrapping():

@@ -11,7 +11,7 @@ from rollout import static_decode as static_decode
 from rollout.fused_projections import FusedAttention, FusedMLP, fusable_projections, fuse
 from rollout.merged_student import MergedStudent
 from rollout import TransformersBackend
-from sampling import SamplingSettings
+from opsd.sampling import SamplingSettings
 from rollout.static_decode import StaticDecoder
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

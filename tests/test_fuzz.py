@@ -9,8 +9,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from opsd_config import ConfigError, RecipeError, Switches, parse_recipe
-from opsd_data import DataError, load_train_dataset
+from opsd.config import ConfigError, RecipeError, Switches, parse_recipe
+from opsd.data import DataError, load_train_dataset
 
 # Bounded: a few dozen examples each, so the suite stays fast on 2 cores.
 FUZZ = settings(max_examples=40, deadline=2000, suppress_health_check=[HealthCheck.too_slow], derandomize=True)

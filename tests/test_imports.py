@@ -1,6 +1,6 @@
 """The project's own modules import each other without cycles (lazy imports inside
-functions included): shared helpers live in leaf modules (model_utils, sampling,
-answers, jsonl), not in one of the modules that use them."""
+functions included): shared helpers live in leaf modules (opsd.model_utils, opsd.sampling,
+opsd.answers, opsd.jsonl), not in one of the modules that use them."""
 import ast
 from pathlib import Path
 
@@ -67,10 +67,10 @@ def test_no_import_cycles():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
-    assert {"rollout", "rollout.static_decode", "model_utils", "sampling", "jsonl"} <= known
+    assert {"rollout", "rollout.static_decode", "opsd.model_utils", "opsd.sampling", "opsd.jsonl"} <= known
 
 
 def test_shared_helpers_live_in_leaf_modules():
     modules = project_modules()
-    for leaf in ("model_utils", "sampling", "jsonl"):
+    for leaf in ("opsd.model_utils", "opsd.sampling", "opsd.jsonl"):
         assert not imports_of(modules[leaf], None, set(modules)), f"{leaf} should import no project module"

@@ -6,7 +6,7 @@ import json
 import pytest
 from one_line_errors import one_line_message
 
-from jsonl import parse_lines, read_jsonl, read_text, split_lines
+from opsd.jsonl import parse_lines, read_jsonl, read_text, split_lines
 
 
 class Bad(ValueError):

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from opsd_loss import DIVERGENCE_STAT_KEYS, TINKER_STAT_KEYS, divergence_loss, tinker_loss, token_clip_scale
+from opsd.loss import DIVERGENCE_STAT_KEYS, TINKER_STAT_KEYS, divergence_loss, tinker_loss, token_clip_scale
 
 F64 = torch.float64
 CLIP_STAT_KEYS = ("clipped_entry_frac", "clipped_token_frac", "teacher_argmax_clipped_frac", "clipped_teacher_mass")
@@ -385,7 +385,7 @@ def test_tinker_matches_reference(temperature):
 def test_nll_matches_float64_cross_entropy_and_its_gradient():
     """loss_type=sft: mean masked -log softmax(s)[y] at temperature 1, teacher unused
     by the gradient; analytic gradient (p_S - onehot(y)) / N on masked tokens."""
-    from opsd_loss import NLL_STAT_KEYS, nll_loss
+    from opsd.loss import NLL_STAT_KEYS, nll_loss
 
     student, teacher = make_logits((3, 5, 40))
     mask = make_mask(3, 5)

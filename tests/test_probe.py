@@ -12,7 +12,7 @@ import opsd_attribution
 import opsd_probe
 import opsd_train
 from data_collator import OPSDCollator
-from opsd_data import load_train_dataset
+from opsd.data import load_train_dataset
 from opsd_trainer import OPSDTrainer
 from tiny_default import build_qwen3_tokenizer, resolve_model
 

@@ -15,7 +15,7 @@ import torch
 import rollout
 from lora_helpers import acting_lora
 from rollout import BackendUnavailable, TransformersBackend, make_backend, resolve_backend_name, vllm_lora_rank
-from sampling import ROLLOUT_STREAMS, Completion, SamplingSettings, derive_seed, rollout_seed, to_completion
+from opsd.sampling import ROLLOUT_STREAMS, Completion, SamplingSettings, derive_seed, rollout_seed, to_completion
 from rollout.static_decode import StaticDecoder, bucket_width, resolve_cache_implementation
 
 SAMPLE = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=123)
@@ -110,7 +110,7 @@ def test_on_policy_steps_depend_on_seed_and_step_only():
     so a resumed run (or another rank) makes the uninterrupted run's choices."""
     import random
 
-    from sampling import on_policy_step
+    from opsd.sampling import on_policy_step
 
     choices = [on_policy_step(3, step, 0.3) for step in range(2000)]
     random.seed(99)
@@ -222,7 +222,7 @@ def test_peft_model_samples_with_its_adapter_and_keeps_its_mode(tiny, prompts):
 
     from peft import LoraConfig, get_peft_model
 
-    from model_utils import peft_wrapping
+    from opsd.model_utils import peft_wrapping
 
     model, _ = tiny
     with peft_wrapping():
@@ -400,7 +400,7 @@ def test_graph_loop_samples_in_eval_mode_and_switches_the_model_only_when_it_sam
 
     from peft import LoraConfig, get_peft_model
 
-    from model_utils import peft_wrapping
+    from opsd.model_utils import peft_wrapping
 
     with peft_wrapping():
         peft_model = get_peft_model(copy.deepcopy(tiny[0]), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5,
@@ -589,7 +589,7 @@ def test_adapters_that_cannot_merge_are_sampled_unmerged(tiny, prompts):
     from peft import LoraConfig, get_peft_model
 
     from rollout.merged_student import MergedStudent, MergeUnsupported
-    from model_utils import peft_wrapping
+    from opsd.model_utils import peft_wrapping
 
     model, _ = tiny
     with peft_wrapping():
@@ -959,7 +959,7 @@ def test_the_whole_row_draw_samples_what_generate_drew(tiny, prompts, top_p):
     was on), then generate's multinomial, from the same seed."""
     from transformers import GenerationConfig, TemperatureLogitsWarper, TopKLogitsWarper
 
-    from model_utils import left_pad
+    from opsd.model_utils import left_pad
 
     model, tokenizer = tiny
     settings = SamplingSettings(temperature=1.1, top_p=top_p, top_k=20, max_new_tokens=12)

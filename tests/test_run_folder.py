@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-import run_folder
-from run_folder import RunFolderError, RunLock
+from opsd import run_folder as run_folder
+from opsd.run_folder import RunFolderError, RunLock
 
 
 def test_lock_refuses_a_live_owner_and_takes_over_a_dead_one(tmp_path):

@@ -43,7 +43,7 @@ import torch
 from scipy import stats
 
 from rollout import TransformersBackend
-from sampling import SamplingSettings
+from opsd.sampling import SamplingSettings
 from rollout.static_decode import _Sampler
 
 VOCAB = 1000

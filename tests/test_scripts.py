@@ -187,7 +187,7 @@ def test_help_starts_with_the_opsd_settings_variables_and_precedence():
 def test_recipe_budget_knob_is_warned_and_ignored(tmp_path):
     recipe = tmp_path / "knob.env"
     recipe.write_text("max_steps=3\nper_device_train_batch_size=64\n")
-    result = run([sys.executable, "opsd_config.py", "check", str(recipe)], {})
+    result = run([sys.executable, "-m", "opsd.config", "check", str(recipe)], {})
     assert result.returncode == 0
     assert "max_steps" in result.stderr and "per_device_train_batch_size" in result.stderr
     assert "max_steps" not in result.stdout

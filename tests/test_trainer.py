@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 import opsd_train
 import opsd_trainer
 from data_collator import OPSDCollator, build_scoring_batch
-from model_utils import peft_wrapping
+from opsd.model_utils import peft_wrapping
 from opsd_trainer import SCORING_PAD_MULTIPLE, OPSDTrainer, completion_hidden_states, make_collator
 from tiny_default import build_qwen3_tokenizer, resolve_model
 
@@ -448,7 +448,7 @@ def _fake_tracker(monkeypatch, name="tensorboard"):
 def test_opsd_report_to_reaches_the_training_arguments(tmp_path, monkeypatch, capsys):
     """OPSD_REPORT_TO (default none) sets report_to; a --report_to flag wins and says so;
     the choice is recorded in the run configuration but not compared on resume."""
-    import run_folder
+    from opsd import run_folder as run_folder
 
     argv = _without_report_to(tiny_argv(tmp_path, 1))
     script_args, cfg, data = opsd_train.parse(argv, env={})
@@ -826,7 +826,7 @@ def test_each_rank_samples_with_its_own_reproducible_seed(tmp_path, monkeypatch)
 
 
 def test_reason_first_puts_the_teachers_analysis_into_its_context(tmp_path):
-    from prompts import RATIONALE_LABEL
+    from opsd.prompts import RATIONALE_LABEL
 
     plain = make_trainer(tmp_path / "a", 1)
     reasoning = make_trainer(tmp_path / "b", 1, "--reason_first", "true", "--reason_first_max_tokens", "8")

@@ -52,7 +52,7 @@ def peft_model():
     from peft import LoraConfig, get_peft_model
 
     import tiny_default
-    from model_utils import peft_wrapping
+    from opsd.model_utils import peft_wrapping
 
     with peft_wrapping():
         return get_peft_model(tiny_default.build_tiny_model(0),

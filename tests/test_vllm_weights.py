@@ -4,7 +4,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from model_utils import peft_wrapping
+from opsd.model_utils import peft_wrapping
 from tiny_default import build_tiny_model
 from rollout.vllm_weights import merged_named_parameters
 

@@ -316,7 +316,7 @@ def measure(model_path: str, problems: int, samples: int, seed: int = MEASURE_SE
 
     from opsd_eval import extract_boxed, is_correct
     from rollout import TransformersBackend
-    from sampling import SamplingSettings
+    from opsd.sampling import SamplingSettings
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from model_utils import import_inductor_quietly
-from opsd_loss import (
+from opsd.model_utils import import_inductor_quietly
+from opsd.loss import (
     DIVERGENCE_STAT_KEYS,
     NLL_STAT_KEYS,
     TINKER_STAT_KEYS,

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from answers import reference_answer
-from opsd_config import STUDENT_PROMPTS, TEACHER_CONTEXTS
+from opsd.answers import reference_answer
+from opsd.config import STUDENT_PROMPTS, TEACHER_CONTEXTS
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 

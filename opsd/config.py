@@ -1,7 +1,7 @@
 """Typed configuration: the `OPSD_*` environment switches and the recipe file.
 
 This is the one place where switches and `recipe.env` files are parsed. It uses
-the standard library only, so `python opsd_config.py check recipe.env` answers
+the standard library only, so `python -m opsd.config check recipe.env` answers
 (and fails) in a fraction of a second, before torch or any model is loaded.
 
 Recipe files (docs/SPEC.md §6) are .env files: `KEY=VALUE` lines, `#` starts a
@@ -16,11 +16,11 @@ and every other `OPSD_*` variable the scripts read (`SCRIPT_VARIABLES`): an `OPS
 the environment that none of these declares is an error (`check_env`), not a silent default.
 
 CLI:
-    python opsd_config.py check RECIPE   # parsed recipe as key=value lines; exit 2 on error
-    python opsd_config.py switches       # the OPSD_* switches and OPSD_REPORT_TO in effect; exit 2 on error
-    python opsd_config.py accelerate-config [NAME|PATH]   # the accelerate config file; exit 2 on error
-    python opsd_config.py check-env      # exit 2 with one line if an OPSD_* variable set is unknown
-    python opsd_config.py variables      # every OPSD_* variable anything here reads, one line of help each
+    python -m opsd.config check RECIPE   # parsed recipe as key=value lines; exit 2 on error
+    python -m opsd.config switches       # the OPSD_* switches and OPSD_REPORT_TO in effect; exit 2 on error
+    python -m opsd.config accelerate-config [NAME|PATH]   # the accelerate config file; exit 2 on error
+    python -m opsd.config check-env      # exit 2 with one line if an OPSD_* variable set is unknown
+    python -m opsd.config variables      # every OPSD_* variable anything here reads, one line of help each
 
 Every subcommand but `variables` runs check-env first.
 """
@@ -402,7 +402,7 @@ def _format_value(value: object) -> str:
 # --------------------------------------------------------------------------
 
 ACCELERATE_CONFIG_VARIABLE = "OPSD_ACCELERATE_CONFIG"
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")  # the repository's
 # name -> (accelerate config file in configs/, when to choose it); the first is the default.
 ACCELERATE_CONFIGS = {
     "ddp": ("ddp.yaml", "a full replica per GPU, gradients averaged: LoRA on a model that fits one GPU (1.7B)"),
@@ -484,7 +484,7 @@ def check_env(env: Mapping[str, str] = os.environ) -> None:
     # Compared without the common prefix, which would make every name look close.
     tails = {var[len(VARIABLE_PREFIX):]: var for var in declared if var not in INTERNAL_VARIABLES}
     close = difflib.get_close_matches(name[len(VARIABLE_PREFIX):].upper(), tails, n=1)
-    hint = f"did you mean {tails[close[0]]}?" if close else "python opsd_config.py variables lists them"
+    hint = f"did you mean {tails[close[0]]}?" if close else "python -m opsd.config variables lists them"
     raise ConfigError(f"{name} is not an OPSD setting ({hint})")
 
 
@@ -493,7 +493,7 @@ def check_env(env: Mapping[str, str] = os.environ) -> None:
 # --------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="opsd_config.py", description="Validate OPSD configuration before anything loads.")
+    parser = argparse.ArgumentParser(prog="python -m opsd.config", description="Validate OPSD configuration before anything loads.")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="parse a recipe file and print it as key=value lines")
     check.add_argument("recipe", help="path of the recipe file, e.g. recipe.env")

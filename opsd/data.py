@@ -40,10 +40,10 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from answers import answer_text, reference_answer
-from jsonl import parse_json, parse_lines, read_text
-from opsd_config import TEACHER_CONTEXTS, ConfigError, parse_data_select
-from prompts import SHUFFLED_SOLUTION
+from opsd.answers import answer_text, reference_answer
+from opsd.jsonl import parse_json, parse_lines, read_text
+from opsd.config import TEACHER_CONTEXTS, ConfigError, parse_data_select
+from opsd.prompts import SHUFFLED_SOLUTION
 
 RELEASED_TRAIN_DATASET = "siyanzhao/Openthoughts_math_30k_opsd"
 DEFAULT_EVAL_DATASET = "HuggingFaceH4/aime_2024"  # split "train", columns problem, answer

@@ -1,6 +1,6 @@
 """The answer-check worker: math-verify in a process of its own (opsd_eval's grading).
 
-    python grading_worker.py        (started by opsd_eval._AnswerWorker, not by hand)
+    python -P opsd/grading_worker.py   (started by opsd_eval._AnswerWorker, not by hand)
 
 opsd_eval starts this file as a plain subprocess, never by re-importing the caller's
 `__main__` (as multiprocessing's spawn does), so grading works the same from a script

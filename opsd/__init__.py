@@ -1,0 +1,15 @@
+"""The method's library: what OPSD is, apart from any engine or entry point.
+
+- `config`: every setting declared once (recipe keys, `OPSD_*` switches and variables, the
+  accelerate configs), parsed and validated before anything loads (`python -m opsd.config`);
+- `data`, `prompts`, `answers`: training and evaluation rows, the student's / teacher's prompts,
+  final answers;
+- `loss`, `chunked_loss`: the divergence as pure functions (reference and chunked; one per-token
+  function shared), `ema_teacher`, `adapter_layers`: the teacher's weights;
+- `grading_worker`: math-verify in a subprocess (evaluation's grading);
+- `run_folder`, `run_log`, `jsonl`: run folders, the `[OPSD kl]` line and `metrics.jsonl`;
+- `sampling`, `model_utils`: shared leaves (sampling settings and seeds; peft / device helpers).
+
+Nothing here imports TRL, the rollout engine or the entry points. This file imports nothing, so
+`python -m opsd.config check-env` runs on the standard library alone (before the install).
+"""
