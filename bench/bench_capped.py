@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
 
-from jsonl import read_jsonl
+from opsd.jsonl import read_jsonl
 
 STEP_LINE = re.compile(r"\[OPSD kl\] step=(\d+)")
 

@@ -48,7 +48,7 @@ import torch
 from rollout import paged_decode as paged_decode
 from bench_rollout import agreement
 from rollout import TransformersBackend
-from sampling import SamplingSettings
+from opsd.sampling import SamplingSettings
 
 PAD_ID = 151643
 SAMPLES_PER_PROMPT = 12  # the frozen settings' n_samples

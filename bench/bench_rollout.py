@@ -32,9 +32,9 @@ from rollout.kernels import matmul as decode_matmul
 from rollout.kernels import qkv as decode_qkv
 from rollout.kernels import sampler as decode_sampler
 from rollout import static_decode as static_decode
-from model_utils import causal_lm
+from opsd.model_utils import causal_lm
 from rollout import TransformersBackend
-from sampling import SamplingSettings
+from opsd.sampling import SamplingSettings
 from rollout.static_decode import DECODE_ATTENTION, StaticDecoder
 
 # configuration suffixes besides attn=NAME, qkv=NAME, topk=N
@@ -246,7 +246,7 @@ def profile_decode_step(state, steps: int, log) -> dict:
 
 
 def decoder_state(model):
-    from model_utils import causal_lm
+    from opsd.model_utils import causal_lm
 
     decoder = StaticDecoder._instances.get(causal_lm(model))
     return None if decoder is None else decoder.state

@@ -41,8 +41,8 @@ import torch
 import opsd_trainer
 from rollout.compiled_layers import CompiledLayers
 from data_collator import build_scoring_batch, gather_completion_positions
-from opsd_chunked_loss import chunked_divergence_loss
-from opsd_loss import divergence_loss
+from opsd.chunked_loss import chunked_divergence_loss
+from opsd.loss import divergence_loss
 from opsd_trainer import OPSDConfig, OPSDTrainer
 
 PAD_ID = 151643

@@ -104,7 +104,7 @@ def build_lora_model(shape: str, seed: int = 0, b_std: float = 0.01):
 
     import opsd_train
 
-    from model_utils import peft_wrapping
+    from opsd.model_utils import peft_wrapping
 
     args = opsd_train.ScriptArguments(lora_r=LORA_R, lora_alpha=LORA_ALPHA)
     with peft_wrapping():

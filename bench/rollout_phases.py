@@ -27,7 +27,7 @@ import torch
 
 from rollout import static_decode as static_decode
 from bench_rollout import EOS_IDS, PAD_ID, bench_prompts, recipe_sampling, trainer_model
-from model_utils import causal_lm
+from opsd.model_utils import causal_lm
 from rollout import TransformersBackend
 
 PHASES = (("refresh", static_decode.StaticDecoder, "network"), ("prefill", static_decode._DecodeState, "prefill"),
