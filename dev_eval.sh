@@ -22,7 +22,7 @@ environment:
   OPSD_EVAL_BACKEND  transformers | vllm | auto           (default auto: vllm with CUDA, else transformers)
   OPSD_EVAL_ENGINE   the transformers backend's engine: auto | dynamic | paged | static | graph | graph_compiled
                      (default auto: paged with CUDA, else and with OPSD_PRESET=tiny dynamic;
-                     python opsd_eval.py -h says more)
+                     python -m evaluation -h says more)
   OPSD_EVAL_PAGED_GIB  the paged engine's KV pool in GiB (default half the GPU's memory)
   OPSD_EVAL_OUT      output folder for eval_<name>.json   (default <repo>/outputs/eval/<dataset>)
   OPSD_PRESET=tiny   embedded tiny model and its 30-problem eval set, 8 samples of at most 96 tokens each
@@ -66,4 +66,4 @@ fi
 if [[ -n "${OPSD_EVAL_OUT:-}" ]]; then args+=(--output-dir "$(realpath -m -- "$OPSD_EVAL_OUT")"); fi
 
 cd "$repo"
-exec python opsd_eval.py "${args[@]}"
+exec python -m evaluation "${args[@]}"

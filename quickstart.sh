@@ -3,7 +3,7 @@
 # - on a machine with a CUDA GPU: the learned tiny model as it is (base), trained with the
 #   released recipe and with the arm that learns here (token clip + left padding), each at the
 #   full capped budget (100 steps x batch 32, one seed), all three evaluated on one held-out set
-#   (grids/quickstart_gpu.json through opsd_grid.py); prints the three FINAL lines and the
+#   (grids/quickstart_gpu.json through research/grid.py); prints the three FINAL lines and the
 #   verdicts against base;
 # - elsewhere (CPU): evaluate the base model on a small held-out set, train it with the tiny
 #   preset (8 steps x batch 4), evaluate the checkpoint, compare the two (one verdict line).
@@ -20,7 +20,7 @@ esac
 if python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
   out="${OPSD_OUTPUT:-outputs/quickstart-gpu}"
   echo "[quickstart] GPU: base, released recipe and token clip + left padding on the learned tiny default (grid in $out)"
-  python opsd_grid.py grids/quickstart_gpu.json --out "$out" --parallel 3
+  python -m research.grid grids/quickstart_gpu.json --out "$out" --parallel 3
   echo
   for cell in base released/seed-10 token_left/seed-10; do
     printf '%-12s %s\n' "${cell%%/*}:" "$(tail -n 1 "$out/$cell/eval.log")"

@@ -9,12 +9,12 @@ true KL, divergence before the clip, clip shares, teacher mass removed, entropie
 completion lengths, learning rate, gradient norm; a quantity the run did not log is left
 out). Default output: `RUN_DIR/curves.png`, which `opsd_train.py` also draws at the end of
 every run. `overlay` draws one panel per metric with one line per run folder or, with
-`--grid`, one line per arm of an `opsd_grid.py` folder: the mean over the arm's seeds, with
+`--grid`, one line per arm of an `research/grid.py` folder: the mean over the arm's seeds, with
 a band from the lowest to the highest seed at each step (default output
-`GRID_DIR/curves.png`, which `opsd_grid.py` also draws). A metric is a `metrics.jsonl` key
+`GRID_DIR/curves.png`, which `research/grid.py` also draws). A metric is a `metrics.jsonl` key
 (`opsd/true_kl`) or its `[OPSD kl]` label (`true_kl`). `python -m analysis.stats ... --plot FILE.png`
 draws its arms with the intervals it prints, through `plot_intervals`; `plot_sweep` draws a
-run's accuracy per checkpoint (`dev_eval.sh RUN_FOLDER`, checkpoint_sweep.py).
+run's accuracy per checkpoint (`dev_eval.sh RUN_FOLDER`, evaluation/sweep.py).
 
 Bad input (a missing folder or file, an unreadable `metrics.jsonl` line, a metric that no
 run logged, an output that is not a writable .png path) is one `error: ...` line on stderr
@@ -38,7 +38,7 @@ from opsd.jsonl import read_jsonl
 from opsd.run_log import KL_LINE_FIELDS
 from opsd.run_folder import METRICS_FILE
 
-CURVES_FILE = "curves.png"  # beside metrics.jsonl (opsd_train.py) and beside results.md (opsd_grid.py)
+CURVES_FILE = "curves.png"  # beside metrics.jsonl (opsd_train.py) and beside results.md (research/grid.py)
 DPI = 100
 
 LABEL_TO_KEY = dict(KL_LINE_FIELDS)  # `[OPSD kl]` label -> metrics.jsonl key
@@ -167,7 +167,7 @@ def _drop_absent(curves: dict[str, list[Curve]], required: bool, where: str, rec
 
 
 def grid_arms(grid_dir, arms: Sequence[str] | None = None) -> dict[str, list[Path]]:
-    """{arm: its trained run folders} of an opsd_grid.py folder (GRID/ARM/seed-N/run), in
+    """{arm: its trained run folders} of an research/grid.py folder (GRID/ARM/seed-N/run), in
     the order given or by name; arms without a trained run (the untrained base) are left out."""
     grid = Path(grid_dir)
     if not grid.is_dir():
@@ -179,7 +179,7 @@ def grid_arms(grid_dir, arms: Sequence[str] | None = None) -> dict[str, list[Pat
         if runs:
             found[name] = [p.parent for p in runs]
     if not found:
-        raise PlotError(f"{grid_dir}: no ARM/seed-N/run/{METRICS_FILE} in it (not an opsd_grid.py folder, "
+        raise PlotError(f"{grid_dir}: no ARM/seed-N/run/{METRICS_FILE} in it (not an research/grid.py folder, "
                         "or no cell has trained yet)")
     return found
 
@@ -358,7 +358,7 @@ def overlay_runs(run_dirs: Sequence, out, metrics: Sequence[str] | None = None) 
 
 def overlay_grid(grid_dir, out=None, metrics: Sequence[str] | None = None,
                  arms: Sequence[str] | None = None) -> list[tuple[str, str]]:
-    """The arms of an opsd_grid.py folder: seed mean and seed range per arm (default
+    """The arms of an research/grid.py folder: seed mean and seed range per arm (default
     output GRID_DIR/curves.png)."""
     keys = [metric_key(m) for m in (metrics or OVERLAY_METRICS)]
     curves = grid_curves(grid_dir, keys, arms, required=bool(metrics))  # first: a missing folder is the error
@@ -470,7 +470,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     curves.add_argument("--out", metavar="FILE.png", help=f"default RUN_DIR/{CURVES_FILE}")
     overlay = commands.add_parser("overlay", parents=[metric], help="several runs, or the arms of a grid, overlaid")
     overlay.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run folders (holding metrics.jsonl)")
-    overlay.add_argument("--grid", metavar="GRID_DIR", help="an opsd_grid.py folder: one line per arm (seed mean "
+    overlay.add_argument("--grid", metavar="GRID_DIR", help="an research/grid.py folder: one line per arm (seed mean "
                                                             "and range) instead of RUN_DIRs")
     overlay.add_argument("--out", metavar="FILE.png", help=f"required with RUN_DIRs; default GRID_DIR/{CURVES_FILE}")
     return parser.parse_args(argv)

@@ -6,13 +6,13 @@
                                 [--bootstrap N] [--seed S] [--run-sd SD] [--json OUT] [--plot FILE.png]
 
 `sweep_checkpoints` (with `format_sweep_markdown`, `sweep_final_line`) tabulates the
-checkpoints of one run against its last one, for `dev_eval.sh RUN_FOLDER` (checkpoint_sweep.py).
+checkpoints of one run against its last one, for `dev_eval.sh RUN_FOLDER` (evaluation/sweep.py).
 
 `--plot` draws the printed numbers (analysis.plots): each arm's run means with its mean and
 t interval, and the difference with each of its intervals (`compare`); each run with its
 problems CI, and the arm's mean with its t and bootstrap intervals (`summary`).
 
-Inputs are the reports `opsd_eval.py` writes (`eval_<name>.json`). One file is one
+Inputs are the reports the evaluation (`python -m evaluation`, dev_eval.sh) writes (`eval_<name>.json`). One file is one
 training run of an arm (one training seed); give several per arm. All files must
 share the dataset, the frozen settings block and the problem set, else the tool
 prints one line `error: FILE: ...` on stderr and exits with status 2. Numbers are

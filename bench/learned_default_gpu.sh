@@ -2,8 +2,8 @@
 # The learnable embedded default on a GPU machine, in one call (OPSD_EXPERIMENTS.md):
 #   bash bench/learned_default_gpu.sh OUT_DIR [GRID.json] [PARALLEL]
 # 1. with TRAIN_DEFAULT=1: trains tiny_default/weights/learned.safetensors and measures it
-#    (python -m tiny_default.train_learned); the weights and report land in OUT_DIR;
-# 2. with a grid file: runs it with opsd_grid.py into runs/<grid name> (resumable: carry
+#    (python -m research.train_tiny_default); the weights and report land in OUT_DIR;
+# 2. with a grid file: runs it with research/grid.py into runs/<grid name> (resumable: carry
 #    that folder back to continue) and packs its reports and logs into OUT_DIR/grid.tgz.
 # Everything stops by END_S seconds after the start (default 560). Wheels in .whl/ are
 # installed into /tmp/site first (see BENCHMARKS.md for how to fetch them).
@@ -16,7 +16,7 @@ source "$(dirname "$0")/gpu_env.sh"
 gpu_env "$OUT_DIR" || exit 1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 if [[ "${TRAIN_DEFAULT:-0}" == 1 ]]; then
-  timeout $((END_S - SECONDS)) python3 -m tiny_default.train_learned --report "$OUT_DIR/learned_report.json" \
+  timeout $((END_S - SECONDS)) python3 -m research.train_tiny_default --report "$OUT_DIR/learned_report.json" \
     ${TRAIN_ARGS:-} > "$OUT_DIR/train_learned.log" 2>&1
   echo "train_learned exit $?" | tee -a "$OUT_DIR/train_learned.log"
   cp tiny_default/weights/learned.safetensors "$OUT_DIR/" 2>/dev/null
@@ -24,7 +24,7 @@ if [[ "${TRAIN_DEFAULT:-0}" == 1 ]]; then
 fi
 if [[ -n "$GRID" ]]; then
   name=$(basename "$GRID" .json)
-  timeout $((END_S - SECONDS)) python3 opsd_grid.py "$GRID" --out "runs/$name" --parallel "$PARALLEL" \
+  timeout $((END_S - SECONDS)) python3 -m research.grid "$GRID" --out "runs/$name" --parallel "$PARALLEL" \
     > "$OUT_DIR/grid.log" 2>&1
   echo "opsd_grid exit $?" | tee -a "$OUT_DIR/grid.log"
   (cd runs && find "$name" \( -name 'eval.json' -o -name 'results.json' -o -name '*.log' -o -name '*.md' \

@@ -4,7 +4,7 @@
 # needs vLLM (0.26.0 with torch 2.11 was run) and the project's packages importable.
 # 1. bench/vllm_sync_check.py twice, in the background: as shipped (must pass) and with every
 #    weight sync after the first skipped (must fail);
-# 2. grids/tiny_engines.json with opsd_grid.py into runs/tiny_engines (resumable): the learned
+# 2. grids/tiny_engines.json with research/grid.py into runs/tiny_engines (resumable): the learned
 #    tiny default trained 100 x 32 by the own engine and by vLLM colocate (token clip + left
 #    padding, seeds 10-12), the released recipe by vLLM, every cell evaluated with vLLM; then
 #    python -m analysis.stats compare of the two engines' arms;
@@ -28,7 +28,7 @@ python3 bench/vllm_sync_check.py --skip-sync --json "$OUT_DIR/sync_skipped.json"
 stale_pid=$!
 
 grid=runs/tiny_engines
-timeout $((END_S - SECONDS - 150)) python3 opsd_grid.py grids/tiny_engines.json --out "$grid" --parallel 10 \
+timeout $((END_S - SECONDS - 150)) python3 -m research.grid grids/tiny_engines.json --out "$grid" --parallel 10 \
   > "$work/grid.log" 2>&1
 echo "opsd_grid exit $?" | tee -a "$work/grid.log"
 cp "$grid/results.md" "$OUT_DIR/results.md" 2>/dev/null
@@ -44,7 +44,7 @@ for cell in base vllm_token_left/seed-10 vllm_token_left/seed-11 vllm_token_left
   ckpt=base; [[ "$cell" == base ]] || ckpt="$grid/$cell/run/checkpoint-100"
   name=${cell//\//_}
   compgen -G "$parity/$name/eval_*.json" > /dev/null && continue  # done in an earlier call
-  timeout $((END_S - SECONDS - 20)) python3 opsd_eval.py "$ckpt" --preset tiny --dataset tiny:27182:200 \
+  timeout $((END_S - SECONDS - 20)) python3 -m evaluation "$ckpt" --preset tiny --dataset tiny:27182:200 \
     --backend transformers --output-dir "$parity/$name" > "$work/parity_$name.log" 2>&1 &
   pids+=($!)
 done

@@ -438,7 +438,7 @@ SCRIPT_VARIABLES = {
     "OPSD_MODEL": "model: hub id or local folder (train_capped.sh, dev_eval.sh; default Qwen/Qwen3-1.7B)",
     "OPSD_DATA": "training data: HF name, .json, .jsonl or .parquet (train_capped.sh)",
     "OPSD_OUTPUT": "run folder (train_capped.sh, quickstart.sh)",
-    "OPSD_PRESET": "tiny: the embedded tiny model and data on a CPU budget (train_capped.sh, dev_eval.sh, opsd_eval.py)",
+    "OPSD_PRESET": "tiny: the embedded tiny model and data on a CPU budget (train_capped.sh, dev_eval.sh, python -m evaluation)",
     "OPSD_NUM_PROCESSES": "training processes, one GPU each (train_capped.sh; default the visible GPUs)",
     "OPSD_PER_DEVICE_BATCH": "micro-batch per process (train_capped.sh; default 4)",
     "OPSD_USE_VLLM": "1/0: vLLM rollouts (train_capped.sh; default 1 when vllm is importable)",

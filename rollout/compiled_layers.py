@@ -14,7 +14,7 @@ The compiled forwards are installed only inside `CompiledLayers.active()`, i.e. 
 the two scoring forwards of `OPSDTrainer._opsd_loss` (training steps, and loss
 evaluation if an eval set is given), and, with an instance of its own over the network
 that samples, for the prefill of `static_decode`'s "graph_compiled" loop (whose decode
-step is compiled whole). vLLM rollouts, `opsd_eval` and checkpoint saving see the eager model.
+step is compiled whole). vLLM rollouts, the evaluation and checkpoint saving see the eager model.
 """
 from __future__ import annotations
 

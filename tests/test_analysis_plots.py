@@ -119,7 +119,7 @@ def test_grid_arms_are_seed_means_with_a_range_band(tmp_path):
     assert entry.low is None and entry.values == (1.0, 2.0, 3.0)  # one seed: no band
     assert token.values == pytest.approx((3.0, 6.0, 9.0))  # mean of 1x, 2x, 6x the step
     assert token.low == (1.0, 2.0, 3.0) and token.high == (6.0, 12.0, 18.0)
-    # The grid's own order (opsd_grid.py passes it), default output beside results.md.
+    # The grid's own order (research/grid.py passes it), default output beside results.md.
     drawn = run_plots.overlay_grid(grid, metrics=["loss"], arms=["token", "entry", "base"])
     assert drawn == [("loss", "token (3 seeds)"), ("loss", "entry (1 seed)")]
     assert_png(grid / "curves.png")
@@ -159,7 +159,7 @@ def test_bad_input_is_one_line_exit_2_and_no_png(tmp_path, capsys):
     one_error_line(capsys, ["overlay", good, "--out", tmp_path / "o.jpg"], "must be a .png file")
     one_error_line(capsys, ["overlay", good, "--out", tmp_path / "no" / "o.png"], "no such folder")
     one_error_line(capsys, ["overlay", good], "needs --out")
-    one_error_line(capsys, ["overlay", "--grid", good], "not an opsd_grid.py folder")
+    one_error_line(capsys, ["overlay", "--grid", good], "not an research/grid.py folder")
     one_error_line(capsys, ["overlay", "--grid", tmp_path / "nogrid", "--out", tmp_path / "g.png"], "no such folder")
     assert no_pngs(tmp_path)
 

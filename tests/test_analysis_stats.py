@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from analysis import stats as run_stats
-from opsd_eval import FROZEN_SETTINGS, TINY_SETTINGS, problem_summary, summarize, write_json_atomic
+from evaluation.evaluate import FROZEN_SETTINGS, TINY_SETTINGS, problem_summary, summarize, write_json_atomic
 from analysis.stats import (betainc, bootstrap_difference, bootstrap_mean, describe, problem_scores, run_level_test,
                        sampling_se, sign_flip_test, sign_test, single_run_t, t_cdf, t_ppf, t_two_sided_p, verdict,
                        welch_t)

@@ -1,4 +1,4 @@
-"""The checkpoint sweep (`dev_eval.sh RUN_FOLDER`, checkpoint_sweep.py): every checkpoint of a
+"""The checkpoint sweep (`dev_eval.sh RUN_FOLDER`, evaluation/sweep.py): every checkpoint of a
 run in step order, resumable, an accuracy-vs-step table and plot, the best checkpoint against
 the last (run_stats.sweep_checkpoints)."""
 
@@ -77,8 +77,8 @@ def two_checkpoints(tmp_path_factory):
 
 @pytest.mark.slow
 def test_sweep_evaluates_every_checkpoint_then_skips_them(two_checkpoints, tmp_path, capsys):
-    import checkpoint_sweep
-    import opsd_eval
+    from evaluation import sweep as checkpoint_sweep
+    from evaluation import evaluate as opsd_eval
 
     run, evals = two_checkpoints, tmp_path / "evals"
     env = {**os.environ, "OPSD_PRESET": "tiny", "OPSD_MODEL": "tiny-random", "OPSD_EVAL_DATA": EVAL_SET,
@@ -123,7 +123,7 @@ def test_sweep_evaluates_every_checkpoint_then_skips_them(two_checkpoints, tmp_p
 
 
 def test_a_run_folder_is_told_from_a_checkpoint(tmp_path):
-    import checkpoint_sweep
+    from evaluation import sweep as checkpoint_sweep
 
     (tmp_path / "checkpoint-3").mkdir()
     assert not checkpoint_sweep.is_run_folder(str(tmp_path))  # no trainer_state.json: not a complete checkpoint

@@ -1,4 +1,4 @@
-"""Evaluation (opsd_eval.py, dev_eval.sh): grading, metrics, the FINAL line, and
+"""Evaluation (evaluation/evaluate.py, dev_eval.sh): grading, metrics, the FINAL line, and
 end-to-end runs of the tiny preset.
 
 The end-to-end part runs `OPSD_PRESET=tiny bash dev_eval.sh base` once as a
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-import opsd_eval
-from opsd_eval import (TINY_SETTINGS, answers_match, extract_boxed, final_line, grade, is_correct,
+from evaluation import evaluate as opsd_eval
+from evaluation.evaluate import (TINY_SETTINGS, answers_match, extract_boxed, final_line, grade, is_correct,
                        majority_vote, normalize_answer, pass_at_k, summarize)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-import opsd_eval
-from opsd_eval import GradingError, check_answer, is_correct
+from evaluation import evaluate as opsd_eval
+from evaluation.evaluate import GradingError, check_answer, is_correct
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # The grading a caller does: two answers only math-verify accepts, one wrong answer.
 GRADING = textwrap.dedent("""\
     print("MARK: started", flush=True)
-    from opsd_eval import check_answer, is_correct
+    from evaluation.evaluate import check_answer, is_correct
     results = [is_correct("\\\\boxed{\\\\frac{1}{2}}", "0.5"), is_correct("\\\\boxed{10^{2}}", "100"),
                is_correct("\\\\boxed{3}", "4"), check_answer("10^{2}", "100")[1]]
     print("RESULT " + json.dumps(results), flush=True)

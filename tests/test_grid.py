@@ -1,4 +1,4 @@
-"""opsd_grid.py: arms x seeds on the tiny preset, paired seeds, resumable, one table."""
+"""research/grid.py: arms x seeds on the tiny preset, paired seeds, resumable, one table."""
 import json
 import subprocess
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import opsd_grid
+from research import grid as opsd_grid
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -22,7 +22,7 @@ GRID = {
 
 
 def _run(grid_file, out, *extra):
-    return subprocess.run([sys.executable, str(REPO / "opsd_grid.py"), str(grid_file), "--out", str(out), *extra],
+    return subprocess.run([sys.executable, "-m", "research.grid", str(grid_file), "--out", str(out), *extra],
                           capture_output=True, text=True, cwd=REPO, timeout=900)
 
 

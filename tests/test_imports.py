@@ -74,3 +74,50 @@ def test_shared_helpers_live_in_leaf_modules():
     modules = project_modules()
     for leaf in ("opsd.model_utils", "opsd.sampling", "opsd.jsonl"):
         assert not imports_of(modules[leaf], None, set(modules)), f"{leaf} should import no project module"
+
+
+# The layers, bottom up (README "Layout"): a module imports only from a lower layer or from
+# inside its own package. The root's research-fork files (the trainer, its collator, the CLI)
+# are one layer: the research tools build and drive the trainer.
+LAYERS = (("tiny_default",), ("opsd",), ("rollout", "analysis"), ("evaluation",),
+          ("data_collator", "opsd_trainer", "opsd_train"), ("research",))
+ROOT_FILES = {"data_collator", "opsd_trainer", "opsd_train"}
+
+
+def layer_of(name: str) -> int:
+    top = name.split(".")[0]
+    return next(i for i, members in enumerate(LAYERS) if top in members)
+
+
+def unit_of(name: str) -> str:
+    top = name.split(".")[0]
+    return "root" if top in ROOT_FILES else top
+
+
+def test_only_the_research_fork_files_stay_at_the_root():
+    assert {path.stem for path in ROOT.glob("*.py")} == ROOT_FILES
+    assert {".".join(p.relative_to(ROOT).parts) for p in packages()} == {
+        "tiny_default", "opsd", "rollout", "rollout.kernels", "analysis", "evaluation", "research"}
+
+
+def test_every_import_goes_down_a_layer_or_stays_in_its_package():
+    modules = project_modules()
+    known = set(modules)
+    upward = []
+    for name, path in modules.items():
+        package = ".".join(path.parent.relative_to(ROOT).parts) if path.parent != ROOT else None
+        for dep in imports_of(path, package, known):
+            if unit_of(dep) != unit_of(name) and layer_of(dep) >= layer_of(name):
+                upward.append(f"{name} -> {dep}")
+    assert not upward, "imports that do not go down a layer: " + ", ".join(sorted(upward))
+
+
+def test_the_rollout_engine_and_the_method_library_import_without_trl():
+    import subprocess
+    import sys
+
+    code = ("import sys, rollout, rollout.static_decode, rollout.paged_decode, rollout.merged_student, "
+            "rollout.vllm_weights, opsd.loss, opsd.chunked_loss, opsd.data, opsd.config, evaluation.evaluate; "
+            "print(sorted(m for m in ('trl', 'vllm') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr[-2000:]

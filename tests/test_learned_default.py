@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import tiny_default as td
-from tiny_default import learned_model, tasks, train_learned
+from research import train_tiny_default as train_learned
+from tiny_default import learned_model, tasks
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import opsd_attribution
-import opsd_probe
+from research import attribution as opsd_attribution
+from research import probe as opsd_probe
 import opsd_train
 from data_collator import OPSDCollator
 from opsd.data import load_train_dataset

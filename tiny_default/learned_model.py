@@ -4,7 +4,7 @@ Architecture: `Qwen3ForCausalLM`, the full Qwen3 vocabulary (151,936 rows, tied
 embeddings), hidden 256, 4 layers, 4 query / 2 KV heads, MLP 512.
 
 Weights are committed in a compact file (`weights/learned.safetensors`, fp16,
-about 5 MB) that `train_learned.py` reproduces. Only the embedding rows of the
+about 5 MB) that `research/train_tiny_default.py` reproduces. Only the embedding rows of the
 tokens the task uses are stored; every other row is zero. Those rows were zero,
 and held there, during training too (the training loss counts their logit 0 in
 the softmax normaliser), so the model has learned to push them down: the full
@@ -99,7 +99,7 @@ def learned_model_dir(path: Path = WEIGHTS_FILE) -> Path:
     built from the compact file once; the folder name carries the file's digest,
     so new weights never meet a stale cache."""
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: the learned tiny default is missing (python -m tiny_default.train_learned)")
+        raise FileNotFoundError(f"{path}: the learned tiny default is missing (python -m research.train_tiny_default)")
 
     def build(folder: Path) -> None:
         save_model_folder(build_learned_model(path), folder)

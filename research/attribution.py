@@ -1,6 +1,6 @@
 """Per-token attribution of the divergence (stdlib only): which completion tokens carry it.
 
-`opsd_probe.py` scores frozen rollouts and hands this module one record per completion
+`research/probe.py` scores frozen rollouts and hands this module one record per completion
 token; here they are grouped and summarised. Nothing here touches a model, so every
 number of the summary can be recomputed from the records alone (tests do).
 

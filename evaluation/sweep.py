@@ -1,5 +1,5 @@
 """Evaluate every checkpoint of one training run, in step order: `dev_eval.sh RUN_FOLDER`
-(`python opsd_eval.py RUN_FOLDER ...`, any of its options).
+(`python -m evaluation RUN_FOLDER ...`, any of its options).
 
 A run folder is a folder holding `checkpoint-N` folders (run_folder.checkpoints: each with its
 trainer_state.json); the final adapter a finished run also keeps at the top of the folder is not
@@ -40,7 +40,7 @@ def is_run_folder(path: str) -> bool:
 
 def report_is_current(evaluator, request, num_problems: int) -> bool:
     """The report at `request.output_path` exists and was made by exactly this request
-    (`evaluator`: the opsd_eval module)."""
+    (`evaluator`: the evaluation.evaluate module)."""
     try:
         report = json.loads(request.output_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -53,7 +53,7 @@ def report_is_current(evaluator, request, num_problems: int) -> bool:
 
 
 def sweep(args: argparse.Namespace, opsd_eval) -> int:
-    """`args`: opsd_eval's parsed command line, its checkpoint a run folder; `opsd_eval`: that
+    """`args`: the evaluation's parsed command line, its checkpoint a run folder; `opsd_eval`: the
     module (passed in by its main, which calls this: importing it here would be a cycle).
     Returns the exit status."""
     from analysis import plots as run_plots

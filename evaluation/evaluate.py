@@ -1,6 +1,6 @@
 """Evaluate a LoRA checkpoint (or the base model) on a math benchmark (docs/SPEC.md §5).
 
-    python opsd_eval.py CHECKPOINT|base [--model M] [--dataset D] [--output-dir O]
+    python -m evaluation CHECKPOINT|base [--model M] [--dataset D] [--output-dir O]
                         [--backend transformers|vllm|auto] [--engine E] [--preset tiny]
 
 Samples `n_samples` completions per problem under one frozen settings block,
@@ -107,7 +107,7 @@ def format_settings(settings: EvalSettings) -> str:
 # `python -c`, a notebook.
 MATH_VERIFY_TIMEOUT_S = 5.0
 ANSWER_WORKER_START_TIMEOUT_S = 120.0  # importing math-verify (sympy) in a fresh process
-ANSWER_WORKER_PATH = Path(__file__).resolve().parent / "opsd" / "grading_worker.py"
+ANSWER_WORKER_PATH = Path(__file__).resolve().parents[1] / "opsd" / "grading_worker.py"
 
 # How each answer was graded: the report's per-sample "graded_by" and metrics["graded_by"].
 #   string_match       the normalised strings are equal (correct; math-verify not asked)
@@ -868,10 +868,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from rollout.paged_decode import DEFAULT_MAX_ROWS
 
     parser = argparse.ArgumentParser(
-        description="Evaluate a LoRA checkpoint (or the base model) with the frozen OPSD protocol.")
+        prog="python -m evaluation", description="Evaluate a LoRA checkpoint (or the base model) with the frozen OPSD protocol.")
     parser.add_argument("checkpoint", help="LoRA checkpoint folder (with adapter_config.json), 'base', or a run "
                                            "folder (holding checkpoint-N folders): every checkpoint in step order, "
-                                           "then an accuracy-vs-step table and the best (checkpoint_sweep.py)")
+                                           "then an accuracy-vs-step table and the best (evaluation/sweep.py)")
     parser.add_argument("--model", help=f"base model: hub id, local folder or 'tiny' (default {DEFAULT_MODEL})")
     parser.add_argument("--dataset", help=f"eval set: hub name, .json/.jsonl/.parquet or 'tiny' "
                                           f"(default {DEFAULT_DATASET})")
@@ -903,7 +903,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     answer checker that fails: GradingError). `argv` may be parsed already (an argparse
     Namespace: one checkpoint of a sweep)."""
     args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
-    import checkpoint_sweep  # standard library and run_folder only
+    from evaluation import sweep as checkpoint_sweep  # standard library and run_folder only
 
     if checkpoint_sweep.is_run_folder(args.checkpoint):  # a folder of checkpoint-N folders: all of them
         return checkpoint_sweep.sweep(args, sys.modules[__name__])

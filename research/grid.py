@@ -1,13 +1,13 @@
 """Ablation grid: arms x seeds -> train -> evaluate -> compare with run_stats.
 
-    python opsd_grid.py GRID.json --out runs/my-grid [--parallel 4] [--dry-run]
+    python -m research.grid GRID.json --out runs/my-grid [--parallel 4] [--dry-run]
 
 A grid file (JSON) names the arms and what they share:
 
     {
       "preset": "tiny",                       # optional: the embedded default
       "eval_data": "tiny:31337:100",          # one eval set for every cell
-      "eval_flags": ["--backend", "vllm"],    # optional: more opsd_eval.py flags for every cell
+      "eval_flags": ["--backend", "vllm"],    # optional: more evaluation flags (python -m evaluation) for every cell
       "sweep_every": 25,                      # optional: checkpoints every 25 steps, each evaluated
       "seeds": [0, 1, 2],                     # training seeds, paired across arms
       "budget": {"max_steps": 100, "global_batch": 32, "per_device_batch": 32},
@@ -23,7 +23,7 @@ A grid file (JSON) names the arms and what they share:
     }
 
 Each cell (arm, seed) is `opsd_train.py` with the arm's recipe, `OPSD_*`
-variables and extra trainer flags, then `opsd_eval.py` on its last checkpoint.
+variables and extra trainer flags, then `python -m evaluation` on its last checkpoint.
 Seed s is the same training seed in every arm (same data order, same initial
 rollout RNG), so arms are compared on paired seeds. A cell whose `eval.json`
 exists is skipped; a cell with a partial run resumes from its last checkpoint,
@@ -34,7 +34,7 @@ against the baseline) and `results.json` (every number) in the grid folder, and
 seeds with the lowest-to-highest band (`python -m analysis.plots overlay --grid`).
 
 With `sweep_every: N`, trained cells save a checkpoint every N steps and evaluate every one
-(`opsd_eval.py RUN_FOLDER`, checkpoint_sweep.py: one report per checkpoint, the cell's
+(`python -m evaluation RUN_FOLDER`, evaluation/sweep.py: one report per checkpoint, the cell's
 `sweep.json` with accuracy against step, best against last); the arms' table still compares
 the last checkpoints, and `results.md` / `results.json` add each arm's mean accuracy per step.
 """
@@ -53,7 +53,7 @@ from pathlib import Path
 
 from opsd.run_folder import write_text_atomic
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]  # the repository
 BUDGET_DEFAULT = {"max_steps": 100, "global_batch": 32, "per_device_batch": 4}
 
 
@@ -147,7 +147,7 @@ def load_grid(path: str) -> Grid:
         raise GridError(f"{where}: baseline {baseline!r} is not an arm")
     eval_flags = spec.get("eval_flags", [])
     if not isinstance(eval_flags, list) or not all(isinstance(f, str) for f in eval_flags):
-        raise GridError(f"{where}: 'eval_flags' must be a list of strings (opsd_eval.py flags)")
+        raise GridError(f"{where}: 'eval_flags' must be a list of strings (python -m evaluation's flags)")
     _check_eval_flags(eval_flags, where)
     sweep_every = spec.get("sweep_every")
     if sweep_every is not None and not (isinstance(sweep_every, int) and not isinstance(sweep_every, bool)
@@ -162,11 +162,11 @@ def load_grid(path: str) -> Grid:
 
 
 def _check_eval_flags(flags: list[str], where: str) -> None:
-    """opsd_eval.py's own parser on the flags, so that a wrong one stops the grid now, not after training."""
+    """The evaluation's own parser on the flags, so that a wrong one stops the grid now, not after training."""
     import contextlib
     import io
 
-    import opsd_eval
+    from evaluation import evaluate as opsd_eval
 
     message = io.StringIO()
     try:
@@ -240,7 +240,7 @@ def eval_command(grid: Grid, cell: Cell) -> list[str]:
         checkpoint = str(cell.folder / "run")
     else:
         checkpoint = str(cell.folder / "run" / f"checkpoint-{grid.budget['max_steps']}")
-    command = [sys.executable, str(REPO / "opsd_eval.py"), checkpoint, "--output-dir", str(cell.folder / "eval")]
+    command = [sys.executable, "-m", "evaluation", checkpoint, "--output-dir", str(cell.folder / "eval")]
     if grid.preset:
         command += ["--preset", grid.preset]
     if grid.eval_data:
@@ -369,7 +369,7 @@ def draw_curves(grid: Grid, out: Path) -> Path | None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m research.grid", description=__doc__.split("\n\n")[0])
     parser.add_argument("grid", help="grid file (JSON)")
     parser.add_argument("--out", required=True, help="grid folder: one sub-folder per cell, results at the top")
     parser.add_argument("--parallel", type=int, default=1, help="cells run at once (default 1)")

@@ -1,7 +1,7 @@
 """Train the learned embedded default (`tiny`), write its compact weights, measure it.
 
-    python -m tiny_default.train_learned                  # train + measure (a GPU; CPU works, slowly)
-    python -m tiny_default.train_learned --measure-only   # re-measure the committed weights
+    python -m research.train_tiny_default                  # train + measure (a GPU; CPU works, slowly)
+    python -m research.train_tiny_default --measure-only   # re-measure the committed weights
 
 Training data: an endless stream of train-split problems (`tasks`), each rendered
 by this repository's own prompt code in one of the formats the model meets:
@@ -217,7 +217,7 @@ def sample_compact(model, prompts: list[list[int]], n_zero_rows: int, temperatur
 
 
 def dev_accuracy(model, renderer, to_compact, from_compact, items, fmt, n_zero_rows, gen, temperature=1.0) -> float:
-    from opsd_eval import is_correct
+    from evaluation.evaluate import is_correct
 
     prompts = [[to_compact[t] for t in renderer.prompt(item, fmt)] for item in items]
     longest = max(len(renderer.response(item, fmt)) for item in items)
@@ -314,7 +314,7 @@ def measure(model_path: str, problems: int, samples: int, seed: int = MEASURE_SE
     student's wrong samples go wrong."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from opsd_eval import extract_boxed, is_correct
+    from evaluation.evaluate import extract_boxed, is_correct
     from rollout import TransformersBackend
     from opsd.sampling import SamplingSettings
 
@@ -348,7 +348,7 @@ def measure(model_path: str, problems: int, samples: int, seed: int = MEASURE_SE
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m research.train_tiny_default", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", default=str(WEIGHTS_FILE), help="compact weights file to write")
     parser.add_argument("--measure-only", action="store_true", help="skip training; measure --output")

@@ -1,7 +1,7 @@
 """Probe on frozen rollouts: score one fixed set of student rollouts under several
 configurations, without training (OPSD_EXPERIMENTS.md, "Probe on frozen rollouts").
 
-    python opsd_probe.py --preset tiny --rows 8 \\
+    python -m research.probe --preset tiny --rows 8 \\
         --variant clip_mode=token --variant teacher_context=shuffled,beta=0 \\
         [--checkpoint RUN/checkpoint-N] [--save-rollouts R.jsonl | --rollouts R.jsonl] \\
         [--out probe.json] [--attribution A.jsonl]
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 from opsd.answers import reference_answer
 from opsd.jsonl import parse_json, read_jsonl, read_text
-from opsd_attribution import format_summary, pre_box, summarize, token_groups
+from research.attribution import format_summary, pre_box, summarize, token_groups
 from opsd.config import SWITCH_VALUES, ConfigError, parse_recipe_value, parse_switch_value
 from opsd.data import DataError, load_train_dataset
 from opsd.run_log import KL_LINE_FIELDS
@@ -171,7 +171,7 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="opsd_probe.py", description="Score frozen student rollouts under several OPSD "
+    p = _Parser(prog="python -m research.probe", description="Score frozen student rollouts under several OPSD "
                 "configurations, without training. The baseline is resolved as opsd_train.py resolves a run "
                 "(preset < --recipe < OPSD_* switches < flags).")
     p.add_argument("--preset", choices=["tiny"], help="the embedded model and data (as opsd_train.py --preset tiny)")
