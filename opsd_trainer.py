@@ -131,8 +131,9 @@ class OPSDConfig(DistillationConfig):
     gradient_checkpointing: bool | None = field(default=None)
     activation_checkpointing: bool | None = field(default=True)
 
-    clip_mode: str = field(
-        default=CLIP_MODES[0], metadata={"help": "entry (released) or token (direction-preserving)."}
+    clip_mode: str = field(  # the values: opsd.config.CLIP_MODES; each one's clip: opsd.loss.CLIPS
+        default=CLIP_MODES[0], metadata={"help": f"The clip of the divergence (OPSD_CLIP_MODE): {', '.join(CLIP_MODES)}; "
+                                                 f"{CLIP_MODES[0]} is the released one."}
     )
     pad_side: str = field(default=PAD_SIDES[0], metadata={"help": "right (released, pad gap) or left (contiguous)."})
     student_prompt: str = field(default=STUDENT_PROMPTS[0], metadata={"help": "paper or eval."})

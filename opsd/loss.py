@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-CLIP_MODES = ("entry", "token")
+from opsd.config import CLIP_MODES  # the declared clip modes (OPSD_CLIP_MODE); each has a function in CLIPS
 
 # Diagnostics of `divergence_loss`; every value is the mean over masked tokens of a
 # per-token quantity (see `_divergence_stats`).
@@ -84,8 +84,6 @@ class DivergenceConfig:
             raise ValueError(f"beta must be in [0, 1], got {self.beta}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.clip_mode not in CLIP_MODES:
-            raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {self.clip_mode!r}")
         if self.clip is not None and not self.clip >= 0:
             raise ValueError(f"clip must be >= 0 or None, got {self.clip}")
         if self.top_k < 0:
@@ -124,27 +122,39 @@ def token_clip_scale(raw: torch.Tensor, clip: float) -> torch.Tensor:
     return torch.where(raw > clip, clip / raw, torch.ones_like(raw))
 
 
+def clip_entries(entries: torch.Tensor, clip: float) -> torch.Tensor:
+    """entry (the released clip): D_n = sum_v min(l_v, tau); the clamp passes gradient only where l_v <= tau."""
+    return entries.clamp(max=clip).sum(-1)
+
+
+def clip_token(entries: torch.Tensor, clip: float) -> torch.Tensor:
+    """token: D_n = (sum_v l_v) * min(1, tau / sum_v l_v), the scale detached (the direction is kept)."""
+    raw = entries.sum(-1)
+    return raw * token_clip_scale(raw, clip)
+
+
+# The clip of each declared mode: entries l [N, K] and tau -> D [N]. A new clip is one function here
+# and its name in opsd.config.CLIP_MODES (where the switch, the flag and the help read it).
+CLIPS = {"entry": clip_entries, "token": clip_token}
+if set(CLIPS) != set(CLIP_MODES):
+    raise ImportError(f"opsd.loss.CLIPS {sorted(CLIPS)} and opsd.config.CLIP_MODES {sorted(CLIP_MODES)} differ")
+
+
 def token_divergence(
     student_logp: torch.Tensor, teacher_logp: torch.Tensor, *, beta: float, clip: float, clip_mode: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped per-token divergence.
 
     Args: normalised log-probs [N, K] (teacher detached by the caller), clip tau
-    (0 disables), clip_mode "entry" or "token".
-    Returns (D [N], l [N, K]) where l holds the unclipped entries l_v and
-        entry:  D_n = sum_v min(l_v, tau)   (clamp passes gradient only where l_v <= tau)
-        token:  D_n = (sum_v l_v) * min(1, tau / sum_v l_v), scale detached
-        off:    D_n = sum_v l_v
+    (0 disables), clip_mode one of CLIP_MODES (validated where it was read: the switch or the
+    config; here it only picks the function of CLIPS).
+    Returns (D [N], l [N, K]): the clipped D_n (`CLIPS[clip_mode]`; without a clip sum_v l_v)
+    and the unclipped entries l_v.
     """
     entries = entry_divergence(student_logp, teacher_logp, beta)
     if not clip:
         return entries.sum(-1), entries
-    if clip_mode == "entry":
-        return entries.clamp(max=clip).sum(-1), entries
-    if clip_mode == "token":
-        raw = entries.sum(-1)
-        return raw * token_clip_scale(raw, clip), entries
-    raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
+    return CLIPS[clip_mode](entries, clip), entries
 
 
 def tempered_log_probs(logits: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:

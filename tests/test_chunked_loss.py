@@ -193,12 +193,19 @@ def test_teacher_hidden_gets_no_gradient():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(clip_mode="per-token"), dict(beta=2.0), dict(chunk_size=0), dict(top_k=-3)],
+    [dict(beta=2.0), dict(chunk_size=0), dict(top_k=-3)],
 )
 def test_invalid_arguments_raise(kwargs):
     student, teacher, weight, _ = make_inputs()
     with pytest.raises(ValueError):
         chunked_divergence_loss(student, teacher, weight, **kwargs)
+
+
+def test_an_undeclared_clip_mode_has_no_clip_function():
+    """As divergence_loss: the mode was validated where it was read; here only CLIPS picks."""
+    student, teacher, weight, _ = make_inputs()
+    with pytest.raises(KeyError):
+        chunked_divergence_loss(student, teacher, weight, clip_mode="per-token", clip=0.05)
 
 
 def test_shape_mismatch_raises():

@@ -334,13 +334,26 @@ def test_top_k_at_least_vocab_equals_full_vocab():
 
 @pytest.mark.parametrize(
     "opts",
-    [dict(clip_mode="sequence"), dict(clip_mode="Entry"), dict(beta=1.5), dict(beta=-0.1),
-     dict(temperature=0.0), dict(clip=-0.1), dict(top_k=-1)],
+    [dict(beta=1.5), dict(beta=-0.1), dict(temperature=0.0), dict(clip=-0.1), dict(top_k=-1)],
 )
 def test_invalid_options_raise(opts):
     student, teacher = make_logits((3, 2, 5))
     with pytest.raises(ValueError):
         divergence_loss(student, teacher, make_mask(3, 2), **opts)
+
+
+def test_every_declared_clip_mode_has_one_clip_function_and_nothing_else_has_one():
+    """The clip modes are declared once (opsd.config.CLIP_MODES, where OPSD_CLIP_MODE and
+    --clip_mode are validated when they are read); the loss keeps one function per mode and
+    trusts the typed value: an undeclared mode has no function (a KeyError, not a silent clip)."""
+    from opsd.config import CLIP_MODES
+    from opsd.loss import CLIPS
+
+    assert tuple(CLIPS) == CLIP_MODES
+    student, teacher = make_logits((3, 2, 5))
+    for mode in ("sequence", "Entry"):
+        with pytest.raises(KeyError):
+            divergence_loss(student, teacher, make_mask(3, 2), clip_mode=mode)
 
 
 def test_shape_mismatch_raises():
