@@ -187,7 +187,7 @@ class OPSDConfig(DistillationConfig):
             "help": "transformers rollouts (when vLLM is off): auto (CUDA: graph_compiled, the compiled and "
             "recorded static-cache decode loop, measured fastest in BENCHMARKS.md; CPU: the dynamic cache), "
             "graph_compiled, graph, static (generate + static cache), paged (transformers' continuous batching over a "
-            "bounded paged KV cache, paged_decode.py; meant for long evaluations) or dynamic / None (generate + "
+            "bounded paged KV cache, rollout/paged_decode.py; meant for long evaluations) or dynamic / None (generate + "
             "dynamic cache)."
         },
     )
@@ -701,7 +701,7 @@ class OPSDTrainer(DistillationTrainer):
 
     def _adapters(self, unwrapped) -> AdapterLayers:
         """The model's adapter layers, listed at the first use with this model (peft's own
-        switches walk the whole model each time: adapter_layers.py)."""
+        switches walk the whole model each time: opsd/adapter_layers.py)."""
         if self._adapter_layers is None or self._adapter_layers.model is not unwrapped:
             self._adapter_layers = AdapterLayers(unwrapped)
         return self._adapter_layers

@@ -4,7 +4,7 @@
     python bench/vllm_sync_check.py --skip-sync --json $OUT/stale.json    # must fail (exit 1): the check's own test
 
 Runs `OPSDTrainer` with vLLM colocate (TRL's `VLLMGeneration`, with the project's out-of-place
-LoRA merge, `vllm_weights.py`) on the learned tiny default at the arm that learns there
+LoRA merge, `rollout/vllm_weights.py`) on the learned tiny default at the arm that learns there
 (`OPSD_CLIP_MODE=token`, `OPSD_PAD_SIDE=left`, lr 2e-4, batch 32) for `--steps` optimizer steps.
 At every rollout, after k optimizer steps (k = 0 .. steps-1), it compares two distributions over
 the tokens vLLM sampled:

@@ -2,7 +2,7 @@
 
 Pure torch, no model. Everything is built from per-token functions on flat rows
 (`[N, V]` logits of the masked completion positions), so that this reference and the
-memory-efficient chunked version (`opsd_chunked_loss.py`) run the very same math:
+memory-efficient chunked version (`opsd/chunked_loss.py`) run the very same math:
 
     rows_divergence   raw logits rows -> per-token clipped divergence D_n + diagnostics
     token_divergence  log-prob rows   -> D_n (the clip) and the unclipped entries l_v

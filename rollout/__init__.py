@@ -106,12 +106,12 @@ class TransformersBackend:
       preallocated KV cache, every decode step (forward + sampling + EOS
       bookkeeping) recorded once as a CUDA graph and replayed; with `merge_lora`
       active LoRA adapters are sampled from a merged copy of the adapted weights
-      (`merged_student.py`), else unmerged; the base weights, i.e. the fixed
+      (`rollout/merged_student.py`), else unmerged; the base weights, i.e. the fixed
       teacher, are never written;
     - "graph_compiled": the same loop with the step compiled by torch.compile
       before it is recorded (fewer, fused kernels; pays a compile per shape);
     - "paged": transformers' continuous batching over a paged KV cache of bounded
-      size (`paged_decode.py`): every row of the call is one request, rows join
+      size (`rollout/paged_decode.py`): every row of the call is one request, rows join
       and leave the running batch as they start and finish, at most `batch_size`
       rows per forward pass; the KV pool (`paged_cache_gib`, default a share of the
       device's memory), not the number of rows, bounds the memory. For long
@@ -160,7 +160,7 @@ class TransformersBackend:
         return [completions[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
 
     def _generate_paged(self, rows: list[list[int]], settings: SamplingSettings, progress: bool) -> list[Completion]:
-        """All rows at once through transformers' continuous batching (paged_decode.py)."""
+        """All rows at once through transformers' continuous batching (rollout/paged_decode.py)."""
         with _progress_bar(len(rows), progress) as bar, eval_mode(self.model), torch.no_grad():
             config = self.generation_config(settings, processors_passed=False)
             run = paged_generate(self.model, rows, settings, config, max_rows=self.batch_size,

@@ -16,8 +16,8 @@ fused product may sum in another order, within bf16 rounding.
 
 In a decode step over `static_decode`'s cache (one token per row, on CUDA) the attention
 goes from the q/k/v product to its output through the cache (`attend_new_token`: the q/k
-norms, rotary embedding, cache writes and attention in one kernel, see `decode_qkv.py` and
-`decode_attention.py`), plain projections go through `decode_matmul.linear` (a split-K
+norms, rotary embedding, cache writes and attention in one kernel, see `rollout/kernels/qkv.py` and
+`rollout/kernels/attention.py`), plain projections go through `decode_matmul.linear` (a split-K
 kernel where it measured faster), and a SiLU MLP's gate/up product and gating through
 `decode_matmul.silu_gated` (one kernel); elsewhere (prefill, CPU, other caches) the original
 operations run.

@@ -10,7 +10,7 @@ How, keeping the teacher exact: the copy is a second module tree over the same
 tensors (embeddings, norms, lm_head, buffers are shared, never written); only each
 LoRA-wrapped linear layer gets a new weight tensor, which `refresh` fills out of
 place as base + scaling * B @ A (float32 arithmetic, one rounding to the weight's
-dtype; `lora_merge.py`, whose Triton kernel for it is not the default yet). The base weights, which are the teacher, are only read. `refresh` rebuilds
+dtype; `rollout/kernels/lora_merge.py`, whose Triton kernel for it is not the default yet). The base weights, which are the teacher, are only read. `refresh` rebuilds
 every merged weight, unconditionally: it runs before every rollout (once per optimizer
 step in training), costs one pass over the adapted weights (milliseconds on a GPU for a
 1.7B model, next to seconds of sampling), and needs no way to tell whether the adapters
@@ -22,7 +22,7 @@ separately, so the two differ by bf16 rounding (BENCHMARKS.md gives the measured
 log-probability difference); in float32 / float64 they agree to rounding (tested).
 
 Layout: by default the copy also stacks each attention's q, k, v and each MLP's gate,
-up into one product (`fused_projections.py`) where all of them carry adapters; their
+up into one product (`rollout/fused_projections.py`) where all of them carry adapters; their
 merged weights are then views of the stacked weight, filled by the same `refresh`.
 
 Supported: peft LoRA on `torch.nn.Linear` layers (any number of active adapters).
@@ -59,7 +59,7 @@ class MergedStudent:
     """A plain copy of `model`'s CausalLM whose adapted weights hold base + LoRA delta.
 
     With `fuse` (the default), each attention's q, k, v and each MLP's gate, up whose
-    projections are all adapted become one stacked product (`fused_projections.py`);
+    projections are all adapted become one stacked product (`rollout/fused_projections.py`);
     their merged weights are views of the stacked weight."""
 
     def __init__(self, model, fuse: bool = True):

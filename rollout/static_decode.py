@@ -14,14 +14,14 @@ Why it exists: on-policy rollouts dominate a training step, and `model.generate`
 is several times slower for them (BENCHMARKS.md section 2 has every engine measured
 on an H200). What makes a step fast: no host synchronisation (one recorded graph
 replays the whole step), compiled kernels, the student's LoRA merged into a sampling
-copy (`merge_lora`, see `merged_student.py`; or run unmerged inside the step), and
+copy (`merge_lora`, see `rollout/merged_student.py`; or run unmerged inside the step), and
 attention that reads only the filled part of the KV cache (`KV_WINDOW`), through a kernel
-made for one query token (`decode_attention.py`, `DECODE_ATTENTION`); in the merged copy,
+made for one query token (`rollout/kernels/attention.py`, `DECODE_ATTENTION`); in the merged copy,
 that kernel also makes the new token's query and K/V column from the q/k/v product (q/k
-norms, rotary embedding, cache writes: `decode_qkv.py`), split-K kernels run its narrow
-products and one kernel its gate/up product with the SiLU gating (`decode_matmul.py`); the
+norms, rotary embedding, cache writes: `rollout/kernels/qkv.py`), split-K kernels run its narrow
+products and one kernel its gate/up product with the SiLU gating (`rollout/kernels/matmul.py`); the
 sampler's top-k on the logits' own dtype, searched only in the vocabulary blocks that can
-hold it, then drawn in one kernel (`decode_sampler.py`). Either way the frozen base weights, which are
+hold it, then drawn in one kernel (`rollout/kernels/sampler.py`). Either way the frozen base weights, which are
 the teacher, are only ever read.
 
 Supported: full-attention Qwen3 / Qwen2 / Llama models (`SUPPORTED_MODEL_TYPES`);
@@ -49,7 +49,7 @@ from rollout.merged_student import MergedStudent, MergeUnsupported, has_enabled_
 from opsd.model_utils import causal_lm, eval_mode, import_inductor_quietly, kv_geometry, model_device
 from opsd.sampling import SamplingSettings
 
-# The engines of rollout.TransformersBackend (None = "dynamic"); "paged" is paged_decode.py.
+# The engines of rollout.TransformersBackend (None = "dynamic"); "paged" is rollout/paged_decode.py.
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static", "graph", "graph_compiled", "paged", "auto")
 GRAPH_LOOPS = ("graph", "graph_compiled")
 # What "auto" picks on CUDA: the fastest correct engine measured on an H200
@@ -67,7 +67,7 @@ KV_WINDOW = 128
 # The kernel of the decode step's attention (`decode_attention.IMPLEMENTATIONS`; "auto" =
 # the Triton split-KV kernel on CUDA, torch's sdpa elsewhere), read when a window's step is recorded.
 DECODE_ATTENTION = "auto"
-# The merged sampling copy stacks q/k/v and gate/up into one product each (`fused_projections.py`).
+# The merged sampling copy stacks q/k/v and gate/up into one product each (`rollout/fused_projections.py`).
 FUSE_PROJECTIONS = True
 # torch.compile's mode for the "graph_compiled" step (None: the default; the loop records its
 # own CUDA graphs, so only the "-no-cudagraphs" modes make sense, e.g. "max-autotune-no-cudagraphs").

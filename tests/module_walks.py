@@ -1,6 +1,6 @@
 """Record the walks over a model's modules (`nn.Module.modules` / `named_modules`) that code in
 given folders starts: peft's context managers walk the whole model on each use, which the
-trainer avoids in every micro-batch (adapter_layers.py)."""
+trainer avoids in every micro-batch (opsd/adapter_layers.py)."""
 import sys
 from pathlib import Path
 

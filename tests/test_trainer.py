@@ -749,7 +749,7 @@ def test_a_micro_batch_counts_no_tokens_on_the_device(tmp_path):
 
 def test_a_micro_batch_walks_no_module_tree(tmp_path, monkeypatch):
     """The teacher's adapters are switched off and autocast's input dtype kept through layers
-    listed once (adapter_layers.py), not by peft's context managers, which walk every module
+    listed once (opsd/adapter_layers.py), not by peft's context managers, which walk every module
     of the model (and build a status report) on each use: host time in every micro-batch."""
     from pathlib import Path
 

@@ -19,7 +19,7 @@ from evaluation import evaluate as opsd_eval
 from evaluation.evaluate import (TINY_SETTINGS, answers_match, extract_boxed, final_line, grade, is_correct,
                        majority_vote, normalize_answer, pass_at_k, summarize)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FINAL_RE = re.compile(r"^FINAL avg@(\d+) accuracy: (\d+\.\d\d)% \((\d+)/(\d+) solutions correct on (\d+) problems\)$")
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from analysis import stats as run_stats
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- the statistics (fabricated reports)

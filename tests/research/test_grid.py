@@ -8,7 +8,7 @@ import pytest
 
 from research import grid as opsd_grid
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 GRID = {
     "preset": "tiny",

@@ -18,7 +18,7 @@ from rollout.kernels import attention as decode_attention
 from rollout import static_decode as static_decode
 from rollout.static_decode import StaticDecoder
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import common  # noqa: E402
 
 LARGER = ("qwen3-4b", "qwen3-8b")

@@ -9,7 +9,7 @@ import pytest
 
 from opsd.config import BUDGET_KNOBS, ConfigError, Recipe, RecipeError, Switches, parse_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 RELEASED = {
     "learning_rate": 5e-6, "lr_scheduler_type": "constant", "warmup_ratio": 0.0,

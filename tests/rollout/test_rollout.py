@@ -1,4 +1,4 @@
-"""Sampling backends (rollout.py) on the embedded tiny Qwen3 model.
+"""Sampling backends (rollout/__init__.py) on the embedded tiny Qwen3 model.
 
 The EOS cases are made exact with a hook on lm_head that sets the EOS token's
 probability to a chosen value: 1 (every sample is just EOS), 0 (every sample
@@ -697,7 +697,7 @@ def test_bucket_widths_and_engine_choice(tiny):
 
 
 # ---------------------------------------------------------------- the paged engine ("paged")
-# transformers' continuous batching over a paged KV cache (paged_decode.py), on CPU
+# transformers' continuous batching over a paged KV cache (rollout/paged_decode.py), on CPU
 # with sdpa: every row of a call is one request of one running batch.
 
 def paged(tiny, **kwargs):

@@ -1,4 +1,4 @@
-"""The decode step's draw in one Triton kernel (decode_sampler.py) against the torch draw.
+"""The decode step's draw in one Triton kernel (rollout/kernels/sampler.py) against the torch draw.
 
 The kernel runs here in Triton's CPU interpreter (TRITON_INTERPRET=1, see conftest.py).
 The torch draw (`top_k_and_logsumexp` -> `torch_draw`, what `static_decode._Sampler`

@@ -1,4 +1,4 @@
-"""The merged sampling copy's stacked projections (fused_projections.py): one product for
+"""The merged sampling copy's stacked projections (rollout/fused_projections.py): one product for
 q, k, v and one for gate, up compute what the separate projections compute, for every
 supported family (Qwen3's q/k norms, Qwen2's biases, Llama), through the decode loop too."""
 import warnings

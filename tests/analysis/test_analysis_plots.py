@@ -1,4 +1,4 @@
-"""run_plots.py on fake run folders: a run's curves, runs and grid arms overlaid, the
+"""analysis/plots.py on fake run folders: a run's curves, runs and grid arms overlaid, the
 numbers behind a grid arm's line and band, and bad input (one `error:` line, exit 2,
 no PNG left behind)."""
 import json
@@ -11,7 +11,7 @@ import pytest
 from analysis import plots as run_plots
 from opsd.run_log import KL_LINE_FIELDS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 OPSD_KEYS = [key for _, key in KL_LINE_FIELDS if key != "opsd/nll"]  # nll: the SFT loss only
 OTHER_KEYS = ["loss", "learning_rate", "grad_norm", "completions/mean_length", "completions/max_length"]

@@ -1,4 +1,4 @@
-"""lora_merge.py: W + scaling * B @ A rounded once, in Triton's CPU interpreter (conftest switches
+"""rollout/kernels/lora_merge.py: W + scaling * B @ A rounded once, in Triton's CPU interpreter (conftest switches
 it on without a GPU) against float64, and the merged sampling copy refreshed through it.
 
 Half precision here is float16: the interpreter converts float32 to bfloat16 by truncation

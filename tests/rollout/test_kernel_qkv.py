@@ -1,4 +1,4 @@
-"""decode_qkv.py: the decode step's q/k RMSNorms, rotary embedding and K/V cache writes in
+"""rollout/kernels/qkv.py: the decode step's q/k RMSNorms, rotary embedding and K/V cache writes in
 one kernel, against a float64 reference written here, and through the decode loop.
 
 The Triton kernel runs in Triton's CPU interpreter (conftest switches it on without a GPU),

@@ -1,4 +1,4 @@
-"""The decode loop's attention kernels (decode_attention.py) against a float64 reference.
+"""The decode loop's attention kernels (rollout/kernels/attention.py) against a float64 reference.
 
 The Triton kernel runs here in Triton's CPU interpreter (TRITON_INTERPRET=1), the same
 kernel source the GPU compiles; install.sh installs Triton on CPU-only machines for it.
@@ -164,10 +164,10 @@ def test_decode_loop_with_the_kernel_samples_what_sdpa_samples(interpreted_trito
 
 
 def new_token_case(batch, kv_heads, groups, dim, columns, dtype, norm, seed=0):
-    """A decode step's q/k/v product, norm weights, cos / sin (test_decode_qkv's), a cache whose
+    """A decode step's q/k/v product, norm weights, cos / sin (test_kernel_qkv's), a cache whose
     column `slot` holds stale values (NaN: the kernel must neither read them nor keep them)
     and a mask that attends to the slot: (NewToken, key, value, mask)."""
-    from test_decode_qkv import case as qkv_case
+    from test_kernel_qkv import case as qkv_case
 
     heads = kv_heads * groups
     qkv, (q_weight, k_weight), cos, sin = qkv_case(batch, heads, kv_heads, dim, dtype, norm, seed)
@@ -189,10 +189,10 @@ def new_token_case(batch, kv_heads, groups, dim, columns, dtype, norm, seed=0):
     ((2, 3, 1, 16, 70), 1, True),     # no GQA
 ])
 def test_split_kv_new_token_matches_float64(interpreted_triton, dtype, tolerance, shape, chunks, norm):
-    """The query, key and value made from the q/k/v product (float64 reference: test_decode_qkv's),
+    """The query, key and value made from the q/k/v product (float64 reference: test_kernel_qkv's),
     the new column written to the cache (every other column untouched), the attention output
     against float64 attention over the cache with that column."""
-    from test_decode_qkv import reference as qkv_reference
+    from test_kernel_qkv import reference as qkv_reference
 
     batch, kv_heads, groups, dim, columns = shape
     new, key, value, mask = new_token_case(*shape, dtype, norm)
@@ -272,7 +272,7 @@ def test_decode_loop_through_the_one_kernel_samples_what_two_kernels_sample(inte
     """The merged copy's decode steps (Qwen3, float32) with split_kv making the new token itself, against
     decode_qkv's kernel and then split_kv: the same tokens, greedy and seeded, and the same
     log-probabilities to float32 rounding. (Two kernels against the model's own operations:
-    test_decode_qkv; split_kv against sdpa: the test above.)"""
+    test_kernel_qkv; split_kv against sdpa: the test above.)"""
     from rollout.kernels import qkv as decode_qkv
     from test_fused_projections import GREEDY, SAMPLE, random_model, sample, with_lora
 

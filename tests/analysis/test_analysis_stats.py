@@ -1,4 +1,4 @@
-"""run_stats.py: the Student-t code against closed forms, table values and numeric
+"""analysis/stats.py: the Student-t code against closed forms, table values and numeric
 integration; descriptive statistics and tests against hand-computed values;
 bootstrap reproducibility and coverage on synthetic arms with a known effect;
 input validation; the command line end to end on synthetic eval reports.
@@ -22,7 +22,7 @@ from analysis.stats import (betainc, bootstrap_difference, bootstrap_mean, descr
                        sampling_se, sign_flip_test, sign_test, single_run_t, t_cdf, t_ppf, t_two_sided_p, verdict,
                        welch_t)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATASET = "HuggingFaceH4/aime_2024"
 P, K = 30, FROZEN_SETTINGS.n_samples
 

@@ -1,6 +1,6 @@
-"""Grading that is never silently wrong (opsd_eval's answer checker, grading_worker.py).
+"""Grading that is never silently wrong (opsd_eval's answer checker, opsd/grading_worker.py).
 
-math-verify runs in grading_worker.py, started as a plain subprocess: grading gives
+math-verify runs in opsd/grading_worker.py, started as a plain subprocess: grading gives
 the same verdicts from every kind of caller (no re-import of the caller's __main__),
 a checker that cannot start or dies raises GradingError instead of grading "wrong",
 a timeout is wrong and restarts the worker, and the report counts how each answer
@@ -19,7 +19,7 @@ import pytest
 from evaluation import evaluate as opsd_eval
 from evaluation.evaluate import GradingError, check_answer, is_correct
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # The grading a caller does: two answers only math-verify accepts, one wrong answer.
 GRADING = textwrap.dedent("""\
@@ -115,7 +115,7 @@ def use_worker(monkeypatch):
     ([sys.executable, "-m", "no_such_grading_worker_module"], "exited with status 1 before it was ready: "
                                                               ".*No module named"),
     (["false"], "exited with status 1 before it was ready"),
-    (["/nonexistent/python3", "grading_worker.py"], "could not start"),
+    (["/nonexistent/python3", "opsd/grading_worker.py"], "could not start"),
     ([sys.executable, "-c", "print('hello')"], "did not report ready|not a JSON object"),
 ])
 def test_a_worker_that_cannot_start_raises(command, message, use_worker):
@@ -171,7 +171,7 @@ def test_a_timeout_is_wrong_and_restarts_the_worker(use_worker, tmp_path, monkey
 
 
 def test_the_real_worker_speaks_json_lines():
-    """grading_worker.py's protocol: one ready line, then one reply line per request;
+    """opsd/grading_worker.py's protocol: one ready line, then one reply line per request;
     nothing else on stdout."""
     requests = [{"answer": r"\frac{1}{2}", "gold": "0.5"}, {"answer": "3", "gold": "4"},
                 {"answer": "é", "gold": "é"}]

@@ -1,4 +1,4 @@
-"""decode_matmul.py: the split-K kernel of the decode step's narrow products against float64
+"""rollout/kernels/matmul.py: the split-K kernel of the decode step's narrow products against float64
 products written here, where `linear` uses it, and the decode loop through it.
 
 The Triton kernel runs in Triton's CPU interpreter (conftest switches it on without a GPU),

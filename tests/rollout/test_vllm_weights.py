@@ -1,4 +1,4 @@
-"""LoRA merged out of place for the vLLM weight sync (vllm_weights.py)."""
+"""LoRA merged out of place for the vLLM weight sync (rollout/vllm_weights.py)."""
 
 import pytest
 import torch
