@@ -110,6 +110,12 @@ def test_decode_loop_samples_the_same_tokens_fused_or_not(family, monkeypatch):
     assert any(len(ids) > 3 for samples in results[True][1] for ids in samples)
     # the last call sampled unmerged; once more fused, then score every sampled token
     monkeypatch.setattr(static_decode, "FUSE_PROJECTIONS", True)
+    assert_loop_scores_like_a_forward(model, atol=1e-5)  # float32 log-softmax against float64
+
+
+def assert_loop_scores_like_a_forward(model, atol: float) -> None:
+    """One seeded call through the merged decode loop; each sampled token's log-probability, as
+    the loop reports it, against one plain forward of the model over prompt + completion."""
     sampled = sample(model, SAMPLE)
     engine = StaticDecoder.for_model(model, merge_lora=True).sampled_logprobs(len(sampled))
     for row, (prompt, samples) in enumerate(zip(prompts(), sampled)):
@@ -117,7 +123,7 @@ def test_decode_loop_samples_the_same_tokens_fused_or_not(family, monkeypatch):
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
         expected = logits.log_softmax(-1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
-        assert torch.allclose(engine[row, :len(ids)].double(), expected, atol=1e-5)  # float32 log-softmax
+        assert torch.allclose(engine[row, :len(ids)].double(), expected.double(), atol=atol)
 
 
 def test_refresh_fills_the_stacked_weights_after_updates():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_fused_projections import EOS, GREEDY, PAD, SAMPLE, prompts, sample, with_lora
+from test_fused_projections import EOS, GREEDY, PAD, SAMPLE, assert_loop_scores_like_a_forward, sample, with_lora
 
 from rollout.kernels import attention as decode_attention
 from rollout import static_decode as static_decode
@@ -62,14 +62,7 @@ def test_the_decode_loop_at_the_larger_geometry(shape, monkeypatch):
     unmerged = sample(model, GREEDY, merge_lora=False), sample(model, SAMPLE, merge_lora=False)
     assert merged == unmerged
     assert any(len(ids) > 3 for samples in merged[1] for ids in samples)
-    sampled = sample(model, SAMPLE)
-    engine = StaticDecoder.for_model(model, merge_lora=True).sampled_logprobs(len(sampled))
-    for row, (prompt, samples) in enumerate(zip(prompts(), sampled)):
-        ids = samples[0]
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
-        expected = logits.log_softmax(-1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
-        assert torch.allclose(engine[row, :len(ids)].double(), expected.double(), atol=1e-4)
+    assert_loop_scores_like_a_forward(model, atol=1e-4)  # float32 throughout
     assert all(torch.equal(p.detach(), teacher[name]) for name, p in model.named_parameters() if "lora_" not in name)
 
 
