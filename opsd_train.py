@@ -90,8 +90,9 @@ class ScriptArguments:
 RECIPE_TO_ARGS = tuple(f.name for f in dataclasses.fields(Recipe) if f.name != "warmup_ratio")
 
 
-def _flag(name: str, value) -> list[str]:
-    return [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
+def _text(value) -> str:
+    """A value as a command line would spell it (for the notes that compare it with a flag)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _given_flags(argv: list[str]) -> dict[str, str]:
@@ -114,45 +115,55 @@ def _same(a: str, b: str) -> bool:
         return a.strip().lower() == b.strip().lower()
 
 
-def overrides(preset: str | None, recipe: Recipe | None, max_steps: int,
-              given: dict[str, str] | None = None) -> list[str]:
-    """Flags from the tiny preset and the recipe, in rising precedence.
-
-    They go before the user's flags, and the last occurrence of a flag wins, so the
-    order is: default < tiny preset < recipe < command line (the OPSD_* variables
-    come between the last two: `apply_switches`). The preset's values are defaults:
-    a recipe key the recipe leaves at its released value does not undo them, one it
-    changes wins. Going through the parser keeps every type conversion and check in
-    one path. A command-line flag that overrides a different recipe value is reported.
-    """
+def layered_defaults(preset: str | None, recipe: Recipe | None, max_steps: int, report_to: str | None = None,
+                     given: dict[str, str] | None = None) -> dict[str, object]:
+    """The typed values that replace the dataclasses' defaults, in rising precedence: the tiny
+    preset < the recipe < OPSD_REPORT_TO. The parser applies them as its defaults (after a YAML
+    `--config`, `_LayeredParser`), so the command line still wins and nothing is rendered into
+    flag text and parsed again; the OPSD_* switches come between them and the command line
+    (`apply_switches`). The preset's values are defaults: a recipe key the recipe leaves at its
+    released value does not undo them, one it changes wins. A command-line flag that overrides a
+    different recipe or OPSD_REPORT_TO value is reported."""
     given = given or {}
-    layers: list[tuple[str, dict[str, object]]] = []
-    preset_values = dict(TINY_PRESET) if preset == "tiny" else {}
-    if preset_values:
-        layers.append(("the tiny preset", preset_values))
-    changed: set[str] = set()
+    values: dict[str, object] = {}
+    if preset == "tiny":
+        values.update(model_name_or_path=TINY_MODELS[0], dataset_name="tiny", **TINY_PRESET)
     if recipe is not None:
-        values = {key: getattr(recipe, key) for key in RECIPE_TO_ARGS}
+        chosen = {key: getattr(recipe, key) for key in RECIPE_TO_ARGS}
         # transformers 5 folds the ratio into `warmup_steps` (a float < 1 is a ratio).
         ratio = recipe.warmup_ratio
-        values["warmup_steps"] = ratio if ratio < 1 else max_steps
+        chosen["warmup_steps"] = ratio if ratio < 1 else max_steps
         released = Recipe()
         changed = {k for k in RECIPE_TO_ARGS if getattr(recipe, k) != getattr(released, k)}
         if recipe.warmup_ratio != released.warmup_ratio:
             changed.add("warmup_steps")
-        values = {k: v for k, v in values.items() if k not in preset_values or k in changed}
-        layers.append(("the recipe", values))
-    extra: list[str] = []
-    for source, values in layers:
-        for key, value in values.items():
-            extra += _flag(key, value)
-            if source == "the tiny preset" or key not in changed:
-                continue  # the preset's values and unset recipe keys are defaults, not choices that lost
-            flag_value = _flag(key, value)[1]
-            if key in given and not _same(given[key], flag_value):
-                print(f"note: --{key} {given[key]} (command line) wins over {key}={flag_value} from {source}",
+        values.update({k: v for k, v in chosen.items() if k not in values or k in changed})
+        for key in sorted(changed):  # unset recipe keys are defaults, not choices that lost
+            if key in given and not _same(given[key], _text(chosen[key])):
+                print(f"note: --{key} {given[key]} (command line) wins over {key}={_text(chosen[key])} from the recipe",
                       file=sys.stderr)
-    return extra
+    if report_to is not None:
+        values["report_to"] = report_to  # transformers normalises it (`all`, `none`) as it does a flag's
+        if "report_to" in given and not _same(given["report_to"], report_to):
+            print(f"note: --report_to {given['report_to']} (command line) wins over {REPORT_TO_VARIABLE}={report_to}",
+                  file=sys.stderr)
+    return values
+
+
+def _layered_parser(layers: dict[str, object]):
+    """TrlParser for ScriptArguments and OPSDConfig whose defaults are raised to `layers` right
+    before the command line is parsed, i.e. after a YAML `--config` has set its own: default <
+    YAML config < `layered_defaults` < command line, each value typed where it was read."""
+    from trl import TrlParser
+
+    from opsd_trainer import OPSDConfig
+
+    class _LayeredParser(TrlParser):
+        def parse_args_into_dataclasses(self, *args, **kwargs):
+            self.set_defaults(**layers)
+            return super().parse_args_into_dataclasses(*args, **kwargs)
+
+    return _LayeredParser((ScriptArguments, OPSDConfig))
 
 
 def apply_switches(switches: Switches, env, given: dict[str, str], script_args, config, quiet=False) -> None:
@@ -163,7 +174,7 @@ def apply_switches(switches: Switches, env, given: dict[str, str], script_args, 
             continue
         value = getattr(switches, name)
         if name in given:
-            if not quiet and not _same(given[name], value):
+            if not quiet and not _same(given[name], _text(value)):
                 print(f"note: --{name} {given[name]} (command line) wins over {var}={value}", file=sys.stderr)
             continue
         setattr(script_args if name == "data_select" else config, name, value)
@@ -208,17 +219,9 @@ def parse(argv=None, env=os.environ, quiet: bool = False):
         for w in warnings if not quiet else ():
             print(f"warning: {w}", file=sys.stderr)
 
-    from trl import TrlParser
-
-    from opsd_trainer import OPSDConfig
-
-    parser = TrlParser((ScriptArguments, OPSDConfig))
-    # The tiny preset's model and data come first, so explicit flags still win.
-    defaults = ["--model_name_or_path", "tiny", "--dataset_name", "tiny"] if early.preset == "tiny" else []
     given = _given_flags(argv)
-    extra = overrides(early.preset, recipe, early.max_steps, given if not quiet else {})
-    tracker = tracker_flags(report_to, given, quiet)
-    script_args, config = parser.parse_args_and_config(defaults + extra + tracker + argv)
+    layers = layered_defaults(early.preset, recipe, early.max_steps, report_to, given if not quiet else {})
+    script_args, config = _layered_parser(layers).parse_args_and_config(argv)
     apply_switches(switches, env, given, script_args, config, quiet)
     config.check_combinations()
     check_trackers(config.report_to)
@@ -236,17 +239,6 @@ def parse(argv=None, env=os.environ, quiet: bool = False):
         seed=config.seed,
     )
     return script_args, config, dataset
-
-
-def tracker_flags(report_to: str | None, given: dict[str, str], quiet: bool = False) -> list[str]:
-    """`--report_to` from OPSD_REPORT_TO, placed before the user's flags: through the parser,
-    transformers normalises it (`all`, `none`) as it does a flag; a flag given wins, and says so."""
-    if report_to is None:
-        return []
-    if not quiet and "report_to" in given and not _same(given["report_to"], report_to):
-        print(f"note: --report_to {given['report_to']} (command line) wins over {REPORT_TO_VARIABLE}={report_to}",
-              file=sys.stderr)
-    return ["--report_to", report_to]
 
 
 def check_trackers(report_to: list[str]) -> None:

@@ -579,6 +579,47 @@ def test_tiny_preset_values_are_defaults_the_user_overrides(tmp_path, capsys):
     assert cfg.compile_loss is True and cfg.rollout_cache_implementation == "static"
 
 
+def test_a_yaml_config_sits_below_the_preset_and_the_recipe_and_the_command_line_above_all(tmp_path, capsys):
+    """default < YAML --config < tiny preset < recipe < OPSD_* < command line (docs/SPEC.md §6)."""
+    yaml = tmp_path / "config.yaml"
+    yaml.write_text("max_grad_norm: 0.7\nmax_completion_length: 32\nbeta: 0.5\n")
+    recipe = tmp_path / "recipe.env"
+    recipe.write_text("max_grad_norm=0.3\n")
+    _, cfg, _ = opsd_train.parse(tiny_argv(tmp_path, 1, "--config", str(yaml)), env={})
+    assert (cfg.max_grad_norm, cfg.beta) == (0.7, 0.5)  # the YAML file over the defaults
+    assert cfg.max_completion_length == opsd_train.TINY_PRESET["max_completion_length"]  # the preset over the YAML
+    _, cfg, _ = opsd_train.parse(tiny_argv(tmp_path, 1, "--config", str(yaml), "--recipe", str(recipe)), env={})
+    # the recipe over the YAML file: a recipe file sets every recipe key (an unchanged one to its released value)
+    assert cfg.max_grad_norm == 0.3 and cfg.beta == 0.0
+    _, cfg, _ = opsd_train.parse(tiny_argv(tmp_path, 1, "--config", str(yaml), "--recipe", str(recipe),
+                                           "--max_grad_norm", "0.2"), env={})
+    assert cfg.max_grad_norm == 0.2
+
+
+def test_preset_recipe_and_report_to_reach_the_config_typed_not_as_flag_text(tmp_path, monkeypatch):
+    """One path: the parser sees exactly the user's command line; the preset, the recipe and
+    OPSD_REPORT_TO reach it as typed defaults, never rendered into flags and parsed again."""
+    from trl import TrlParser
+
+    seen = []
+    real = TrlParser.parse_args_and_config
+
+    def spy(self, args=None, *rest, **kwargs):
+        seen.append(list(args))
+        return real(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(TrlParser, "parse_args_and_config", spy)
+    recipe = tmp_path / "recipe.env"
+    recipe.write_text("max_grad_norm=0.3\nlr_scheduler_type=cosine\n")
+    argv = tiny_argv(tmp_path, 1, "--recipe", str(recipe))
+    script_args, cfg, _ = opsd_train.parse(argv, env={"OPSD_REPORT_TO": "none"})
+    assert seen == [argv]
+    layers = opsd_train.layered_defaults("tiny", opsd_train.parse_recipe(str(recipe))[0], 1, "none")
+    assert layers["max_grad_norm"] == 0.3 and isinstance(layers["max_grad_norm"], float)
+    assert layers["compile_layers"] is False and layers["model_name_or_path"] == "tiny"
+    assert cfg.max_grad_norm == 0.3 and cfg.lr_scheduler_type == "cosine" and cfg.report_to == []
+
+
 def test_vllm_rollouts_refuse_a_temperature_vllm_rejects(tmp_path, capsys):
     assert opsd_train.main(tiny_argv(tmp_path / "out", 1, "--use_vllm", "true", "--temperature", "2.5")) == 2
     err = capsys.readouterr().err.strip()
