@@ -168,7 +168,10 @@ def _layered_parser(layers: dict[str, object]):
 
 def apply_switches(switches: Switches, env, given: dict[str, str], script_args, config, quiet=False) -> None:
     """Set the OPSD_* switches that are set in the environment on the parsed config
-    (data_select on the script arguments), unless the command line gave the flag."""
+    (data_select on the script arguments), unless the command line gave the flag. Their one
+    check is where they are read (`Switches.from_env`, whose error names the variable); set
+    after the config is built, they are not checked a second time by its __post_init__, which
+    checks the same fields when they come as flags."""
     for name, var in SWITCH_VARIABLES.items():
         if not env.get(var, "").strip():
             continue
