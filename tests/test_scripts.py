@@ -416,3 +416,13 @@ def test_faults_signal_stop_concurrent_run_kill_during_save(tmp_path):
 def run_folder_last(out):
     steps = [int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")]
     return max(steps) if steps else None
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("*.sh")), ids=str)
+def test_the_gpu_scripts_parse(script):
+    """bench/*.sh run only on the GPU machine, where a syntax error costs a whole call: `bash -n`
+    here (usage is in each script's header)."""
+    result = subprocess.run(["bash", "-n", str(ROOT / "bench" / script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    text = (ROOT / "bench" / script).read_text()
+    assert text.startswith(("#!/usr/bin/env bash\n# ", "# Sourced by")), text[:60]
