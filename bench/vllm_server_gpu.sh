@@ -7,7 +7,10 @@
 # 2. opsd_train.py on the same GPU in server mode, what train_capped.sh runs with
 #    OPSD_VLLM_MODE=server OPSD_VLLM_SERVER_GPU=none, for 3 steps of batch 8 (tiny model and data);
 # 3. the outcome: the trainer's exit status, its last lines and the server's errors.
-# Needs vLLM (0.26.0 was run), TRL and uvicorn (vLLM's server) importable.
+# Needs vLLM with its server's dependencies (uvicorn, watchfiles, prometheus-fastapi-instrumentator,
+# model-hosting-container-standards: a full `pip install vllm` has them) and TRL.
+# Run 2026-12-03 (vLLM 0.26.0, TRL 1.16.0, one H200): the server came up, the trainer connected, and
+# the server's weight-transfer set-up failed ("NCCL error: invalid usage"); the trainer waited.
 set -uo pipefail
 OUT_DIR=${1:?usage: vllm_server_gpu.sh OUT_DIR}
 PORT=${PORT:-8000}
