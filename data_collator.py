@@ -266,6 +266,40 @@ def build_scoring_batch(
     )
 
 
+@dataclass
+class ForwardInputs:
+    """One forward pass's inputs: [B, T] each (position_ids None: the model's 0..T-1)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor | None
+
+
+def one_forward(batches: Sequence[ScoringBatch], pad_id: int) -> ForwardInputs:
+    """Several scoring batches (`token_mean_rows` groups of one micro-batch) as one forward's
+    inputs, rows in order. Each batch keeps its own geometry: it is only extended after its
+    last column with masked pads up to the widest. No position before them attends to them
+    (causal), so the hidden states at each batch's own columns are the ones its own forward
+    gives, up to kernel rounding; `width` of each batch slices them back out."""
+    if len({b.pad_side for b in batches}) != 1:
+        raise ValueError("one forward needs one pad side")
+    if len(batches) == 1:
+        b = batches[0]
+        return ForwardInputs(b.input_ids, b.attention_mask, b.position_ids)
+    width = max(b.input_ids.shape[1] for b in batches)
+
+    def extend(tensors, value):
+        return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) for t in tensors])
+
+    left = batches[0].pad_side == "left"
+    return ForwardInputs(
+        input_ids=extend([b.input_ids for b in batches], pad_id),
+        attention_mask=extend([b.attention_mask for b in batches], 0),
+        # Right: None, as for one batch (positions 0..T-1 agree on every batch's own columns).
+        position_ids=extend([b.position_ids for b in batches], 0) if left else None,
+    )
+
+
 def gather_completion_positions(values: torch.Tensor, batch: ScoringBatch) -> torch.Tensor:
     """[B, C, ...]: the entries of `values` ([B, P + C, ...], e.g. hidden states
     or logits) at the columns that predict each completion token. A view, no copy; it reads

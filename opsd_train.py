@@ -322,6 +322,7 @@ def run_identity(script_args: ScriptArguments, config, dataset, world_size: int 
         "max_steps": config.max_steps,
         "per_device_train_batch_size": per_device,
         "gradient_accumulation_steps": accumulation,
+        "token_mean_rows": config.token_mean_rows or per_device,
         "num_processes": world,
         "output_dir": os.path.abspath(config.output_dir),
     })

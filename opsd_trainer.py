@@ -52,6 +52,7 @@ from data_collator import (
     build_scoring_batch,
     check_alignment,
     gather_completion_positions,
+    one_forward,
     select_completion_tokens,
 )
 from opsd.ema_teacher import AdapterEMA
@@ -162,6 +163,16 @@ class OPSDConfig(DistillationConfig):
         },
     )
     loss_chunk_size: int = field(default=1024, metadata={"help": "Tokens per chunk of the chunked loss."})
+    token_mean_rows: int | None = field(
+        default=None,
+        metadata={
+            "help": "Rows that share one token mean and one padding geometry (docs/SPEC.md §2). None: the "
+            "micro-batch (per_device_train_batch_size), as released. A divisor of the micro-batch scores its "
+            "groups in one forward: --per_device_train_batch_size 16 --gradient_accumulation_steps 2 "
+            "--token_mean_rows 4 is the 4 x 8 recipe's loss and gradient (up to kernel rounding) in fewer, "
+            "larger forwards: faster on a GPU, more memory (BENCHMARKS.md)."
+        },
+    )
     pad_to_multiple_of: int | str | None = field(
         default=None,
         metadata={
@@ -285,6 +296,10 @@ class OPSDConfig(DistillationConfig):
             raise ValueError("fixed_teacher and use_ema_teacher are mutually exclusive")
         if self.reason_first and self.teacher_context == "none":
             raise ValueError("reason_first needs a reference to analyse; teacher_context=none has none")
+        rows = self.token_mean_rows
+        if rows is not None and (rows < 1 or self.per_device_train_batch_size % rows):
+            raise ValueError(f"token_mean_rows={rows}: must be a positive divisor of per_device_train_batch_size="
+                             f"{self.per_device_train_batch_size}")
 
 
 def default_scoring_pad_multiple() -> int | None:
@@ -670,24 +685,45 @@ class OPSDTrainer(DistillationTrainer):
         super().log(logs, start_time)
 
     def _opsd_loss(self, unwrapped, inputs):
-        scored = self.scoring_forwards(unwrapped, inputs)
-        return self.objective(scored.student_hidden, scored.teacher_hidden, scored.student, lm_head(unwrapped))
+        """The micro-batch's loss and stats: the mean over its token-mean groups (one group
+        unless `token_mean_rows` splits it), each group's loss a token mean of its own."""
+        head = lm_head(unwrapped)
+        results = [self.objective(s.student_hidden, s.teacher_hidden, s.student, head)
+                   for s in self.grouped_scoring_forwards(unwrapped, inputs)]
+        if len(results) == 1:
+            return results[0]
+        losses, stats = zip(*results)
+        return torch.stack(losses).mean(), {k: torch.stack([s[k] for s in stats]).mean() for k in stats[0]}
 
     def scoring_forwards(self, unwrapped, inputs, pad_side: str | None = None) -> ScoringForwards:
         """Both roles' forwards of one micro-batch (per-row prompt and completion token lists),
-        as the loss sees them. `pad_side` overrides the run's geometry (the probe scores one set
-        of rollouts under several; opsd_probe)."""
+        as the loss sees them, as one group. `pad_side` overrides the run's geometry (the probe
+        scores one set of rollouts under several; research/probe.py)."""
+        return self.grouped_scoring_forwards(unwrapped, inputs, pad_side=pad_side, rows=len(inputs["completion_ids"]))[0]
+
+    def grouped_scoring_forwards(self, unwrapped, inputs, pad_side: str | None = None,
+                                 rows: int | None = None) -> list[ScoringForwards]:
+        """Both roles' forwards of one micro-batch, in groups of `rows` rows (default
+        `token_mean_rows`, else the whole micro-batch). Each group is padded as a micro-batch of
+        its own; all groups go through one forward per role (`one_forward`)."""
         device = self.accelerator.device
         completions = inputs["completion_ids"]
+        rows = rows or self.args.token_mean_rows or len(completions)
+        groups = [slice(start, start + rows) for start in range(0, len(completions), rows)]
         geometry = {
             "pad_id": self._tokenizer.pad_token_id,
             "pad_side": pad_side or self.args.pad_side,
             "pad_to_multiple_of": self.args.pad_to_multiple_of,
         }
-        student = _to_device(build_scoring_batch(inputs["student_prompt_ids"], completions, **geometry), device)
-        teacher = _to_device(build_scoring_batch(inputs["teacher_prompt_ids"], completions, **geometry), device)
+
+        def batches(role):
+            return [_to_device(build_scoring_batch(inputs[f"{role}_prompt_ids"][g], completions[g], **geometry), device)
+                    for g in groups]
+
+        students, teachers = batches("student"), batches("teacher")
         if not self._alignment_checked:
-            self._report_alignment(student, teacher, completions)
+            for student, teacher, g in zip(students, teachers, groups):
+                self._report_alignment(student, teacher, completions[g])
 
         with (bf16_autocast(self._adapters(unwrapped), enabled=bool(self.args.bf16)),
               self._scoring_layers(unwrapped)):
@@ -695,9 +731,9 @@ class OPSDTrainer(DistillationTrainer):
             # must not happen between the student's forward and its backward (autograd checks
             # the versions of saved tensors).
             with torch.no_grad(), self._teacher_weights(unwrapped):
-                teacher_hidden = completion_hidden_states(unwrapped, teacher)
-            student_hidden = completion_hidden_states(unwrapped, student)
-        return ScoringForwards(student, teacher, student_hidden, teacher_hidden)
+                teacher_hidden = completion_hidden_states(unwrapped, teachers, geometry["pad_id"])
+            student_hidden = completion_hidden_states(unwrapped, students, geometry["pad_id"])
+        return [ScoringForwards(*four) for four in zip(students, teachers, student_hidden, teacher_hidden)]
 
     def _adapters(self, unwrapped) -> AdapterLayers:
         """The model's adapter layers, listed at the first use with this model (peft's own
@@ -1031,19 +1067,26 @@ def bf16_autocast(adapters: AdapterLayers, enabled: bool):
         yield
 
 
-def completion_hidden_states(model, batch) -> torch.Tensor:
-    """Final hidden states at the positions that predict each completion token: [B, C, H].
+def completion_hidden_states(model, batches: list[ScoringBatch], pad_id: int) -> list[torch.Tensor]:
+    """Final hidden states at the positions that predict each completion token, [B, C, H] per
+    batch, from one forward over all of them (`one_forward`).
 
     Only the backbone runs; logits are formed by the loss, never for prompt positions.
     """
     decoder = causal_lm(model).get_decoder()
-    out = decoder(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,  # None for `right`: pads consume rotary positions (released)
+    inputs = one_forward(batches, pad_id)
+    hidden = decoder(
+        input_ids=inputs.input_ids,
+        attention_mask=inputs.attention_mask,
+        position_ids=inputs.position_ids,  # None for `right`: pads consume rotary positions (released)
         use_cache=False,
-    )
-    return gather_completion_positions(out.last_hidden_state, batch)
+    ).last_hidden_state
+    out, start = [], 0
+    for batch in batches:
+        rows, width = batch.input_ids.shape
+        out.append(gather_completion_positions(hidden[start:start + rows, :width], batch))
+        start += rows
+    return out
 
 
 def lm_head(model) -> torch.nn.Module:

@@ -13,6 +13,9 @@
 #   OPSD_ACCELERATE_CONFIG  the multi-GPU engine: ddp (default), fsdp2, zero2, zero3, or the path of
 #                       an accelerate config file (`python -m opsd.config accelerate-config -h`)
 #   OPSD_PER_DEVICE_BATCH  micro-batch per process, default 4; accumulation fills up to 32
+#   OPSD_TOKEN_MEAN_ROWS  rows per token mean, a divisor of the micro-batch, default the micro-batch;
+#                       OPSD_PER_DEVICE_BATCH=16 OPSD_TOKEN_MEAN_ROWS=4 is the default's loss in fewer,
+#                       larger forwards (faster on a GPU, more memory)
 #   OPSD_USE_VLLM       1 = vLLM rollouts, default 1 when vllm is importable
 #   OPSD_VLLM_MODE      colocate (default: vLLM shares the training GPUs) or server (a separate
 #                       `trl vllm-serve --model $OPSD_MODEL` must already be running)
@@ -98,9 +101,9 @@ else
   nproc="${OPSD_NUM_PROCESSES:-${#gpus[@]}}"
   (( ${#gpus[@]} > 0 )) || nproc="${OPSD_NUM_PROCESSES:-1}"
 fi
-for value in "$nproc" "$per_device"; do
+for value in "$nproc" "$per_device" "${OPSD_TOKEN_MEAN_ROWS:-1}"; do
   if ! [[ "$value" =~ ^[1-9][0-9]*$ ]]; then
-    echo "error: OPSD_NUM_PROCESSES and OPSD_PER_DEVICE_BATCH must be positive integers, got '$value'" >&2
+    echo "error: OPSD_NUM_PROCESSES, OPSD_PER_DEVICE_BATCH and OPSD_TOKEN_MEAN_ROWS must be positive integers, got '$value'" >&2
     exit 2
   fi
 done
@@ -139,6 +142,9 @@ accum=$((global_batch / per_step))
 args=("${model_args[@]}" --recipe "$recipe" --output_dir "$output"
       --max_steps "$steps" --per_device_train_batch_size "$per_device" --gradient_accumulation_steps "$accum"
       --save_strategy steps --save_steps "$save_steps" "${extra[@]}")
+if [[ -n "${OPSD_TOKEN_MEAN_ROWS:-}" ]]; then
+  args+=(--token_mean_rows "$OPSD_TOKEN_MEAN_ROWS")  # the trainer checks that it divides the micro-batch
+fi
 # OPSD_REPORT_TO and the switches reach opsd_train.py through the environment, which checks them.
 # Switches, recipe, model path, data, run folder and lock, checked in one process before the
 # launch: accelerate would wrap a child's exit status 2 in its own traceback.

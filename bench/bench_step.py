@@ -79,7 +79,8 @@ def trainer_stand_in(args, dev, compiled_layers=None) -> types.SimpleNamespace:
         _adapter_layers=None,
         objective=opsd_trainer.make_objective(args),
     )
-    for method in ("scoring_forwards", "_teacher_weights", "_report_alignment", "_scoring_layers", "_adapters"):
+    for method in ("scoring_forwards", "grouped_scoring_forwards", "_teacher_weights", "_report_alignment",
+                   "_scoring_layers", "_adapters"):
         setattr(shim, method, types.MethodType(getattr(OPSDTrainer, method), shim))
     return shim
 

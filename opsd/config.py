@@ -441,6 +441,7 @@ SCRIPT_VARIABLES = {
     "OPSD_PRESET": "tiny: the embedded tiny model and data on a CPU budget (train_capped.sh, dev_eval.sh, python -m evaluation)",
     "OPSD_NUM_PROCESSES": "training processes, one GPU each (train_capped.sh; default the visible GPUs)",
     "OPSD_PER_DEVICE_BATCH": "micro-batch per process (train_capped.sh; default 4)",
+    "OPSD_TOKEN_MEAN_ROWS": "rows per token mean, a divisor of the micro-batch (train_capped.sh; default the micro-batch)",
     "OPSD_USE_VLLM": "1/0: vLLM rollouts (train_capped.sh; default 1 when vllm is importable)",
     "OPSD_VLLM_MODE": "colocate or server: where vLLM runs (train_capped.sh; default colocate)",
     "OPSD_VLLM_SERVER_GPU": "server mode: the vLLM server's GPU id(s), or none (train_capped.sh; default 0)",

@@ -33,11 +33,11 @@ METRICS_FILE = "metrics.jsonl"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 # Recorded but not compared on resume: where the folder is, how far the run goes
-# (a longer max_steps extends a run), how the fixed global batch is split, and where the
-# logs also go (a tracker changes no number of the run).
+# (a longer max_steps extends a run), how the fixed global batch is split (and grouped
+# for the token mean), and where the logs also go (a tracker changes no number of the run).
 NOT_COMPARED = (
     "output_dir", "max_steps", "num_processes", "per_device_train_batch_size", "gradient_accumulation_steps",
-    "report_to",
+    "token_mean_rows", "report_to",
 )
 
 

@@ -14,6 +14,7 @@ from data_collator import (
     build_scoring_batch,
     check_alignment,
     gather_completion_positions,
+    one_forward,
     select_completion_tokens,
 )
 
@@ -382,6 +383,68 @@ def test_tail_padding_leaves_completion_logits_unchanged(side):
 
     (plain, mask), (padded, _) = completion_logits(None), completion_logits(16)
     torch.testing.assert_close(padded[mask], plain[mask], atol=1e-5, rtol=1e-5)
+
+
+# -- several token-mean groups in one forward (token_mean_rows) ----------------------------
+
+# Two groups whose own geometries differ: another longest prompt (right: another pad gap) and
+# another longest completion, so one shared geometry would move their tokens.
+GROUPS = [([[5, 6, 7, 8, 9], [11]], [[21, 22], [23]]), ([[12, 13], [14, 15, 16]], [[24, 25, 26, 27], [28]])]
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_one_forward_extends_each_group_after_its_last_column(side):
+    groups = [build_scoring_batch(p, c, pad_id=PAD, pad_side=side) for p, c in GROUPS]
+    widths = [g.input_ids.shape[1] for g in groups]
+    assert widths == [7, 7] and [g.prompt_width for g in groups] == [5, 3]
+    groups[1] = build_scoring_batch(*GROUPS[1], pad_id=PAD, pad_side=side, pad_to_multiple_of=8)  # widths 7, 8
+    one = one_forward(groups, PAD)
+    assert one.input_ids.shape == (4, 8)
+    for k, g in enumerate(groups):
+        rows, w = slice(2 * k, 2 * k + 2), g.input_ids.shape[1]
+        assert torch.equal(one.input_ids[rows, :w], g.input_ids)
+        assert torch.equal(one.attention_mask[rows, :w], g.attention_mask)
+        assert one.input_ids[rows, w:].eq(PAD).all() and one.attention_mask[rows, w:].eq(0).all()
+        if side == "left":
+            assert torch.equal(one.position_ids[rows, :w], g.position_ids)
+    assert (one.position_ids is None) == (side == "right")
+    single = one_forward(groups[:1], PAD)  # one group: its own tensors, untouched
+    assert single.input_ids is groups[0].input_ids and single.attention_mask is groups[0].attention_mask
+    other = "left" if side == "right" else "right"
+    with pytest.raises(ValueError, match="one pad side"):
+        one_forward([groups[0], build_scoring_batch(*GROUPS[1], pad_id=PAD, pad_side=other)], PAD)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_one_forward_gives_each_group_its_own_forward(side):
+    """A real Qwen3 forward over both groups (float64): every scored logit equals the one of
+    the group's own forward. Under right padding one geometry for all rows would not: the
+    second group's pad gap would grow (checked, so the comparison has teeth)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = Qwen3ForCausalLM(config).double().eval()
+
+    def scored(batch, rows=slice(None), inputs=None):
+        inputs = inputs or batch
+        with torch.no_grad():
+            logits = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                           position_ids=inputs.position_ids).logits
+        logits = logits[rows, :batch.input_ids.shape[1]]
+        return gather_completion_positions(logits, batch)[batch.completion_mask.bool()]
+
+    groups = [build_scoring_batch(p, c, pad_id=PAD, pad_side=side) for p, c in GROUPS]
+    one = one_forward(groups, PAD)
+    for k, g in enumerate(groups):
+        torch.testing.assert_close(scored(g, slice(2 * k, 2 * k + 2), one), scored(g), rtol=1e-12, atol=1e-12)
+    if side == "right":
+        rows = [r for p, c in GROUPS for r in zip(p, c)]
+        merged = build_scoring_batch([p for p, _ in rows], [c for _, c in rows], pad_id=PAD, pad_side=side)
+        second = build_scoring_batch(*GROUPS[1], pad_id=PAD, pad_side=side)
+        merged_second = scored(merged)[-int(second.completion_mask.sum()):]
+        assert (merged_second - scored(second)).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("side", ["right", "left"])

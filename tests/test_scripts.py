@@ -128,7 +128,10 @@ def test_resume_into_a_run_of_another_configuration_is_refused(tiny_run):
     ({"OPSD_DATA": "rows.jsonl"}, ["train file rows.jsonl", "solution"]),  # relative to the caller
     ({"OPSD_OUTPUT": "a-file"}, ["a-file is a file"]),
     ({"OPSD_OUTPUT": "a-file/run"}, ["cannot be created", "is a file"]),
-], ids=["switch", "report-to", "preset", "model", "data", "output-file", "output-under-file"])
+    ({"OPSD_TOKEN_MEAN_ROWS": "two"}, ["must be positive integers, got 'two'"]),
+    ({"OPSD_TOKEN_MEAN_ROWS": "3"}, ["token_mean_rows=3: must be a positive divisor of per_device_train_batch_size=2"]),
+], ids=["switch", "report-to", "preset", "model", "data", "output-file", "output-under-file", "token-mean-rows-text",
+        "token-mean-rows-divisor"])
 def test_train_capped_bad_input_is_one_line_before_launch(tmp_path, env, fragments):
     (tmp_path / "rows.jsonl").write_text('{"problem": "What is 1+1?", "answer": "2"}\n')
     (tmp_path / "a-file").write_text("not a folder\n")
@@ -243,6 +246,17 @@ def test_server_mode_keeps_training_off_the_server_gpu(fake_gpu_host, extra, gpu
                            f"--num_processes {processes} ")
     assert "--vllm_mode server" in line
     assert f"--check_only --world_size {processes} " in result.stdout  # validated for that launch first
+
+
+def test_token_mean_rows_reaches_the_trainer(fake_gpu_host):
+    """OPSD_PER_DEVICE_BATCH=16 OPSD_TOKEN_MEAN_ROWS=4: 16 rows a forward, accumulation 2, the
+    token mean over groups of 4 (the default's loss); unset, no flag (the micro-batch)."""
+    result, line = launch(fake_gpu_host, FAKE_GPUS="1", OPSD_PER_DEVICE_BATCH="16", OPSD_TOKEN_MEAN_ROWS="4")
+    assert result.returncode == 0, result.stderr
+    assert "--per_device_train_batch_size 16 --gradient_accumulation_steps 2 " in line
+    assert line.endswith(" --token_mean_rows 4"), line
+    result, line = launch(fake_gpu_host, FAKE_GPUS="1")
+    assert result.returncode == 0 and line and "--token_mean_rows" not in line
 
 
 def test_colocate_and_remote_server_use_every_gpu(fake_gpu_host):

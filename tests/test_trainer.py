@@ -313,8 +313,8 @@ def _corrupt(batch):
     return batch
 
 
-def _completion_logprobs(model, batch):
-    hidden = completion_hidden_states(model, batch)
+def _completion_logprobs(model, batch, pad):
+    (hidden,) = completion_hidden_states(model, [batch], pad)
     logits = model.get_output_embeddings()(hidden).float()
     lp = torch.log_softmax(logits, -1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
     return lp * batch.completion_mask
@@ -327,16 +327,16 @@ def test_padding_geometries():
     with torch.no_grad():
         # Equal-length prompts: no pad gap, both geometries are the same computation.
         equal = [[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]]
-        right = _completion_logprobs(model, build_scoring_batch(equal, completions, pad_id=pad, pad_side="right"))
-        left = _completion_logprobs(model, build_scoring_batch(equal, completions, pad_id=pad, pad_side="left"))
+        right = _completion_logprobs(model, build_scoring_batch(equal, completions, pad_id=pad, pad_side="right"), pad)
+        left = _completion_logprobs(model, build_scoring_batch(equal, completions, pad_id=pad, pad_side="left"), pad)
         torch.testing.assert_close(right, left, rtol=0, atol=1e-6)
 
         # Unequal prompts: `left` equals an unpadded single-row forward; `right` does not for the short row.
         prompts = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27]]
-        right = _completion_logprobs(model, build_scoring_batch(prompts, completions, pad_id=pad, pad_side="right"))
-        left = _completion_logprobs(model, build_scoring_batch(prompts, completions, pad_id=pad, pad_side="left"))
+        right = _completion_logprobs(model, build_scoring_batch(prompts, completions, pad_id=pad, pad_side="right"), pad)
+        left = _completion_logprobs(model, build_scoring_batch(prompts, completions, pad_id=pad, pad_side="left"), pad)
         for row, (p, c) in enumerate(zip(prompts, completions)):
-            alone = _completion_logprobs(model, build_scoring_batch([p], [c], pad_id=pad, pad_side="left"))[0]
+            alone = _completion_logprobs(model, build_scoring_batch([p], [c], pad_id=pad, pad_side="left"), pad)[0]
             torch.testing.assert_close(left[row, : len(c)], alone[: len(c)], rtol=1e-6, atol=1e-5)
             if row == 0:  # the short prompt has a pad gap of 5 under `right`
                 assert (right[row, : len(c)] - alone[: len(c)]).abs().max() > 1e-3
@@ -1136,6 +1136,70 @@ def test_tail_padding_leaves_the_step_unchanged(tmp_path):
         )
     torch.testing.assert_close(results[64][0], results[None][0], rtol=1e-5, atol=1e-6)
     assert (results[64][1] - results[None][1]).norm() / results[None][1].norm() < 1e-4
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_token_mean_groups_in_one_forward_are_separate_micro_batches(tmp_path, side):
+    """token_mean_rows=2 on 4 rows: loss, every stat and the LoRA gradients equal those of
+    two micro-batches of 2 (each its own padding and token mean), averaged as gradient
+    accumulation does; one token mean over all 4 rows is another loss (checked)."""
+    trainer = make_trainer(tmp_path, 1, "--pad_side", side, "--max_completion_length", "12")
+    inputs = trainer._generate_and_score_completions(_rows(trainer, 4))
+    lengths = [len(p) for p in inputs["student_prompt_ids"]]
+    assert max(lengths[:2]) != max(lengths[2:])  # the groups' geometries differ
+    assert len({len(c) for c in inputs["completion_ids"]}) > 1  # so do their token counts
+
+    def step(rows, parts):
+        trainer.args.token_mean_rows = rows
+        trainer.model.zero_grad()
+        results = []
+        for part in parts:
+            loss, stats = trainer._opsd_loss(trainer.model, {k: v[part] for k, v in inputs.items()})
+            (loss / len(parts)).backward()
+            results.append((loss.detach(), {k: v.detach() for k, v in stats.items()}))
+        grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.requires_grad])
+        loss = torch.stack([r[0] for r in results]).mean()
+        stats = {k: torch.stack([r[1][k] for r in results]).mean() for k in results[0][1]}
+        return loss, stats, grads
+
+    separate = step(None, [slice(0, 2), slice(2, 4)])
+    grouped = step(2, [slice(0, 4)])
+    torch.testing.assert_close(grouped[0], separate[0], rtol=1e-5, atol=1e-7)
+    for key in separate[1]:
+        torch.testing.assert_close(grouped[1][key], separate[1][key], rtol=1e-5, atol=1e-7)
+    assert separate[2].norm() > 0 and (grouped[2] - separate[2]).norm() / separate[2].norm() < 1e-5
+    whole = step(None, [slice(0, 4)])
+    assert (whole[0] - separate[0]).abs() > 1e-4
+
+
+def test_token_mean_rows_must_divide_the_micro_batch(tmp_path):
+    with pytest.raises(ValueError, match="token_mean_rows=3: must be a positive divisor of per_device_train_batch_size=4"):
+        opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True,
+                                per_device_train_batch_size=4, token_mean_rows=3)
+
+
+@pytest.mark.slow
+def test_grouped_run_trains_like_the_micro_batches_it_groups(tmp_path):
+    """End to end on the tiny preset: 2 x 2 micro-batches against one forward of 4 rows in
+    token-mean groups of 2: the same losses, true KL and gradient norms at every step. The
+    completions are the reference solutions (lmbda 0): sampled ones would part after a few
+    steps, since the two runs' weights differ by float rounding and the sharp tiny model's
+    draws follow them."""
+    runs = {}
+    for name, flags in {"separate": ("--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"),
+                        "grouped": ("--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
+                                    "--token_mean_rows", "2")}.items():
+        out = tmp_path / name
+        assert opsd_train.main(tiny_argv(out, 3, "--lmbda", "0", *flags)) == 0
+        runs[name] = [r for r in read_metrics(out) if "opsd/true_kl" in r]
+        assert json.loads((out / "run_config.json").read_text())["token_mean_rows"] == 2
+    assert len(runs["separate"]) == len(runs["grouped"]) == 3
+    for a, b in zip(runs["separate"], runs["grouped"]):
+        # Step 1 from the same weights: float rounding only. Later steps start from weights that
+        # differ by it, which Adam's normalised update amplifies in near-zero gradient entries.
+        rel = 1e-5 if a["step"] == 1 else 1e-3
+        for key in ("loss", "opsd/true_kl", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=rel, abs=1e-7), (a["step"], key)
 
 
 def _step_results(trainer, inputs, settings):
