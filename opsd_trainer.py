@@ -36,7 +36,7 @@ import torch
 from accelerate.utils import is_peft_model
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import rotate_checkpoints
 from trl import DistillationConfig, DistillationTrainer
@@ -56,7 +56,7 @@ from data_collator import (
     select_completion_tokens,
 )
 from opsd.ema_teacher import AdapterEMA
-from opsd.model_utils import causal_lm, model_device, peft_wrapping
+from opsd.model_utils import causal_lm, checkpointing_is_on, model_device, peft_wrapping, set_checkpointing
 from opsd.chunked_loss import chunked_divergence_loss, chunked_nll_loss, chunked_tinker_loss
 from opsd.config import (
     CLIP_MODES,
@@ -128,7 +128,8 @@ class OPSDConfig(DistillationConfig):
         metadata={"help": f"Where the logs also go, OPSD diagnostics included: {', '.join(REPORT_TO_VALUES)} "
                           "(OPSD_REPORT_TO), or another transformers integration."},
     )
-    # TRL checkpoints activations by default; say it under transformers 5's name (the old one warns).
+    # TRL checkpoints activations by default; say it under transformers' new name (the old one
+    # warns there). transformers 5.17 (vLLM's range) reads only the old name: __post_init__ maps it.
     gradient_checkpointing: bool | None = field(default=None)
     activation_checkpointing: bool | None = field(default=True)
 
@@ -259,6 +260,9 @@ class OPSDConfig(DistillationConfig):
                                                        and self.vllm_kv_cache_gib > 0):
             raise ValueError(f"vllm_kv_cache_gib={self.vllm_kv_cache_gib}: a size > 0 for vLLM colocate rollouts "
                              "(--use_vllm true --vllm_mode colocate)")
+        if not TRAINER_READS_ACTIVATION_CHECKPOINTING and self.gradient_checkpointing is None:
+            # Without this, transformers 5.17 would read gradient_checkpointing=None: silently off.
+            self.gradient_checkpointing = bool(self.activation_checkpointing)
         super().__post_init__()  # TRL turns the CLI's "none" / "32" into None / 32
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 0:
             raise ValueError(f"pad_to_multiple_of must be >= 0, got {self.pad_to_multiple_of}")
@@ -300,6 +304,12 @@ class OPSDConfig(DistillationConfig):
         if rows is not None and (rows < 1 or self.per_device_train_batch_size % rows):
             raise ValueError(f"token_mean_rows={rows}: must be a positive divisor of per_device_train_batch_size="
                              f"{self.per_device_train_batch_size}")
+
+
+# Newer transformers (5.24) declare and read `activation_checkpointing`; 5.17's Trainer reads
+# only `gradient_checkpointing`, and OPSDConfig's field of the new name is ours alone there.
+TRAINER_READS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {
+    f.name for f in dataclasses.fields(TrainingArguments)}
 
 
 def default_scoring_pad_multiple() -> int | None:
@@ -574,16 +584,14 @@ class OPSDTrainer(DistillationTrainer):
                 yield unwrapped
             return
         unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
-        checkpointing = getattr(unwrapped, "is_activation_checkpointing", False)
+        checkpointing = checkpointing_is_on(unwrapped)
         if checkpointing:
-            unwrapped.activation_checkpointing_disable()
+            set_checkpointing(unwrapped, False)
         try:
             yield unwrapped
         finally:
             if checkpointing:
-                unwrapped.activation_checkpointing_enable(
-                    activation_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
-                )
+                set_checkpointing(unwrapped, True, self.args.gradient_checkpointing_kwargs)
 
     def _reference_completions(self, rows: list[dict]):
         limit = self.args.max_completion_length

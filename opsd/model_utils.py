@@ -38,6 +38,28 @@ def peft_wrapping():
         yield
 
 
+def checkpointing_is_on(model) -> bool:
+    """Whether the model checkpoints activations, under either transformers name
+    (`is_activation_checkpointing` in newer ones, `is_gradient_checkpointing` in 5.17)."""
+    inner = causal_lm(model)
+    if hasattr(type(inner), "is_activation_checkpointing"):
+        return bool(inner.is_activation_checkpointing)
+    return bool(getattr(inner, "is_gradient_checkpointing", False))
+
+
+def set_checkpointing(model, on: bool, kwargs: dict | None = None) -> None:
+    """Activation checkpointing on (with torch.utils.checkpoint's `kwargs`) or off, through
+    whichever name the installed transformers has (the old one warns where both exist)."""
+    inner = causal_lm(model)
+    new = hasattr(inner, "activation_checkpointing_enable")
+    if not on:
+        (inner.activation_checkpointing_disable if new else inner.gradient_checkpointing_disable)()
+    elif new:
+        inner.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def import_inductor_quietly() -> None:
     """Called where we `torch.compile`, before the first compiled call: torch's inductor then
     imports `torch.utils.mkldnn`, whose module-level `@torch.jit.script_method` decorators raise

@@ -1172,6 +1172,26 @@ def test_token_mean_groups_in_one_forward_are_separate_micro_batches(tmp_path, s
     assert (whole[0] - separate[0]).abs() > 1e-4
 
 
+@pytest.mark.parametrize("flag, on", [((), True), (("--activation_checkpointing", "false"), False)])
+def test_activation_checkpointing_is_what_the_config_says(tmp_path, flag, on):
+    """Checkpointing is on by default and off with --activation_checkpointing false, under the
+    installed transformers whichever name it reads (5.17 knows only gradient_checkpointing;
+    without the mapping it trained silently without checkpointing). Run under 5.17 and 5.24."""
+    from opsd.model_utils import checkpointing_is_on
+
+    trainer = make_trainer(tmp_path, 1, "--max_completion_length", "8", *flag)
+    trainer.train()
+    assert checkpointing_is_on(trainer.model) is on
+
+
+def test_old_transformers_read_the_checkpointing_setting_under_its_old_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(opsd_trainer, "TRAINER_READS_ACTIVATION_CHECKPOINTING", False)
+    for value in (True, False):
+        config = opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True,
+                                         activation_checkpointing=value)
+        assert config.gradient_checkpointing is value
+
+
 def test_token_mean_rows_must_divide_the_micro_batch(tmp_path):
     with pytest.raises(ValueError, match="token_mean_rows=3: must be a positive divisor of per_device_train_batch_size=4"):
         opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True,
