@@ -31,6 +31,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch
 
+from opsd import model_utils
+
 BF16_PEAK_TFLOPS = 786.0  # dense bf16 matmul ceiling measured on the H200 with one large matmul
 LORA_R, LORA_ALPHA = 64, 128
 
@@ -119,18 +121,10 @@ def build_lora_model(shape: str, seed: int = 0, b_std: float = 0.01):
 
 def set_checkpointing(model, every_n_layers: int) -> None:
     """Activation checkpointing as the Trainer applies it (0 = off)."""
-    inner = model.get_base_model()
-    if every_n_layers <= 0:
-        if hasattr(inner, "activation_checkpointing_disable"):
-            inner.activation_checkpointing_disable()
-        else:
-            inner.gradient_checkpointing_disable()
-        return
-    if hasattr(inner, "activation_checkpointing_enable"):
-        inner.activation_checkpointing_enable(every_n_layers=every_n_layers)
-    else:  # older transformers: all layers only
-        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.enable_input_require_grads()
+    on = every_n_layers > 0
+    model_utils.set_checkpointing(model, on, {"use_reentrant": False}, every_n_layers=max(every_n_layers, 1))
+    if on:
+        model.enable_input_require_grads()
 
 
 def count_params(model) -> dict[str, int]:

@@ -47,17 +47,18 @@ def checkpointing_is_on(model) -> bool:
     return bool(getattr(inner, "is_gradient_checkpointing", False))
 
 
-def set_checkpointing(model, on: bool, kwargs: dict | None = None) -> None:
-    """Activation checkpointing on (with torch.utils.checkpoint's `kwargs`) or off, through
-    whichever name the installed transformers has (the old one warns where both exist)."""
+def set_checkpointing(model, on: bool, kwargs: dict | None = None, every_n_layers: int = 1) -> None:
+    """Activation checkpointing on (every `every_n_layers`-th layer, with torch.utils.checkpoint's
+    `kwargs`) or off, through whichever name the installed transformers has (the old one warns
+    where both exist)."""
     inner = causal_lm(model)
     new = hasattr(inner, "activation_checkpointing_enable")
     if not on:
         (inner.activation_checkpointing_disable if new else inner.gradient_checkpointing_disable)()
     elif new:
-        inner.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        inner.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
     else:
-        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
 
 
 def import_inductor_quietly() -> None:

@@ -9,7 +9,7 @@ class Old:
         self.calls = []
         self.is_gradient_checkpointing = False
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, every_n_layers=1):
         self.calls.append(("enable", gradient_checkpointing_kwargs))
         self.is_gradient_checkpointing = True
 
@@ -25,7 +25,7 @@ class New(Old):
     def is_activation_checkpointing(self):
         return self._on
 
-    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None):
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers=1):
         self.calls.append(("new enable", activation_checkpointing_kwargs))
         self._on = True
 
