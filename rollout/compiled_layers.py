@@ -8,7 +8,12 @@ GPU time in the H200 profile of BENCHMARKS.md. Compiling each layer fuses them.
 Every layer runs the same code with its parameters as graph inputs, so one compiled
 graph serves all of them (per grad mode, adapter state and shape family; the first
 step compiles, later ones reuse). Activation checkpointing stays as transformers
-applies it: the checkpoint wrapper is part of the compiled `forward`.
+applies it, inside the compiled graph, so the backward's recompute replays the compiled
+forward after `active()` has ended: newer transformers (5.2x) checkpoint inside the
+layer's `forward`, which is what gets compiled; transformers 5.17 checkpoints in the
+layer's `__call__` around a lookup of `forward` that the recompute repeats, by then the
+eager one (its saved tensors differ: torch's CheckpointError), so for such layers the
+compiled function carries the checkpoint itself and their `__call__` is told not to.
 
 The compiled forwards are installed only inside `CompiledLayers.active()`, i.e. for
 the two scoring forwards of `OPSDTrainer._opsd_loss` (training steps, and loss
@@ -61,25 +66,51 @@ class CompiledLayers:
         if self._compiled is None:
             # Built lazily from whatever `forward` each layer has (hooks included); compiled at first call.
             import_inductor_quietly()
+            targets = [partial(_checkpointed, layer, layer.forward) if checkpoints_in_call(layer) else layer.forward
+                       for layer in self.layers]
             if self.own_cache:
                 call = torch.compile(_call, backend=self.backend, dynamic=self.dynamic)
-                self._compiled = [partial(call, layer.forward) for layer in self.layers]
+                self._compiled = [partial(call, target) for target in targets]
             else:
-                self._compiled = [torch.compile(layer.forward, backend=self.backend, dynamic=self.dynamic)
-                                  for layer in self.layers]
+                self._compiled = [torch.compile(target, backend=self.backend, dynamic=self.dynamic)
+                                  for target in targets]
         # A layer may carry an instance-level forward already (e.g. accelerate's device hooks).
         own = [layer.__dict__.get("forward") for layer in self.layers]
-        for layer, compiled in zip(self.layers, self._compiled):
+        in_call = [checkpoints_in_call(layer) and layer.gradient_checkpointing for layer in self.layers]
+        for layer, compiled, checkpointing in zip(self.layers, self._compiled, in_call):
             layer.forward = compiled
+            if checkpoints_in_call(layer):  # the compiled function checkpoints, not __call__
+                layer.opsd_checkpointing, layer.gradient_checkpointing = checkpointing, False
         try:
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 yield
         finally:
-            for layer, previous in zip(self.layers, own):
+            for layer, previous, checkpointing in zip(self.layers, own, in_call):
                 if previous is None:
                     del layer.forward
                 else:
                     layer.forward = previous
+                if checkpoints_in_call(layer):
+                    layer.gradient_checkpointing = checkpointing
+
+
+def checkpoints_in_call(layer: torch.nn.Module) -> bool:
+    """Whether the layer's class checkpoints in its own `__call__` (transformers 5.17's
+    GradientCheckpointingLayer) rather than inside `forward` (5.2x)."""
+    for cls in type(layer).__mro__:
+        if cls is torch.nn.Module:
+            return False
+        if "__call__" in cls.__dict__:
+            return hasattr(layer, "gradient_checkpointing")
+    return False
+
+
+def _checkpointed(layer, forward, *args, **kwargs):
+    """`forward`, checkpointed as transformers 5.17's `__call__` would (caching is off in the
+    scoring forwards that run here), so that the checkpoint is part of the compiled graph."""
+    if layer.opsd_checkpointing and layer.training and torch.is_grad_enabled():
+        return layer._gradient_checkpointing_func(partial(forward, **kwargs), *args)
+    return forward(*args, **kwargs)
 
 
 def _call(forward, *args, **kwargs):

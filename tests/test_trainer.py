@@ -1225,16 +1225,15 @@ def test_grouped_run_trains_like_the_micro_batches_it_groups(tmp_path):
 def _step_results(trainer, inputs, settings):
     """Loss, stats and LoRA gradients of one `_opsd_loss` + backward per setting
     (compile_layers, compile_loss, activation checkpointing); also whether it compiled."""
+    from opsd.model_utils import set_checkpointing
+
     model = trainer.model.train()
     model.enable_input_require_grads()  # as Trainer.train() does with checkpointing
     results = []
     for layers, loss_math, checkpointing in settings:
         trainer.args.compile_layers, trainer.args.compile_loss = layers, loss_math
         trainer.objective = opsd_trainer.make_objective(trainer.args)
-        if checkpointing:
-            model.get_base_model().activation_checkpointing_enable()
-        else:
-            model.get_base_model().activation_checkpointing_disable()
+        set_checkpointing(model, checkpointing)  # under either transformers name (5.17, 5.24)
         model.zero_grad()
         graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         loss, stats = trainer._opsd_loss(model, inputs)

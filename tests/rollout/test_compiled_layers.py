@@ -1,4 +1,6 @@
 """compiled_layers: compiled forwards only inside `active()`, the model eager outside it."""
+from functools import partial
+
 import pytest
 import torch
 
@@ -68,3 +70,75 @@ def test_a_model_without_decoder_layers_is_a_clear_error():
 
     with pytest.raises(ValueError, match="no decoder `.layers`"):
         decoder_layers(NoLayers())
+
+
+class _CallCheckpointingLayer(torch.nn.Module):
+    """A decoder layer as transformers 5.17 writes them: checkpointing in `__call__`, around a
+    call that looks `forward` up again when the backward recomputes it."""
+
+    gradient_checkpointing = False
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+
+    def __call__(self, *args, **kwargs):
+        if self.gradient_checkpointing and self.training:
+            return self._gradient_checkpointing_func(partial(super().__call__, **kwargs), *args)
+        return super().__call__(*args, **kwargs)
+
+    def forward(self, x, scale=1.0):
+        h = self.up(x)
+        return x + self.down(h * torch.sigmoid(h)).pow(2) * scale
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList([_CallCheckpointingLayer() for _ in range(2)])
+
+    def get_decoder(self):
+        return self
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x, scale=0.5)
+        return x.square().sum()
+
+
+@pytest.mark.parametrize("detected", [True, False])
+def test_layers_that_checkpoint_in_call_recompute_the_compiled_forward(detected, monkeypatch):
+    """The scoring forward runs inside `active()`, its backward after: the recompute must replay
+    what the forward ran. With 5.17-style layers it would look up the eager `forward` again
+    (different saved tensors: torch's CheckpointError), unless the compiled function carries the
+    checkpoint itself, as it does for the layers `checkpoints_in_call` detects."""
+    stack = _Stack().train()
+    for layer in stack.layers:
+        layer._gradient_checkpointing_func = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        layer.gradient_checkpointing = True
+    x = torch.randn(4, 8, requires_grad=True)
+    stack(x).backward()
+    expected = [p.grad.clone() for p in stack.parameters()]
+    stack.zero_grad()
+
+    assert compiled_layers.checkpoints_in_call(stack.layers[0])
+    # the real layers: in `__call__` under transformers 5.17, in `forward` since the rename (5.2x)
+    from transformers import PreTrainedModel
+
+    old = not hasattr(PreTrainedModel, "activation_checkpointing_enable")
+    assert compiled_layers.checkpoints_in_call(build_tiny_model().model.layers[0]) is old
+    if not detected:
+        monkeypatch.setattr(compiled_layers, "checkpoints_in_call", lambda layer: False)
+    compiled = CompiledLayers(stack, backend="aot_eager")
+    with compiled.active():
+        loss = stack(x)
+        assert [layer.gradient_checkpointing for layer in stack.layers] == [not detected] * 2
+    assert all(layer.gradient_checkpointing for layer in stack.layers)  # back as it was
+    if not detected:
+        with pytest.raises(torch.utils.checkpoint.CheckpointError):
+            loss.backward()
+        return
+    loss.backward()
+    for got, want in zip((p.grad for p in stack.parameters()), expected):
+        torch.testing.assert_close(got, want)
