@@ -94,7 +94,7 @@ def kernel_calls(layer, lm_head, inputs, limit: int, attended: int) -> list:
     calls = []
     for w in layer:
         new = decode_attention.NewToken(inputs["qkv"], inputs["heads"], inputs["norm"], inputs["norm"], 1e-6,
-                                 inputs["cos"], inputs["sin"], slot)
+                                        inputs["cos"], inputs["sin"], slot)
         o_config = decode_matmul.launch_config(*w["o"].shape, processors)
         down_config = decode_matmul.launch_config(*w["down"].shape, processors)
         calls += [lambda w=w: F.linear(inputs["hidden"], w["qkv"]),
