@@ -119,9 +119,15 @@ class StreamRead:
         self.out = torch.empty(rows * self.chunks, device=tensor.device, dtype=torch.float32)
         self.bytes = rows * columns * tensor.element_size()
 
+    @property
+    def grid(self) -> tuple[int, int]:
+        # chunks on axis 0, whose limit is 2**31 - 1: axis 1 allows 65,535 programs, fewer than
+        # the 8B shape's LM head has chunks (75,968)
+        return self.chunks, self.rows
+
     def __call__(self):
-        _stream_read_kernel()[(self.rows, self.chunks)](self.tensor, self.out, self.columns, self.row_stride,
-                                                         BLOCK=READ_BLOCK, num_warps=8)
+        _stream_read_kernel()[self.grid](self.tensor, self.out, self.columns, self.row_stride,
+                                         BLOCK=READ_BLOCK, num_warps=8)
 
 
 def read_calls(layer, lm_head, attended: int) -> list[StreamRead]:
@@ -142,10 +148,10 @@ def _stream_read_kernel():
 
     @triton.jit
     def stream_read(x_ptr, out_ptr, columns, row_stride, BLOCK: tl.constexpr):
-        row, chunk = tl.program_id(0), tl.program_id(1)
+        chunk, row = tl.program_id(0), tl.program_id(1)
         offsets = chunk * BLOCK + tl.arange(0, BLOCK)
         values = tl.load(x_ptr + row.to(tl.int64) * row_stride + offsets, mask=offsets < columns, other=0.0)
-        tl.store(out_ptr + row * tl.num_programs(1) + chunk, tl.sum(values.to(tl.float32), 0))
+        tl.store(out_ptr + row * tl.num_programs(0) + chunk, tl.sum(values.to(tl.float32), 0))
 
     return stream_read
 
@@ -160,7 +166,9 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", choices=tuple(common.SHAPES), default="qwen3-1.7b")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--replayed-step-ms", type=float, default=None,
-                        help="the engine's whole decode step at the last window, for the report (e.g. 2.41)")
+                        help="the engine's whole replayed decode step at 1,024 columns (bench_rollout.py --profile-steps; "
+                        "2.41 in run 54), compared in the report with the products and attention at 1,024 "
+                        "attended columns")
     parser.add_argument("--json")
     opts = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -190,15 +198,15 @@ def main(argv=None) -> int:
     for key in ("kernels", "read"):
         results[f"{key}_decode_s"] = sum(r[f"{key}_us"] for r in results["windows"]) * steps / 1e6
     results["elapsed_s"] = time.time() - start
-    last = results["windows"][-1]
     table = [[f"to {r['limit']}", f"{sum(r['bytes'].values()) / 1e9:.2f}", f"{r['kernels_us']:.0f} ({r['kernels_tb_s']:.2f})",
               f"{r['read_us']:.0f} ({r['read_tb_s']:.2f})"] for r in results["windows"]]
     table.append([f"{NEW_TOKENS} steps (s)", "", f"{results['kernels_decode_s']:.3f}", f"{results['read_decode_s']:.3f}"])
     report = common.markdown_table(["window", "GB a step", "products + attention: us (TB/s)",
                                     "a plain read of the same bytes: us (TB/s)"], table)
     if opts.replayed_step_ms:
-        report += (f"\n\nThe engine's replayed step at the last window: {opts.replayed_step_ms:.2f} ms; products and "
-                   f"attention alone there: {last['kernels_us'] / 1000:.2f} ms.")
+        near = min(results["windows"], key=lambda r: abs(r["attended"] - 1024))
+        report += (f"\n\nThe engine's whole replayed step at 1,024 columns: {opts.replayed_step_ms:.2f} ms; its products "
+                   f"and attention alone at {near['attended']} attended columns: {near['kernels_us'] / 1000:.2f} ms.")
     return common.finish(results, opts.json, report)
 
 

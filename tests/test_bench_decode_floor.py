@@ -70,3 +70,18 @@ def test_the_plain_read_reads_exactly_the_steps_bytes(interpreted_triton, monkey
         torch.testing.assert_close(call.out.sum(), want, rtol=1e-5, atol=1e-4)
     weights = sum(w[name].numel() for w in layer for name in sizes) + lm_head.numel()
     assert sum(call.bytes for call in calls) == 4 * (weights + 2 * 2 * 2 * 3 * 6 * 4)
+
+
+@pytest.mark.parametrize("shape", sorted(common.SHAPES))
+def test_the_plain_reads_launch_within_cudas_grid_limits(shape):
+    """CUDA allows 2**31 - 1 programs on a grid's first axis and 65,535 on the others: every
+    read of the shape's step (tensors on the meta device) stays inside them."""
+    hidden, _, layers, _, _ = common.SHAPES[shape]
+    length = decode_floor.windows()[-1]
+    layer = [{**{name: torch.empty(n, k, device="meta", dtype=torch.bfloat16)
+                 for name, (n, k) in decode_floor.products(shape).items()},
+              **{name: torch.empty(32, 8, length, 128, device="meta", dtype=torch.bfloat16) for name in ("key", "value")}}]
+    lm_head = torch.empty(decode_floor.VOCAB, hidden, device="meta", dtype=torch.bfloat16)
+    grids = [call.grid for call in decode_floor.read_calls(layer, lm_head, attended=length)]
+    assert max(first for first, _ in grids) < 2**31 and max(second for _, second in grids) <= 65_535
+    assert max(first for first, _ in grids) > 65_535 or shape != "qwen3-8b"  # the LM head's chunks, on axis 0

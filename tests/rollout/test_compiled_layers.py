@@ -114,13 +114,19 @@ def test_layers_that_checkpoint_in_call_recompute_the_compiled_forward(detected,
     (different saved tensors: torch's CheckpointError), unless the compiled function carries the
     checkpoint itself, as it does for the layers `checkpoints_in_call` detects."""
     stack = _Stack().train()
-    for layer in stack.layers:
-        layer._gradient_checkpointing_func = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
-        layer.gradient_checkpointing = True
+    checkpointed = []
+
+    def checkpoint(function, *args):
+        checkpointed.append(function)
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+
+    for layer, on in zip(stack.layers, (True, False)):  # as every_n_layers=2 leaves them
+        layer._gradient_checkpointing_func, layer.gradient_checkpointing = checkpoint, on
     x = torch.randn(4, 8, requires_grad=True)
     stack(x).backward()
     expected = [p.grad.clone() for p in stack.parameters()]
     stack.zero_grad()
+    checkpointed.clear()
 
     assert compiled_layers.checkpoints_in_call(stack.layers[0])
     # the real layers: in `__call__` under transformers 5.17, in `forward` since the rename (5.2x)
@@ -133,8 +139,9 @@ def test_layers_that_checkpoint_in_call_recompute_the_compiled_forward(detected,
     compiled = CompiledLayers(stack, backend="aot_eager")
     with compiled.active():
         loss = stack(x)
-        assert [layer.gradient_checkpointing for layer in stack.layers] == [not detected] * 2
-    assert all(layer.gradient_checkpointing for layer in stack.layers)  # back as it was
+        assert [layer.gradient_checkpointing for layer in stack.layers] == [not detected, False]
+    assert [layer.gradient_checkpointing for layer in stack.layers] == [True, False]  # back as it was
+    assert len(checkpointed) == 1  # the first layer only, by the compiled function or by __call__
     if not detected:
         with pytest.raises(torch.utils.checkpoint.CheckpointError):
             loss.backward()
