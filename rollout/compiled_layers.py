@@ -60,14 +60,15 @@ class CompiledLayers:
         self.layers = decoder_layers(model)
         self.backend, self.dynamic, self.own_cache = backend, dynamic, own_cache
         self._compiled: list | None = None
+        self._in_call = [checkpoints_in_call(layer) for layer in self.layers]  # fixed by each layer's class
 
     @contextmanager
     def active(self):
         if self._compiled is None:
             # Built lazily from whatever `forward` each layer has (hooks included); compiled at first call.
             import_inductor_quietly()
-            targets = [partial(_checkpointed, layer, layer.forward) if checkpoints_in_call(layer) else layer.forward
-                       for layer in self.layers]
+            targets = [partial(_checkpointed, layer, layer.forward) if in_call else layer.forward
+                       for layer, in_call in zip(self.layers, self._in_call)]
             if self.own_cache:
                 call = torch.compile(_call, backend=self.backend, dynamic=self.dynamic)
                 self._compiled = [partial(call, target) for target in targets]
@@ -76,22 +77,21 @@ class CompiledLayers:
                                   for target in targets]
         # A layer may carry an instance-level forward already (e.g. accelerate's device hooks).
         own = [layer.__dict__.get("forward") for layer in self.layers]
-        in_call = [checkpoints_in_call(layer) and layer.gradient_checkpointing for layer in self.layers]
-        for layer, compiled, checkpointing in zip(self.layers, self._compiled, in_call):
+        for layer, compiled, in_call in zip(self.layers, self._compiled, self._in_call):
             layer.forward = compiled
-            if checkpoints_in_call(layer):  # the compiled function checkpoints, not __call__
-                layer.opsd_checkpointing, layer.gradient_checkpointing = checkpointing, False
+            if in_call:  # the compiled function checkpoints, not __call__
+                layer.opsd_checkpointing, layer.gradient_checkpointing = layer.gradient_checkpointing, False
         try:
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 yield
         finally:
-            for layer, previous, checkpointing in zip(self.layers, own, in_call):
+            for layer, previous, in_call in zip(self.layers, own, self._in_call):
                 if previous is None:
                     del layer.forward
                 else:
                     layer.forward = previous
-                if checkpoints_in_call(layer):
-                    layer.gradient_checkpointing = checkpointing
+                if in_call:
+                    layer.gradient_checkpointing = layer.opsd_checkpointing
 
 
 def checkpoints_in_call(layer: torch.nn.Module) -> bool:
