@@ -20,7 +20,7 @@ esac
 if python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
   out="${OPSD_OUTPUT:-outputs/quickstart-gpu}"
   echo "[quickstart] GPU: base, released recipe and token clip + left padding on the learned tiny default (grid in $out)"
-  python -m research.grid grids/quickstart_gpu.json --out "$out" --parallel 3
+  python -m research.grid grids/quickstart_gpu.json --out "$out" --cells-per-gpu 3
   echo
   for cell in base released/seed-10 token_left/seed-10; do
     printf '%-12s %s\n' "${cell%%/*}:" "$(tail -n 1 "$out/$cell/eval.log")"

@@ -10,6 +10,8 @@
 #   OPSD_OUTPUT         run folder, default <repo>/outputs/opsd-capped (tiny: <repo>/outputs/opsd-tiny)
 #   OPSD_NUM_PROCESSES  processes, one per GPU, default = visible GPUs (1 without GPUs); fewer than
 #                       the visible GPUs train on the first ones (CUDA_VISIBLE_DEVICES is narrowed)
+#   OPSD_MAIN_PORT      across nodes (`srun`, one task a node: slurm/train_capped.sbatch): the main
+#                       process's port, default 29500 + SLURM job id % 2000; each task is one machine
 #   OPSD_ACCELERATE_CONFIG  the multi-GPU engine: ddp (default), fsdp2, zero2, zero3, or the path of
 #                       an accelerate config file (`python -m opsd.config accelerate-config -h`)
 #   OPSD_PER_DEVICE_BATCH  micro-batch per process, default 4; accumulation fills up to 32
@@ -132,9 +134,19 @@ if (( server_mode || (${#gpus[@]} > 0 && nproc < ${#gpus[@]}) )); then
   fi
 fi
 
-per_step=$((per_device * nproc))
+# Across nodes: inside a SLURM allocation, `srun` with one task per node runs this script once per
+# node (slurm/train_capped.sbatch); each task is one accelerate machine with this node's processes.
+machines=1; machine_rank=0
+if [[ -n "${SLURM_STEP_NUM_TASKS:-}" && "${SLURM_STEP_NUM_TASKS}" -gt 1 ]]; then
+  machines=$SLURM_STEP_NUM_TASKS; machine_rank=${SLURM_PROCID:-0}
+  main_ip=$(scontrol show hostnames "${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" | head -n 1)
+  main_port="${OPSD_MAIN_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 2000))}"  # one port a job: jobs may share a node
+  echo "[OPSD] SLURM: machine $machine_rank of $machines, main process on $main_ip:$main_port"
+fi
+world=$((nproc * machines))
+per_step=$((per_device * world))
 if (( global_batch % per_step != 0 )); then
-  echo "error: global batch $global_batch is not divisible by per-device batch $per_device x $nproc processes" >&2
+  echo "error: global batch $global_batch is not divisible by per-device batch $per_device x $world processes" >&2
   exit 2
 fi
 accum=$((global_batch / per_step))
@@ -148,9 +160,17 @@ fi
 # OPSD_REPORT_TO and the switches reach opsd_train.py through the environment, which checks them.
 # Switches, recipe, model path, data, run folder and lock, checked in one process before the
 # launch: accelerate would wrap a child's exit status 2 in its own traceback.
-python "$repo/opsd_train.py" --check_only --world_size "$nproc" "${args[@]}"
+python "$repo/opsd_train.py" --check_only --world_size "$world" "${args[@]}"
 
-echo "[OPSD] budget: $steps steps x global batch $global_batch = $per_device per device x $accum accumulation x $nproc processes -> $output"
+echo "[OPSD] budget: $steps steps x global batch $global_batch = $per_device per device x $accum accumulation x $world processes -> $output"
+if (( machines > 1 )); then
+  # Every machine runs the same launcher; accelerate joins them at the main process (rank 0's node).
+  # Without GPUs (a CPU test of this path) the ranks join over gloo.
+  (( ${#gpus[@]} > 0 )) || export ACCELERATE_USE_CPU=true OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+  exec accelerate launch --config_file "$engine_config" --num_processes "$world" --num_machines "$machines" \
+    --machine_rank "$machine_rank" --main_process_ip "$main_ip" --main_process_port "$main_port" \
+    "$repo/opsd_train.py" "${args[@]}"
+fi
 if (( nproc == 1 )) && [[ "$engine_config" == "$repo/configs/ddp.yaml" ]]; then
   # One process needs no launcher: the trainer itself receives SIGTERM / Ctrl-C (accelerate's
   # single-process launcher does not pass SIGTERM on) and its exit status is this script's.

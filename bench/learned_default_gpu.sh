@@ -24,7 +24,7 @@ if [[ "${TRAIN_DEFAULT:-0}" == 1 ]]; then
 fi
 if [[ -n "$GRID" ]]; then
   name=$(basename "$GRID" .json)
-  timeout $((END_S - SECONDS)) python3 -m research.grid "$GRID" --out "runs/$name" --parallel "$PARALLEL" \
+  timeout $((END_S - SECONDS)) python3 -m research.grid "$GRID" --out "runs/$name" --cells-per-gpu "$PARALLEL" \
     > "$OUT_DIR/grid.log" 2>&1
   echo "opsd_grid exit $?" | tee -a "$OUT_DIR/grid.log"
   (cd runs && find "$name" \( -name 'eval.json' -o -name 'results.json' -o -name '*.log' -o -name '*.md' \

@@ -28,7 +28,7 @@ python3 bench/vllm_sync_check.py --skip-sync --json "$OUT_DIR/sync_skipped.json"
 stale_pid=$!
 
 grid=runs/tiny_engines
-timeout $((END_S - SECONDS - 150)) python3 -m research.grid grids/tiny_engines.json --out "$grid" --parallel 10 \
+timeout $((END_S - SECONDS - 150)) python3 -m research.grid grids/tiny_engines.json --out "$grid" --cells-per-gpu 10 \
   > "$work/grid.log" 2>&1
 echo "opsd_grid exit $?" | tee -a "$work/grid.log"
 cp "$grid/results.md" "$OUT_DIR/results.md" 2>/dev/null

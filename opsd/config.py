@@ -445,6 +445,7 @@ SCRIPT_VARIABLES = {
     "OPSD_USE_VLLM": "1/0: vLLM rollouts (train_capped.sh; default 1 when vllm is importable)",
     "OPSD_VLLM_MODE": "colocate or server: where vLLM runs (train_capped.sh; default colocate)",
     "OPSD_VLLM_SERVER_GPU": "server mode: the vLLM server's GPU id(s), or none (train_capped.sh; default 0)",
+    "OPSD_MAIN_PORT": "a run across nodes (srun, one task a node): the main process's port (train_capped.sh; default 29500 + SLURM job id % 2000)",
     "OPSD_EVAL_DATA": "eval set: hub name, .json/.jsonl/.parquet or tiny[:SEED[:N]] (dev_eval.sh)",
     "OPSD_EVAL_BACKEND": "transformers, vllm or auto (dev_eval.sh; default auto)",
     "OPSD_EVAL_ENGINE": "the transformers backend's engine: auto, dynamic, paged, static, graph, graph_compiled (dev_eval.sh)",

@@ -44,14 +44,15 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from opsd.run_folder import write_text_atomic
+from research import executors
 
 REPO = Path(__file__).resolve().parents[1]  # the repository
 BUDGET_DEFAULT = {"max_steps": 100, "global_batch": 32, "per_device_batch": 4}
@@ -215,10 +216,17 @@ def cells(grid: Grid, out: Path) -> list[Cell]:
 # Running one cell
 # --------------------------------------------------------------------------
 
-def train_command(grid: Grid, cell: Cell) -> list[str]:
+def train_command(grid: Grid, cell: Cell, processes: int = 1, port: int | None = None) -> list[str]:
+    """The cell's training: one process, or `processes` DDP processes (one per GPU of the cell)
+    through accelerate on `port`; either way the grid's global batch."""
     b = grid.budget
-    accumulation = b["global_batch"] // b["per_device_batch"]
-    command = [sys.executable, str(REPO / "opsd_train.py")]
+    accumulation = b["global_batch"] // (b["per_device_batch"] * processes)
+    if processes == 1:
+        command = [sys.executable, str(REPO / "opsd_train.py")]
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs" / "ddp.yaml"),
+                   "--num_processes", str(processes), "--main_process_port", str(port or 29500),
+                   str(REPO / "opsd_train.py")]
     if grid.preset:
         command += ["--preset", grid.preset]
     command += [
@@ -226,10 +234,16 @@ def train_command(grid: Grid, cell: Cell) -> list[str]:
         "--seed", str(cell.seed), "--max_steps", str(b["max_steps"]),
         "--per_device_train_batch_size", str(b["per_device_batch"]),
         "--gradient_accumulation_steps", str(accumulation),
-        "--save_strategy", "steps", "--save_steps", str(grid.sweep_every or b["max_steps"]), "--report_to", "none",
+        "--save_strategy", "steps", "--save_steps", str(save_every(grid)), "--report_to", "none",
         "--logging_steps", "1", *cell.arm.flags,
     ]
     return command
+
+
+def save_every(grid: Grid) -> int:
+    """Checkpoint interval: the sweep's, else a quarter of the budget, so that an interrupted,
+    preempted or timed-out cell resumes from at most a quarter back (resuming is exact)."""
+    return grid.sweep_every or max(1, grid.budget["max_steps"] // 4)
 
 
 def eval_command(grid: Grid, cell: Cell) -> list[str]:
@@ -248,24 +262,76 @@ def eval_command(grid: Grid, cell: Cell) -> list[str]:
     return command + list(grid.eval_flags)
 
 
-def run_cell(grid: Grid, cell: Cell, log) -> str:
-    """Train (if needed) and evaluate one cell; returns 'done', 'skipped' or 'failed: ...'."""
+def cell_identity(grid: Grid, cell: Cell) -> dict:
+    """What a cell's results depend on, and nothing about where it ran: stored as the cell's
+    cell.json, so that a grid folder never mixes the cells of two different grids."""
+    identity = {"arm": cell.arm.name, "seed": cell.seed, "preset": grid.preset, "eval_data": grid.eval_data,
+                "eval_flags": list(grid.eval_flags)}
+    if cell.arm.train:
+        identity.update(budget=grid.budget, sweep_every=grid.sweep_every, recipe={**grid.recipe, **cell.arm.recipe},
+                        env=cell.arm.env, flags=list(cell.arm.flags))
+    return identity
+
+
+def check_cell_identity(grid: Grid, cell: Cell) -> None:
+    """GridError when the cell's folder holds another grid's cell (its cell.json differs)."""
+    path = cell.folder / "cell.json"
+    if not path.is_file():
+        return
+    stored = json.loads(path.read_text(encoding="utf-8"))
+    wanted = json.loads(json.dumps(cell_identity(grid, cell)))  # as JSON has it (tuples are lists)
+    if stored != wanted:
+        key = next(k for k in sorted(set(stored) | set(wanted)) if stored.get(k) != wanted.get(k))
+        raise GridError(f"{cell.folder} holds the cell of another grid ({key}: {stored.get(key)!r} there, "
+                        f"{wanted.get(key)!r} in this grid); use another --out, or delete that folder")
+
+
+def devices_label(gpus: tuple[str, ...] | None) -> str:
+    if gpus is None:
+        return "this machine"
+    return f"GPU {','.join(gpus)}" if gpus else "CPU"
+
+
+def _ignore_usr2() -> None:
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
+def run_cell(grid: Grid, cell: Cell, log, gpus: tuple[str, ...] | None = None, port: int | None = None,
+             started=None) -> str:
+    """Train (if needed) and evaluate one cell; returns 'done', 'skipped' or 'failed: ...'.
+
+    gpus: the GPU ids the cell runs on (its CUDA_VISIBLE_DEVICES; () = CPU; None = whatever this
+    process sees, as under SLURM, which sets it); several GPUs train as that many DDP processes on
+    `port`. started(process) is told each child process, so that a SLURM job can stop it cleanly."""
     if cell.report.is_file():
         return "skipped"
     cell.folder.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(cell.folder / "cell.json", json.dumps(cell_identity(grid, cell), indent=1) + "\n")
     env = {**os.environ, **cell.arm.env, "PYTHONUNBUFFERED": "1"}
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     steps = []
     if cell.arm.train:
         (cell.folder / "recipe.env").write_text(recipe_text(grid, cell.arm), encoding="utf-8")
-        steps.append(("train", train_command(grid, cell)))
+        steps.append(("train", train_command(grid, cell, max(1, len(gpus or ())), port)))
     steps.append(("eval", eval_command(grid, cell)))
     for kind, command in steps:
         start = time.time()
-        log(f"{cell.name}: {kind} ...")
+        log(f"{cell.name}: {kind} on {devices_label(gpus)} ...")
         with open(cell.folder / f"{kind}.log", "a", encoding="utf-8") as out:
-            out.write(f"$ {' '.join(command)}\n")
+            where = f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} " if gpus is not None else ""
+            out.write(f"$ {where}{' '.join(command)}\n")
             out.flush()
-            status = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO).returncode
+            if started is None:
+                status = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO).returncode
+            else:
+                # Under SLURM, SIGUSR2 is submitit's notice to the job (preemption, time limit): the
+                # children ignore it and are stopped by SlurmCell.checkpoint with a SIGTERM instead.
+                child = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                         preexec_fn=_ignore_usr2)
+                started(child)
+                while (status := child.poll()) is None:  # not wait(): the signal handler must be able to reap it
+                    time.sleep(0.5)
         if status != 0:
             return f"failed: {kind} exited {status} (see {cell.folder / f'{kind}.log'})"
         log(f"{cell.name}: {kind} done in {time.time() - start:.0f} s")
@@ -315,6 +381,7 @@ def results(grid: Grid, out: Path, all_cells: list[Cell]) -> dict:
         if grid.sweep_every and arm.train:
             entry["per_step"] = _mean_per_step([c for c in all_cells if c.arm is arm])
         table["arms"][arm.name] = entry
+    table["missing"] = [c.name for c in all_cells if not c.report.is_file()]
     return table
 
 
@@ -355,6 +422,9 @@ def markdown(table: dict) -> str:
         for step in steps:
             cells = [f"{per_step[str(step)]:.2f}" if str(step) in per_step else "-" for per_step in swept.values()]
             lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    if table.get("missing"):
+        lines += ["", f"Missing cells (no results yet, not in the table): {', '.join(table['missing'])}; "
+                      "re-run the same command to run them."]
     return "\n".join(lines) + "\n"
 
 
@@ -368,25 +438,220 @@ def draw_curves(grid: Grid, out: Path) -> Path | None:
     return None if drawn is None else out / run_plots.CURVES_FILE
 
 
+# --------------------------------------------------------------------------
+# Where the cells run
+# --------------------------------------------------------------------------
+
+def local_slots(grid: Grid, args) -> tuple[list[str], list[tuple[str, ...]]]:
+    """This machine's GPUs and the pool's slots (none without GPUs or with --gpus-per-cell 0);
+    ExecutorError for a request the machine cannot meet."""
+    gpus = executors.visible_gpus()
+    per_cell = 1 if args.gpus_per_cell is None else args.gpus_per_cell
+    if not gpus and (args.gpus_per_cell or 0) > 0:
+        raise executors.ExecutorError(f"--gpus-per-cell {args.gpus_per_cell}: this machine has no GPU visible")
+    slots = executors.gpu_slots(gpus, per_cell, args.cells_per_gpu) if gpus else []
+    if per_cell > 1:
+        _check_processes_divide_batch(grid, per_cell)
+    return gpus, slots
+
+
+def run_here(grid: Grid, todo: list[Cell], args, gpus: list[str], slots: list, log) -> dict[str, str]:
+    """The cells on this machine: each on its own GPU(s) from the pool, or `--parallel` at a time
+    without GPUs. Returns {cell name: outcome}."""
+    per_cell = 1 if args.gpus_per_cell is None else args.gpus_per_cell
+    if slots:
+        at_once = min(len(slots), args.parallel) if args.parallel else len(slots)
+        log(f"GPU pool: {len(gpus)} GPU(s) {','.join(gpus)}, {per_cell} a cell, {args.cells_per_gpu} cell(s) a GPU: "
+            f"{at_once} cell(s) at a time")
+        if args.parallel and args.parallel > len(slots):
+            log(f"--parallel {args.parallel} is more than the pool's {len(slots)} slot(s): raise --cells-per-gpu "
+                "to run more cells on a GPU at once")
+        outcomes = executors.run_pooled(todo, lambda cell, index, slot: run_cell(
+            grid, cell, log, gpus=slot, port=29500 + index), slots, args.parallel)
+    else:
+        hidden = () if gpus else None  # --gpus-per-cell 0 on a GPU machine: the cells see no GPU
+        log(f"{'CPU only (--gpus-per-cell 0)' if gpus else 'no GPU visible'}: {args.parallel or 1} cell(s) at a time")
+        outcomes = executors.run_pooled(todo, lambda cell, _index, _slot: run_cell(grid, cell, log, gpus=hidden),
+                                        [], args.parallel)
+    return dict(zip((c.name for c in todo), outcomes))
+
+
+def _check_processes_divide_batch(grid: Grid, processes: int) -> None:
+    b = grid.budget
+    if b["global_batch"] % (b["per_device_batch"] * processes):
+        raise executors.ExecutorError(
+            f"{processes} GPUs a cell: global_batch {b['global_batch']} is not a multiple of per_device_batch "
+            f"{b['per_device_batch']} x {processes} processes")
+
+
+class SlurmCell:
+    """One cell as a SLURM job (submitit pickles this object and calls it on the node). When SLURM
+    preempts the job or its time limit nears, submitit calls `checkpoint`: the training stops at a
+    step boundary with a checkpoint (SIGTERM), and the requeued job resumes from it."""
+
+    def __init__(self, grid_file: str, out: str, name: str, gpus_per_cell: int):
+        self.grid_file, self.out, self.name, self.gpus_per_cell = grid_file, out, name, gpus_per_cell
+        self._child = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_child": None}
+
+    def __call__(self) -> str:
+        grid = load_grid(self.grid_file)
+        (cell,) = [c for c in cells(grid, Path(self.out)) if c.name == self.name]
+        gpus = tuple(executors.visible_gpus()[:self.gpus_per_cell]) if self.gpus_per_cell else ()
+        outcome = run_cell(grid, cell, lambda message: print(message, flush=True), gpus=gpus, started=self._started)
+        if outcome.startswith("failed"):
+            raise RuntimeError(f"{self.name}: {outcome}")
+        return outcome
+
+    def _started(self, child) -> None:
+        self._child = child
+
+    def checkpoint(self, *args, **kwargs):
+        import submitit
+
+        child = self._child
+        if child is not None and child.poll() is None:
+            print(f"{self.name}: stopping at a step boundary with a checkpoint before the requeue", flush=True)
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(timeout=CHECKPOINT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        return submitit.helpers.DelayedSubmission(SlurmCell(self.grid_file, self.out, self.name, self.gpus_per_cell))
+
+
+CHECKPOINT_WAIT_S = 100  # a capped step and a checkpoint save, well inside the signal's 120 s lead
+
+
+def run_on_slurm(grid: Grid, grid_file: str, todo: list[Cell], out: Path, args, log) -> dict[str, str] | None:
+    """Submit the cells not already queued as one job array; unless --no-wait, wait with progress
+    and resubmit once each cell that failed. Returns {cell name: outcome}, or None (--no-wait)."""
+    options = executors.SlurmOptions(
+        partition=args.partition, time_min=args.time, gpus_per_cell=1 if args.gpus_per_cell is None else args.gpus_per_cell,
+        cpus_per_cell=args.cpus_per_cell, mem_gb=args.mem_per_cell, account=args.account, qos=args.qos,
+        sbatch=executors.parse_sbatch_options(args.sbatch), array_parallelism=args.parallel)
+    copy = out / "grid.json"  # what the jobs read: the grid as submitted, whatever happens to GRID.json
+    write_text_atomic(copy, Path(grid_file).read_text(encoding="utf-8"))
+    jobs_file = out / "slurm_jobs.json"  # cell -> its last job id: a re-run waits for queued ones
+    jobs = json.loads(jobs_file.read_text(encoding="utf-8")) if jobs_file.is_file() else {}
+    watch = executors.SlurmWatch()
+    queued = watch.queued([jobs[c.name] for c in todo if c.name in jobs])
+    waiting = {c.name: jobs[c.name] for c in todo if jobs.get(c.name) in queued}
+    if waiting:
+        log(f"{len(waiting)} cell(s) still queued from an earlier submission: {', '.join(sorted(waiting))}")
+    executor = executors.slurm_executor(out / "slurm", options, f"grid-{out.name}", REPO)
+    submitted = {}
+
+    def submit(names: list[str]) -> None:
+        if not names:
+            return
+        with executor.batch():
+            handles = {name: executor.submit(SlurmCell(str(copy), str(out), name, options.gpus_per_cell))
+                       for name in names}
+        for name, job in handles.items():
+            jobs[name] = job.job_id
+            submitted[name] = job
+        write_text_atomic(jobs_file, json.dumps(jobs, indent=1) + "\n")
+        log(f"submitted {len(names)} cell(s) as job array {next(iter(handles.values())).job_id.split('_')[0]}: "
+            + ", ".join(f"{name} {handles[name].job_id}" for name in names))
+
+    submit([c.name for c in todo if c.name not in waiting])
+    if args.no_wait:
+        log(f"not waiting (--no-wait): re-run the same command to collect the results and resubmit failed cells; "
+            f"logs under {out / 'slurm'}")
+        return None
+    outcomes: dict[str, str] = {}
+    tries = {name: 1 for name in jobs}
+    pending = {c.name for c in todo}
+    last = None
+    while pending:
+        queued = watch.queued([jobs[name] for name in pending])
+        for name in sorted(pending):
+            if jobs[name] in queued:
+                continue
+            cell = next(c for c in todo if c.name == name)
+            if cell.report.is_file():
+                outcomes[name] = "done"
+                log(f"{name}: done (job {jobs[name]})")
+            elif tries[name] < 2:
+                log(f"{name}: job {jobs[name]} ended without results ({_job_failure(out, jobs[name])}); resubmitting "
+                    "it once: it resumes from its last checkpoint")
+                tries[name] += 1
+                submit([name])
+                continue
+            else:
+                outcomes[name] = f"failed twice: {_job_failure(out, jobs[name])}"
+            pending.discard(name)
+        states = sorted(queued.values())
+        summary = ", ".join(f"{states.count(s)} {s.lower()}" for s in sorted(set(states)))
+        line = f"slurm: {len(outcomes)} of {len(todo)} cell(s) ended" + (f"; {summary}" if summary else "")
+        if line != last:
+            log(line)
+            last = line
+        if pending:
+            time.sleep(args.poll)
+    return outcomes
+
+
+def _job_failure(out: Path, job_id: str) -> str:
+    """What a job left about its end: the last line of its error log, with the log's path."""
+    log_path = out / "slurm" / job_id / f"{job_id}_0_log.err"
+    lines = [line for line in (log_path.read_text(errors="replace").splitlines() if log_path.is_file() else [])
+             if line.strip()]
+    return f"{lines[-1].strip()[:300] if lines else 'no error log'}; log {log_path}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m research.grid", description=__doc__.split("\n\n")[0])
     parser.add_argument("grid", help="grid file (JSON)")
     parser.add_argument("--out", required=True, help="grid folder: one sub-folder per cell, results at the top")
-    parser.add_argument("--parallel", type=int, default=1, help="cells run at once (default 1)")
+    parser.add_argument("--cluster", choices=("local", "slurm"), default="local",
+                        help="where the cells run: this machine (default) or a SLURM cluster (one job array, "
+                             "through submitit)")
+    parser.add_argument("--parallel", type=int, default=None,
+                        help="at most this many cells at once (local, default: one per GPU slot, 1 without GPUs; "
+                             "slurm: the job array's limit, default none)")
+    parser.add_argument("--gpus-per-cell", type=int, default=None,
+                        help="GPUs a cell trains on (default 1; 0 = CPU); several = that many DDP processes")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    here = parser.add_argument_group("this machine (--cluster local)")
+    here.add_argument("--cells-per-gpu", type=int, default=None,
+                      help="cells sharing one GPU (default 1; small models: several)")
+    slurm = parser.add_argument_group("SLURM (--cluster slurm)")
+    slurm.add_argument("--partition", help="sbatch --partition")
+    slurm.add_argument("--time", type=int, default=None, help="a cell's time limit in minutes (default 240); "
+                       "a cell that reaches it checkpoints, is requeued and resumes")
+    slurm.add_argument("--cpus-per-cell", type=int, default=None, help="sbatch --cpus-per-task")
+    slurm.add_argument("--mem-per-cell", type=float, default=None, metavar="GB", help="sbatch --mem, in GB")
+    slurm.add_argument("--account", help="sbatch --account")
+    slurm.add_argument("--qos", help="sbatch --qos")
+    slurm.add_argument("--sbatch", action="append", default=[], metavar="NAME=VALUE",
+                       help="any other sbatch option, e.g. --sbatch constraint=h100 (repeatable)")
+    slurm.add_argument("--no-wait", action="store_true",
+                       help="submit and return; re-running the same command collects and resubmits failed cells")
+    slurm.add_argument("--poll", type=float, default=30, metavar="S", help="seconds between queue checks (30)")
     args = parser.parse_args(argv)
     from opsd.config import ConfigError, check_env
 
     try:
         check_env()  # the cells inherit this environment: a misspelled OPSD_* name stops the grid, not each cell
-        if args.parallel < 1:
-            raise GridError(f"--parallel must be >= 1, got {args.parallel}")
+        _check_executor_options(args)
         grid = load_grid(args.grid)
-    except (GridError, ConfigError) as exc:
+        out = Path(args.out).resolve()
+        all_cells = cells(grid, out)
+        for cell in all_cells:
+            check_cell_identity(grid, cell)
+        if args.cluster == "local":
+            gpus, slots = local_slots(grid, args)
+        elif not args.dry_run:
+            executors.check_slurm_tools()
+            if (args.gpus_per_cell or 1) > 1:
+                _check_processes_divide_batch(grid, args.gpus_per_cell)
+    except (GridError, ConfigError, executors.ExecutorError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.out).resolve()
-    all_cells = cells(grid, out)
     if args.dry_run:
         for cell in all_cells:
             if cell.arm.train:
@@ -400,10 +665,18 @@ def main(argv=None) -> int:
         print(f"[grid {time.time() - start:6.0f} s] {message}", flush=True)
 
     todo = [c for c in all_cells if not c.report.is_file()]
-    log(f"{len(all_cells)} cells, {len(all_cells) - len(todo)} already done, {len(todo)} to run "
-        f"({args.parallel} at a time)")
-    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        outcomes = dict(zip((c.name for c in todo), pool.map(lambda c: run_cell(grid, c, log), todo)))
+    log(f"{len(all_cells)} cells, {len(all_cells) - len(todo)} already done, {len(todo)} to run"
+        + (" on SLURM" if args.cluster == "slurm" else ""))
+    try:
+        if args.cluster == "slurm":
+            outcomes = run_on_slurm(grid, args.grid, todo, out, args, log)
+            if outcomes is None:
+                return 0
+        else:
+            outcomes = run_here(grid, todo, args, gpus, slots, log)
+    except executors.ExecutorError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     failed = {name: outcome for name, outcome in outcomes.items() if outcome.startswith("failed")}
     for name, outcome in failed.items():
         log(f"{name}: {outcome}")
@@ -414,6 +687,30 @@ def main(argv=None) -> int:
     curves = draw_curves(grid, out)
     log(f"results: {out / 'results.md'}" + (f"; curves: {curves}" if curves else ""))
     return 1 if failed else 0
+
+
+def _check_executor_options(args) -> None:
+    """Each option belongs to one executor: one given to the other is an error, not ignored."""
+    slurm_only = {"partition": None, "time": None, "cpus_per_cell": None, "mem_per_cell": None, "account": None,
+                  "qos": None, "sbatch": [], "no_wait": False, "poll": 30}
+    if args.cluster == "local":
+        given = [name for name, default in slurm_only.items() if getattr(args, name) != default]
+        if given:
+            raise executors.ExecutorError(f"--{given[0].replace('_', '-')} is a SLURM option: add --cluster slurm")
+        args.cells_per_gpu = 1 if args.cells_per_gpu is None else args.cells_per_gpu
+    else:
+        if args.cells_per_gpu is not None:
+            raise executors.ExecutorError("--cells-per-gpu is for this machine's GPU pool; on SLURM each cell is "
+                                          "a job with --gpus-per-cell GPUs")
+        args.time = 240 if args.time is None else args.time
+        if args.time < 1 or (args.poll <= 0):
+            raise executors.ExecutorError(f"--time must be >= 1 minute and --poll > 0, got {args.time} and {args.poll}")
+    if args.parallel is not None and args.parallel < 1:
+        raise executors.ExecutorError(f"--parallel must be >= 1, got {args.parallel}")
+    if args.gpus_per_cell is not None and args.gpus_per_cell < 0:
+        raise executors.ExecutorError(f"--gpus-per-cell must be >= 0, got {args.gpus_per_cell}")
+    if args.cells_per_gpu is not None and args.cells_per_gpu < 1:
+        raise executors.ExecutorError(f"--cells-per-gpu must be >= 1, got {args.cells_per_gpu}")
 
 
 if __name__ == "__main__":

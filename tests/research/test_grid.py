@@ -1,11 +1,14 @@
 """research/grid.py: arms x seeds on the tiny preset, paired seeds, resumable, one table."""
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from research import executors
 from research import grid as opsd_grid
 
 REPO = Path(__file__).resolve().parents[2]
@@ -14,28 +17,41 @@ GRID = {
     "preset": "tiny",
     "eval_data": "tiny:5:2",
     "seeds": [0, 1],
-    "budget": {"max_steps": 1, "global_batch": 2, "per_device_batch": 2},
+    "budget": {"max_steps": 3, "global_batch": 2, "per_device_batch": 2},  # a checkpoint every step
     "recipe": {"learning_rate": 2e-4},
     "baseline": "entry",
     "arms": {"entry": {}, "token": {"env": {"OPSD_CLIP_MODE": "token"}}},
 }
+CELLS = [f"{arm}/seed-{seed}" for arm in GRID["arms"] for seed in GRID["seeds"]]
+FAKE_GPUS = "3,5"  # CUDA_VISIBLE_DEVICES of the grid: two GPU ids, each cell's own (on a CPU, still the CPU)
 
 
-def _run(grid_file, out, *extra):
+def _run(grid_file, out, *extra, env=None):
     return subprocess.run([sys.executable, "-m", "research.grid", str(grid_file), "--out", str(out), *extra],
-                          capture_output=True, text=True, cwd=REPO, timeout=900)
+                          capture_output=True, text=True, cwd=REPO, timeout=900, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def local_grid(tmp_path_factory):
+    """GRID run once by the local executor in its GPU pool, on two fake GPU ids (one cell each, two
+    at a time): (grid file, grid folder, the run). tests/research/test_slurm.py compares SLURM's
+    results with these; the tests that share it are kept on one xdist worker (group "grid")."""
+    folder = tmp_path_factory.mktemp("local-grid")
+    grid_file = folder / "grid.json"
+    grid_file.write_text(json.dumps(GRID))
+    run = _run(grid_file, folder / "out", "--cells-per-gpu", "1", env={"CUDA_VISIBLE_DEVICES": FAKE_GPUS})
+    return grid_file, folder / "out", run
 
 
 @pytest.mark.slow
-def test_two_arms_two_seeds_end_to_end_and_resume(tmp_path):
-    grid_file = tmp_path / "grid.json"
-    grid_file.write_text(json.dumps(GRID))
-    out = tmp_path / "grid"
-    first = _run(grid_file, out, "--parallel", "2")
+@pytest.mark.xdist_group("grid")
+def test_two_arms_two_seeds_end_to_end_and_resume(local_grid):
+    grid_file, out, first = local_grid
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     table = json.loads((out / "results.json").read_text())
     assert set(table["arms"]) == {"entry", "token"} and all(a["runs"] == 2 for a in table["arms"].values())
     assert "verdict" in table["arms"]["token"] and "verdict" not in table["arms"]["entry"]
+    assert table["missing"] == []
     assert "| token | 2 |" in (out / "results.md").read_text()
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the arms' curves, beside results.md
     assert f"; curves: {out / 'curves.png'}" in first.stdout
@@ -46,12 +62,30 @@ def test_two_arms_two_seeds_end_to_end_and_resume(tmp_path):
             assert f"--seed {seed} " in log  # the same seed in both arms: paired
             assert (cell / "recipe.env").read_text() == "learning_rate=0.0002\n"
             assert json.loads((cell / "eval.json").read_text())["dataset"] == "tiny:5:2"
+            assert sorted(p.name for p in (cell / "run").glob("checkpoint-*")) == [
+                "checkpoint-1", "checkpoint-2", "checkpoint-3"]  # resumable from any step
     for arm in ("entry", "token"):  # each arm's variables reach only its own runs
         assert json.loads((out / arm / "seed-0" / "run" / "run_config.json").read_text())["OPSD_CLIP_MODE"] == arm
     # Every cell is done: a re-run trains and evaluates nothing, and gives the same table.
     again = _run(grid_file, out)
     assert again.returncode == 0 and "4 cells, 4 already done, 0 to run" in again.stdout
     assert json.loads((out / "results.json").read_text()) == table
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("grid")
+def test_the_local_pool_puts_each_cell_on_its_own_gpu(local_grid):
+    _, out, run = local_grid
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert f"GPU pool: 2 GPU(s) {FAKE_GPUS}, 1 a cell, 1 cell(s) a GPU: 2 cell(s) at a time" in run.stdout
+    devices = {}
+    for name in CELLS:
+        first = (out / name / "train.log").read_text().splitlines()[0]
+        assert first.startswith("$ CUDA_VISIBLE_DEVICES="), first
+        devices[name] = first.split()[1].split("=")[1]
+        assert f"{name}: train on GPU {devices[name]} ..." in run.stdout
+        assert (out / name / "eval.log").read_text().startswith(f"$ CUDA_VISIBLE_DEVICES={devices[name]} ")
+    assert set(devices.values()) == set(FAKE_GPUS.split(","))  # both GPUs used, one id per cell
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -142,3 +176,161 @@ def test_a_swept_grid_evaluates_every_checkpoint_and_tables_accuracy_per_step(tm
     assert "per_step" not in table["arms"]["base"]
     text = (out / "results.md").read_text()
     assert "| step | token |" in text and f"| 2 | {per_step['2']:.2f} |" in text
+
+
+# --------------------------------------------------------------------------
+# Where the cells run: the pool, the executors' options, their errors
+# --------------------------------------------------------------------------
+
+def test_gpu_slots_spread_cells_over_the_gpus_before_sharing_one():
+    assert executors.gpu_slots(["0", "1", "2"], 1, 2) == [("0",), ("1",), ("2",), ("0",), ("1",), ("2",)]
+    assert executors.gpu_slots(["0", "1", "2", "3", "4"], 2, 1) == [("0", "1"), ("2", "3")]  # GPU 4 idles
+    assert executors.gpu_slots(["0", "1"], 0, 1) == []  # CPU cells
+    with pytest.raises(executors.ExecutorError, match="--gpus-per-cell 3: this machine has 2 GPU"):
+        executors.gpu_slots(["0", "1"], 3, 1)
+
+
+def test_visible_gpus_come_from_cuda_visible_devices_else_nvidia_smi(tmp_path):
+    assert executors.visible_gpus({"CUDA_VISIBLE_DEVICES": "4, 6"}) == ["4", "6"]
+    assert executors.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-a)'\necho 'GPU 1: NVIDIA H200 (UUID: GPU-b)'\n")
+    smi.chmod(0o755)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PATH", str(tmp_path))
+        assert executors.visible_gpus({}) == ["0", "1"]
+
+
+def test_the_pool_runs_every_cell_and_never_more_than_k_on_a_gpu():
+    import threading
+
+    running, most, lock = {}, {}, threading.Lock()
+
+    def run(task, index, slot):
+        with lock:
+            for gpu in slot:
+                running[gpu] = running.get(gpu, 0) + 1
+                most[gpu] = max(most.get(gpu, 0), running[gpu])
+        time.sleep(0.02)
+        with lock:
+            for gpu in slot:
+                running[gpu] -= 1
+        return (task, slot)
+
+    slots = executors.gpu_slots(["0", "1"], 1, 2)
+    outcomes = executors.run_pooled(list(range(20)), run, slots, None)
+    assert [task for task, _ in outcomes] == list(range(20))  # every task, in order
+    assert most == {"0": 2, "1": 2}  # both GPUs used, two cells each at most
+    outcomes = executors.run_pooled(list(range(6)), run, slots, 1)  # --parallel 1: one at a time
+    assert max(most.values()) == 2 and len(outcomes) == 6
+    assert executors.run_pooled([1, 2], lambda task, index, slot: (index, slot), [], 2) == [(None, None)] * 2
+
+
+def test_a_multi_gpu_cell_trains_as_that_many_ddp_processes_with_the_grids_global_batch(tmp_path):
+    grid_file = tmp_path / "g.json"
+    grid_file.write_text(json.dumps({**GRID, "budget": {"max_steps": 100, "global_batch": 32, "per_device_batch": 4}}))
+    grid = opsd_grid.load_grid(str(grid_file))
+    cell = opsd_grid.cells(grid, tmp_path / "out")[0]
+    command = opsd_grid.train_command(grid, cell, processes=2, port=29501)
+    assert command[1:4] == ["-m", "accelerate.commands.launch", "--config_file"]
+    assert command[command.index("--num_processes") + 1] == "2" and "--main_process_port" in command
+    assert command[command.index("--gradient_accumulation_steps") + 1] == "4"  # 32 = 4 x 4 x 2
+    assert command[command.index("--save_steps") + 1] == "25"  # a checkpoint every quarter: resumable
+
+
+def test_slurm_options_reach_the_job_arrays_sbatch_script(tmp_path):
+    options = executors.SlurmOptions(partition="gpu", time_min=90, gpus_per_cell=2, cpus_per_cell=16, mem_gb=64,
+                                     account="lab", qos="high", array_parallelism=3,
+                                     sbatch=executors.parse_sbatch_options(["constraint=h100", "exclude=node7",
+                                                                            "--mail-type=END"]))
+    executor = opsd_grid.executors.slurm_executor(tmp_path, options, "grid-x", REPO)
+    script = executor._make_submission_file_text("python -u -m submitit.core._submit FOLDER", "uid")
+    for line in ("--partition=gpu", "--time=90", "--gpus-per-node=2", "--cpus-per-task=16", "--mem=65536M",
+                 "--account=lab", "--qos=high", "--constraint=h100", "--exclude=node7", "--mail-type=END",
+                 "--job-name=grid-x", "--signal=USR2@120"):
+        assert f"#SBATCH {line}" in script, line
+    assert f"export PYTHONPATH={REPO}" in script
+    with pytest.raises(executors.ExecutorError, match="expected NAME=VALUE"):
+        executors.parse_sbatch_options(["constraint"])
+
+
+def test_the_queue_is_read_from_squeue_and_a_job_that_left_it_has_ended():
+    calls = []
+
+    def squeue(command, **kwargs):
+        calls.append(command)
+        return subprocess.CompletedProcess(command, 0, "7_0 RUNNING\n7_2 PENDING\n8 REQUEUED\n", "")
+
+    watch = executors.SlurmWatch(run=squeue)
+    assert watch.queued(["7_0", "7_1", "7_2", "8"]) == {"7_0": "RUNNING", "7_2": "PENDING", "8": "REQUEUED"}
+    assert calls[0][-1] == "7,8" and "--array" in calls[0]  # one call, every array task listed
+    assert watch.queued([]) == {} and len(calls) == 1
+
+
+def _error_line(result) -> str:
+    assert result.returncode == 2, result.stdout[-1000:] + result.stderr[-1000:]
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
+    return result.stderr
+
+
+@pytest.mark.parametrize("flags, env, message", [
+    (["--partition", "gpu"], {}, "--partition is a SLURM option: add --cluster slurm"),
+    (["--no-wait"], {}, "--no-wait is a SLURM option"),
+    (["--cluster", "slurm", "--cells-per-gpu", "2"], {}, "--cells-per-gpu is for this machine's GPU pool"),
+    (["--gpus-per-cell", "4"], {"CUDA_VISIBLE_DEVICES": "0,1"}, "--gpus-per-cell 4: this machine has 2 GPU(s) (0,1)"),
+    (["--gpus-per-cell", "1"], {"CUDA_VISIBLE_DEVICES": ""}, "--gpus-per-cell 1: this machine has no GPU visible"),
+    (["--gpus-per-cell", "2", "--cells-per-gpu", "2"], {"CUDA_VISIBLE_DEVICES": "0,1"}, "it must be 1"),
+    (["--parallel", "0"], {}, "--parallel must be >= 1"),
+])
+def test_bad_executor_options_are_one_line_errors_before_anything_runs(tmp_path, flags, env, message):
+    grid_file = tmp_path / "g.json"
+    grid_file.write_text(json.dumps(GRID))
+    assert message in _error_line(_run(grid_file, tmp_path / "out", *flags, env=env))
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpus_that_do_not_divide_the_batch_are_one_line(tmp_path):
+    grid_file = tmp_path / "g.json"
+    grid_file.write_text(json.dumps(GRID))  # global batch 2 = 2 per device: no room for 2 processes
+    line = _error_line(_run(grid_file, tmp_path / "out", "--gpus-per-cell", "2", env={"CUDA_VISIBLE_DEVICES": "0,1"}))
+    assert "2 GPUs a cell: global_batch 2 is not a multiple of per_device_batch 2 x 2 processes" in line
+
+
+def test_slurm_without_sbatch_or_without_submitit_is_one_line(tmp_path):
+    grid_file = tmp_path / "g.json"
+    grid_file.write_text(json.dumps(GRID))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    line = _error_line(_run(grid_file, tmp_path / "out", "--cluster", "slurm", env={"PATH": str(bare)}))
+    assert "--cluster slurm: no `sbatch` on PATH" in line
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for tool in ("sbatch", "squeue"):
+        (tools / tool).write_text("#!/bin/sh\nexit 1\n")
+        (tools / tool).chmod(0o755)
+    shadow = tmp_path / "shadow" / "submitit"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('No module named submitit')\n")
+    line = _error_line(_run(grid_file, tmp_path / "out", "--cluster", "slurm",
+                            env={"PATH": f"{tools}:{os.environ['PATH']}",
+                                 "PYTHONPATH": f"{shadow.parent}:{REPO}"}))
+    assert "--cluster slurm needs submitit: pip install submitit" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_holding_another_grids_cells_is_refused(tmp_path):
+    grid_file = tmp_path / "g.json"
+    grid_file.write_text(json.dumps(GRID))
+    grid = opsd_grid.load_grid(str(grid_file))
+    out = tmp_path / "out"
+    cell = opsd_grid.cells(grid, out)[1]  # entry/seed-1
+    cell.folder.mkdir(parents=True)
+    other = {**opsd_grid.cell_identity(grid, cell), "recipe": {"learning_rate": 1e-3}}
+    (cell.folder / "cell.json").write_text(json.dumps(other))
+    line = _error_line(_run(grid_file, out))
+    assert f"{cell.folder} holds the cell of another grid (recipe: {{'learning_rate': 0.001}} there, " in line
+    assert "use another --out" in line
+    assert sorted(p.name for p in cell.folder.iterdir()) == ["cell.json"]  # nothing ran or was written
+    # The same cell (its identity unchanged) is accepted: a re-run, or a grid with more arms or seeds.
+    (cell.folder / "cell.json").write_text(json.dumps(opsd_grid.cell_identity(grid, cell)))
+    opsd_grid.check_cell_identity(grid, cell)
