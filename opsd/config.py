@@ -20,7 +20,8 @@ CLI:
     python -m opsd.config switches       # the OPSD_* switches and OPSD_REPORT_TO in effect; exit 2 on error
     python -m opsd.config accelerate-config [NAME|PATH]   # the accelerate config file; exit 2 on error
     python -m opsd.config check-env      # exit 2 with one line if an OPSD_* variable set is unknown
-    python -m opsd.config variables      # every OPSD_* variable anything here reads, one line of help each
+    python -m opsd.config variables [--markdown]   # every OPSD_* variable a user sets, one line of help
+                                         # each (--markdown: README's tables, generated from here)
 
 Every subcommand but `variables` runs check-env first.
 """
@@ -77,9 +78,11 @@ DATA_FILTERS = ("nomath", "hard")
 DATA_SELECTS = ("none", *DATA_FILTERS)
 
 
-def _switch(variable: str, allowed: tuple[str, ...]):
-    """A Switches field: read from `variable`, one of `allowed`, the first by default."""
-    return dataclasses.field(default=allowed[0], metadata={"variable": variable, "allowed": allowed})
+def _switch(variable: str, allowed: tuple[str, ...], changes: str):
+    """A Switches field: read from `variable`, one of `allowed`, the first by default; `changes`
+    says what it changes (README's switch table, `variables`)."""
+    return dataclasses.field(default=allowed[0], metadata={"variable": variable, "allowed": allowed,
+                                                           "changes": changes})
 
 
 @dataclass(frozen=True)
@@ -87,11 +90,16 @@ class Switches:
     """The method switches of docs/SPEC.md §2-§4, read from the environment. Each is
     declared once, here; the tables below are derived from these fields."""
 
-    clip_mode: str = _switch("OPSD_CLIP_MODE", CLIP_MODES)
-    pad_side: str = _switch("OPSD_PAD_SIDE", PAD_SIDES)
-    teacher_context: str = _switch("OPSD_TEACHER_CONTEXT", TEACHER_CONTEXTS)
-    student_prompt: str = _switch("OPSD_STUDENT_PROMPT", STUDENT_PROMPTS)
-    data_select: str = _switch("OPSD_DATA_SELECT", DATA_SELECTS)
+    clip_mode: str = _switch("OPSD_CLIP_MODE", CLIP_MODES, "the clip caps each vocabulary entry (released) or "
+                             "scales the whole token, keeping the gradient's direction")
+    pad_side: str = _switch("OPSD_PAD_SIDE", PAD_SIDES,
+                            "pads between prompt and completion (released) or a contiguous prompt -> completion")
+    teacher_context: str = _switch("OPSD_TEACHER_CONTEXT", TEACHER_CONTEXTS,
+                                   "the teacher's privileged context; the last three are control arms")
+    student_prompt: str = _switch("OPSD_STUDENT_PROMPT", STUDENT_PROMPTS,
+                                  "the student's prompt: the paper's (thinking off) or the evaluation prompt")
+    data_select: str = _switch("OPSD_DATA_SELECT", DATA_SELECTS,
+                               "drop rows whose `source` is `math`; keep the longer half by trace length")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> Switches:
@@ -432,44 +440,104 @@ def accelerate_config_path(raw: str, var: str = ACCELERATE_CONFIG_VARIABLE) -> s
 # Every OPSD_* variable
 # --------------------------------------------------------------------------
 
-# The variables the scripts and entry points read besides the switches, OPSD_REPORT_TO and
-# OPSD_ACCELERATE_CONFIG (declared above): name -> one line of help. README documents each.
+@dataclass(frozen=True)
+class Variable:
+    """An OPSD_* variable that is not a switch, declared once: what it sets, its default, what
+    reads it. `meaning` and `default` are README's table cells (markdown; `variables` prints
+    them without backticks)."""
+
+    meaning: str
+    default: str
+    read_by: str
+
+
+# The variables the scripts and entry points read besides the switches, in README's order: name ->
+# Variable. README's tables are `python -m opsd.config variables --markdown` (tests/opsd/test_config.py).
 SCRIPT_VARIABLES = {
-    "OPSD_MODEL": "model: hub id or local folder (train_capped.sh, dev_eval.sh; default Qwen/Qwen3-1.7B)",
-    "OPSD_DATA": "training data: HF name, .json, .jsonl or .parquet (train_capped.sh)",
-    "OPSD_OUTPUT": "run folder (train_capped.sh, quickstart.sh)",
-    "OPSD_PRESET": "tiny: the embedded tiny model and data on a CPU budget (train_capped.sh, dev_eval.sh, python -m evaluation)",
-    "OPSD_NUM_PROCESSES": "training processes, one GPU each (train_capped.sh; default the visible GPUs)",
-    "OPSD_PER_DEVICE_BATCH": "micro-batch per process (train_capped.sh; default 4)",
-    "OPSD_TOKEN_MEAN_ROWS": "rows per token mean, a divisor of the micro-batch (train_capped.sh; default the micro-batch)",
-    "OPSD_USE_VLLM": "1/0: vLLM rollouts (train_capped.sh; default 1 when vllm is importable)",
-    "OPSD_VLLM_MODE": "colocate or server: where vLLM runs (train_capped.sh; default colocate)",
-    "OPSD_VLLM_SERVER_GPU": "server mode: the vLLM server's GPU id(s), or none (train_capped.sh; default 0)",
-    "OPSD_MAIN_PORT": "a run across nodes (srun, one task a node): the main process's port (train_capped.sh; default 29500 + SLURM job id % 2000)",
-    "OPSD_EVAL_DATA": "eval set: hub name, .json/.jsonl/.parquet or tiny[:SEED[:N]] (dev_eval.sh)",
-    "OPSD_EVAL_BACKEND": "transformers, vllm or auto (dev_eval.sh; default auto)",
-    "OPSD_EVAL_ENGINE": "the transformers backend's engine: auto, dynamic, paged, static, graph, graph_compiled (dev_eval.sh)",
-    "OPSD_EVAL_PAGED_GIB": "the paged engine's KV pool in GiB (dev_eval.sh)",
-    "OPSD_EVAL_OUT": "output folder of eval_<name>.json (dev_eval.sh)",
-    "OPSD_CACHE": "the embedded default's cache folder (default <repo>/.cache/opsd)",
+    "OPSD_MODEL": Variable("model: hub id or local folder", "`Qwen/Qwen3-1.7B`", "train_capped.sh, dev_eval.sh"),
+    "OPSD_DATA": Variable("training data: HF name, `.json`, `.jsonl`, `.parquet`, `tiny[:SEED[:N]]`",
+                          "`siyanzhao/Openthoughts_math_30k_opsd`", "train_capped.sh"),
+    "OPSD_OUTPUT": Variable("run folder", "`outputs/opsd-capped` in the repository (`outputs/opsd-tiny` for the "
+                                          "tiny preset)", "train_capped.sh, quickstart.sh"),
+    "OPSD_PRESET": Variable("`tiny`: embedded model + data, 8 steps x batch 4, completions of at most 64 tokens, "
+                            "no compilation (`OPSD_MODEL` / `OPSD_DATA`, when set, still win)", "unset",
+                            "train_capped.sh, dev_eval.sh, python -m evaluation"),
+    "OPSD_NUM_PROCESSES": Variable("training processes, one GPU each; fewer than the visible GPUs train on the "
+                                   "first ones", "visible GPUs (server mode: without the server's), else 1",
+                                   "train_capped.sh"),
+    "OPSD_MAIN_PORT": Variable("a run across nodes (`srun`, one task a node): the main process's port",
+                               "29500 + SLURM job id % 2000", "train_capped.sh"),
+    ACCELERATE_CONFIG_VARIABLE: Variable(
+        f"the multi-GPU engine: {', '.join(f'`{name}`' for name in ACCELERATE_CONFIGS)} or an accelerate config "
+        "file", f"`{next(iter(ACCELERATE_CONFIGS))}`", "train_capped.sh"),
+    "OPSD_PER_DEVICE_BATCH": Variable("micro-batch per process", "4", "train_capped.sh"),
+    "OPSD_TOKEN_MEAN_ROWS": Variable("rows per token mean (a divisor of the micro-batch): the loss of micro-batches "
+                                     "of that size, scored in fewer forwards", "the micro-batch", "train_capped.sh"),
+    "OPSD_USE_VLLM": Variable("`1`/`0`: vLLM rollouts", "`1` when vllm is importable", "train_capped.sh"),
+    "OPSD_VLLM_MODE": Variable("`colocate` (vLLM on the training GPUs) or `server` (a running `trl vllm-serve`)",
+                               "`colocate`", "train_capped.sh"),
+    "OPSD_VLLM_SERVER_GPU": Variable("server mode: the server's GPU id(s), comma-separated, or `none` (another host)",
+                                     "`0`", "train_capped.sh"),
+    REPORT_TO_VARIABLE: Variable(
+        f"where the logs also go: {', '.join(f'`{v}`' for v in REPORT_TO_VALUES[:-1])} or `all` (every installed "
+        "tracker); not a switch: it changes no number of the run", f"`{REPORT_TO_VALUES[0]}`", "opsd_train.py"),
+    "OPSD_EVAL_DATA": Variable("eval set: hub name, `.json`/`.jsonl`/`.parquet`, `tiny[:SEED[:N]]`",
+                               "`HuggingFaceH4/aime_2024`", "dev_eval.sh"),
+    "OPSD_EVAL_BACKEND": Variable("`transformers`, `vllm`, `auto` (vLLM with CUDA when installed)", "`auto`",
+                                  "dev_eval.sh"),
+    "OPSD_EVAL_ENGINE": Variable("the transformers backend's engine: `auto`, `dynamic`, `paged`, `static`, `graph`, "
+                                 "`graph_compiled`", "`auto` (`paged` on CUDA, else `dynamic`)", "dev_eval.sh"),
+    "OPSD_EVAL_PAGED_GIB": Variable("the paged engine's KV pool in GiB", "half the GPU's memory", "dev_eval.sh"),
+    "OPSD_EVAL_OUT": Variable("folder of `eval_<name>.json`", "`outputs/eval/<dataset>`", "dev_eval.sh"),
+    "OPSD_CACHE": Variable("the embedded default's cache folder", "`.cache/opsd` in the repository",
+                           "tiny_default"),
 }
-# Known but not a user setting (README does not list them).
+# Known but not a user setting: accepted by check_env, listed by neither `variables` nor README.
 INTERNAL_VARIABLES = {
     "OPSD_TEST_PAUSE_IN_SAVE": "tests only: seconds a checkpoint save pauses half-written (opsd_trainer.py)",
 }
 VARIABLE_PREFIX = "OPSD_"
 
 
+def switch_values_text(name: str) -> str:
+    """A switch's values as README's table shows them, the default first (markdown)."""
+    allowed = SWITCH_VALUES[name]
+    text = ", ".join(f"`{value}`" for value in allowed)
+    if allowed is DATA_SELECTS:
+        text += f", or a combination (`{','.join(DATA_FILTERS)}`)"
+    return text
+
+
+def user_variables() -> dict[str, str]:
+    """Every OPSD_* variable a user sets -> one line of help (plain text): the switches, then
+    SCRIPT_VARIABLES. What `variables` prints; the test-only INTERNAL_VARIABLES are left out."""
+    lines = {}
+    for f in dataclasses.fields(Switches):
+        lines[f.metadata["variable"]] = _plain(
+            f"ablation switch: {switch_values_text(f.name)} (default {f.default}): {f.metadata['changes']}")
+    for var, v in SCRIPT_VARIABLES.items():
+        lines[var] = _plain(f"{v.meaning} (default {v.default}; read by {v.read_by})")
+    return lines
+
+
+def variables_markdown() -> str:
+    """README's two tables of section "Switches and variables", from the declarations above."""
+    lines = ["| switch | values (default first) | what it changes |", "|---|---|---|"]
+    lines += [f"| `{f.metadata['variable']}` | {switch_values_text(f.name)} | {f.metadata['changes']} |"
+              for f in dataclasses.fields(Switches)]
+    lines += ["", "| variable | meaning | default |", "|---|---|---|"]
+    lines += [f"| `{var}` | {v.meaning} | {v.default} |" for var, v in SCRIPT_VARIABLES.items()]
+    return "\n".join(lines)
+
+
+def _plain(markdown: str) -> str:
+    return markdown.replace("`", "")
+
+
 def declared_variables() -> dict[str, str]:
-    """Every OPSD_* variable anything here reads -> one line of help: the switches and
-    OPSD_REPORT_TO (help derived from their allowed values), OPSD_ACCELERATE_CONFIG, and
-    SCRIPT_VARIABLES / INTERNAL_VARIABLES. The one list check_env holds the environment to."""
-    declared = {var: f"ablation switch: {', '.join(allowed)} (default {allowed[0]})"
-                for var, allowed in _SWITCHES.values()}
-    declared[REPORT_TO_VARIABLE] = f"where the logs also go: {', '.join(REPORT_TO_VALUES)} (default none)"
-    declared[ACCELERATE_CONFIG_VARIABLE] = (
-        f"the multi-GPU engine: {', '.join(ACCELERATE_CONFIGS)}, or an accelerate config file (default ddp)")
-    return {**declared, **SCRIPT_VARIABLES, **INTERNAL_VARIABLES}
+    """Every OPSD_* variable anything here reads -> one line of help: user_variables() and the
+    test-only INTERNAL_VARIABLES. The one list check_env holds the environment to."""
+    return {**user_variables(), **INTERNAL_VARIABLES}
 
 
 def check_env(env: Mapping[str, str] = os.environ) -> None:
@@ -506,11 +574,14 @@ def main(argv: list[str] | None = None) -> int:
         description=f"{ACCELERATE_CONFIG_VARIABLE}: {engines}; or the path of an accelerate config file.")
     engine.add_argument("value", nargs="?", default="", help="a name or a path; empty: the default (ddp)")
     commands.add_parser("check-env", help="exit 2 with one line if an OPSD_* variable set is no OPSD setting")
-    commands.add_parser("variables", help="list every OPSD_* variable with one line of help")
+    listing = commands.add_parser("variables", help="list every OPSD_* variable with one line of help")
+    listing.add_argument("--markdown", action="store_true",
+                         help="README's tables of switches and variables instead (section \"Switches and variables\")")
     args = parser.parse_args(argv)
     try:
         if args.command == "variables":
-            print("\n".join(f"{var:<24} {help}" for var, help in declared_variables().items()))
+            print(variables_markdown() if args.markdown else
+                  "\n".join(f"{var:<24} {help}" for var, help in user_variables().items()))
             return 0
         check_env()
         if args.command == "check-env":

@@ -320,3 +320,37 @@ def test_one_value_parsers_match_the_recipe_and_switch_rules():
         with pytest.raises(ConfigError) as caught:
             call()
         assert str(caught.value) == message
+
+
+# -- the variables' listing and README's tables --------------------------------
+
+def readme_tables(section: str = "Switches and variables") -> list[str]:
+    """The markdown tables of one README section, each as its lines joined."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return [block.strip("\n") for block in re.findall(r"(?:^\|.*\|\n)+", body, flags=re.M)]
+
+
+def test_readme_switch_and_variable_tables_are_the_declarations():
+    """README's two tables are `variables --markdown`, row for row: the same names, values
+    (default first), defaults and meanings as opsd/config.py declares."""
+    generated = run_cli("variables", "--markdown")
+    assert generated.returncode == 0, generated.stderr
+    assert readme_tables() == generated.stdout.strip("\n").split("\n\n")
+
+
+def test_variables_lists_every_user_setting_and_no_test_only_one():
+    from opsd.config import INTERNAL_VARIABLES, SCRIPT_VARIABLES, SWITCH_VARIABLES, check_env
+
+    result = run_cli("variables")
+    assert result.returncode == 0, result.stderr
+    lines = {line.split()[0]: line for line in result.stdout.splitlines()}
+    assert list(lines) == [*SWITCH_VARIABLES.values(), *SCRIPT_VARIABLES]
+    assert "tiny[:SEED[:N]]" in lines["OPSD_DATA"] and "(default siyanzhao/" in lines["OPSD_DATA"]
+    assert "or a combination (nomath,hard) (default none)" in lines["OPSD_DATA_SELECT"]
+    assert "`" not in result.stdout  # markdown only in --markdown
+    for name in INTERNAL_VARIABLES:  # not listed, still accepted (the tests set them)
+        assert name not in result.stdout
+        check_env({name: "1"})
+    with pytest.raises(ConfigError, match="OPSD_DATAA is not an OPSD setting"):
+        check_env({"OPSD_DATAA": "tiny"})
