@@ -2,6 +2,7 @@
 import sys
 
 from evaluation.evaluate import main
+from opsd.cli import exit_status  # a reader that stops early (| head) ends it quietly
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

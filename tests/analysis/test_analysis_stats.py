@@ -372,6 +372,22 @@ def test_missing_file_from_a_real_process(tmp_path):
     assert proc.stderr == f"error: {tmp_path / 'nope.json'}: no such file\n"
 
 
+def test_a_reader_that_closed_the_output_early_gets_no_traceback(arms):
+    """`python -m analysis.stats summary ... | head` after head exited: a quiet exit, no BrokenPipeError."""
+    import os
+
+    from opsd.cli import CLOSED_OUTPUT_STATUS
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "analysis.stats", "summary", *arms[2], "--bootstrap", "100"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60, cwd=ROOT)
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (CLOSED_OUTPUT_STATUS, "")
+
+
 # ---------------------------------------------------------------- command line end to end
 
 def test_compare_end_to_end(arms, tmp_path, capsys):

@@ -1,5 +1,6 @@
 """opsd_config: environment switches, recipe parsing and the `check` CLI."""
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -354,3 +355,22 @@ def test_variables_lists_every_user_setting_and_no_test_only_one():
         check_env({name: "1"})
     with pytest.raises(ConfigError, match="OPSD_DATAA is not an OPSD setting"):
         check_env({"OPSD_DATAA": "tiny"})
+
+
+@pytest.mark.parametrize("args", [("check", "recipe.env"), ("switches",), ("accelerate-config",), ("variables",),
+                                  ("variables", "--markdown"), ("check-env",)])
+def test_a_reader_that_closed_the_output_early_gets_no_traceback(args):
+    """`python -m opsd.config ... | head` where head has exited: no BrokenPipeError traceback, the
+    status a shell gives a command that SIGPIPE ended (check-env prints nothing: 0)."""
+    from opsd.cli import CLOSED_OUTPUT_STATUS
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # closed before the command writes: every write fails (EPIPE)
+    try:
+        result = subprocess.run([sys.executable, "-m", "opsd.config", *args], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                env={k: v for k, v in os.environ.items() if not k.startswith("OPSD_")})
+    finally:
+        os.close(write_end)
+    assert result.stderr == ""
+    assert result.returncode == (0 if args == ("check-env",) else CLOSED_OUTPUT_STATUS)
