@@ -17,8 +17,10 @@ import argparse
 import dataclasses
 import os
 import re
+import shutil
 import signal
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 
@@ -28,7 +30,6 @@ from opsd.config import (
     DATA_SELECTS,
     REPORT_TO_VALUES,
     REPORT_TO_VARIABLE,
-    SWITCH_VALUES,
     SWITCH_VARIABLES,
     TRACKERS,
     ConfigError,
@@ -40,6 +41,7 @@ from opsd.config import (
     read_report_to,
     recipe_field,
     recipe_value_problem,
+    switch_values_text,
 )
 from opsd.data import DataError, load_train_dataset
 
@@ -75,7 +77,9 @@ class ScriptArguments:
     attn_implementation: str | None = field(default=None, metadata={"help": "e.g. sdpa, flash_attention_2."})
     resume: bool = field(default=True, metadata={"help": "Resume from the newest checkpoint in output_dir."})
     data_select: str = field(
-        default=DATA_SELECTS[0], metadata={"help": "Training rows: none, hard or nomath (OPSD_DATA_SELECT)."}
+        default=DATA_SELECTS[0],
+        metadata={"help": f"Training rows: {', '.join(DATA_SELECTS)}, or a combination such as nomath,hard "
+                          "(OPSD_DATA_SELECT)."}
     )
 
     def __post_init__(self):
@@ -462,18 +466,44 @@ def draw_curves(out: str) -> str | None:
     return None if drawn is None else os.path.join(os.path.abspath(out), run_plots.CURVES_FILE)  # as checkpoints
 
 
+class _InheritedHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's help of the inherited flags, wrapped to the width as argparse wraps help text,
+    flags included: a flag's choices (`--optim {adamw_torch,...}`, some 600 characters) wrap
+    after their commas. No usage block: help_text's own usage line heads the page."""
+
+    def add_usage(self, *args, **kwargs):
+        pass
+
+    def _format_action_invocation(self, action):
+        text = super()._format_action_invocation(action)
+        width = max(self._width - self._current_indent, 20)
+        if len(text) <= width:
+            return text
+        text = re.sub(r"\{[^}]*\}", lambda m: m.group(0).replace(",", ", "), text)
+        indent = " " * (self._current_indent + 4)
+        return f"\n{indent}".join(textwrap.wrap(text, width - 4, break_on_hyphens=False))
+
+
+def _help_width() -> int:
+    """The width argparse wraps to: the terminal's (COLUMNS, else 80 off a terminal) less 2."""
+    return max(shutil.get_terminal_size().columns - 2, 40)
+
+
 def help_text() -> str:
     """`--help`: this script's settings, the OPSD_* variables and the precedence first,
-    then the flags inherited from TRL / transformers."""
+    then the flags inherited from TRL / transformers; every line wrapped to the terminal."""
     from trl import DistillationConfig, TrlParser
 
     from opsd_trainer import OPSDConfig
 
     recipe_keys = {f.name for f in dataclasses.fields(Recipe)}
+    width = _help_width()
 
     def describe(f, default) -> str:
-        text = f.metadata.get("help", "") + (" [recipe key]" if f.name in recipe_keys else "")
-        return f"  --{f.name} (default {default!r}){': ' + text.strip() if text else ''}"
+        text = (f.metadata.get("help", "") + (" [recipe key]" if f.name in recipe_keys else "")).strip()
+        flag = f"  --{f.name} (default {default!r})"
+        return "\n".join([flag, *textwrap.wrap(text, width, initial_indent=" " * 8, subsequent_indent=" " * 8,
+                                              break_on_hyphens=False)])
 
     own = [f for f in dataclasses.fields(OPSDConfig) if f.name in vars(OPSDConfig).get("__annotations__", {})]
     base = {f.name for f in dataclasses.fields(DistillationConfig)}
@@ -482,10 +512,11 @@ def help_text() -> str:
         "",
         "On-Policy Self-Distillation of a LoRA student against its own teacher role.",
         "",
-        "Precedence, lowest to highest: defaults (and a YAML --config) < the tiny preset's values <",
-        "the --recipe file < OPSD_* variables that are set < command-line flags; a flag that overrides a",
-        "different recipe or variable value is reported. Budget knobs in a recipe are ignored (warned).",
-        "Everything is checked before a model loads: bad input is one `error:` line, exit 2.",
+        *textwrap.wrap(
+            "Precedence, lowest to highest: defaults (and a YAML --config) < the tiny preset's values < "
+            "the --recipe file < OPSD_* variables that are set < command-line flags; a flag that overrides a "
+            "different recipe or variable value is reported. Budget knobs in a recipe are ignored (warned). "
+            "Everything is checked before a model loads: bad input is one `error:` line, exit 2.", width, break_on_hyphens=False),
         "",
         "OPSD settings:",
     ]
@@ -495,11 +526,13 @@ def help_text() -> str:
     lines += [describe(f, f.default) for f in own if f.name in base]
     lines += ["", "OPSD_* variables (the ablation switches; default first):"]
     for name, var in SWITCH_VARIABLES.items():
-        allowed = ", ".join(SWITCH_VALUES[name])
-        lines.append(f"  {var:<22} {allowed}  (sets {name})")
-    lines.append(f"  {REPORT_TO_VARIABLE:<22} {', '.join(REPORT_TO_VALUES)}  (sets report_to; not a switch)")
-    lines += ["", "Inherited flags (TRL DistillationConfig, transformers TrainingArguments):", ""]
-    lines.append(TrlParser((DistillationConfig,), prog="opsd_train.py").format_help())
+        allowed = switch_values_text(name).replace("`", "")
+        lines += textwrap.wrap(f"{var:<22} {allowed}  (sets {name})", width, initial_indent="  ",
+                               subsequent_indent=" " * 25, break_on_hyphens=False)
+    lines += textwrap.wrap(f"{REPORT_TO_VARIABLE:<22} {', '.join(REPORT_TO_VALUES)}  (sets report_to; not a switch)",
+                           width, initial_indent="  ", subsequent_indent=" " * 25, break_on_hyphens=False)
+    lines += ["", "Inherited flags (TRL DistillationConfig, transformers TrainingArguments):"]
+    lines.append(TrlParser((DistillationConfig,), prog="opsd_train.py", formatter_class=_InheritedHelp).format_help())
     return "\n".join(lines)
 
 

@@ -183,8 +183,20 @@ def test_help_starts_with_the_opsd_settings_variables_and_precedence():
     assert "Precedence" in head.split("OPSD settings:")[0]
     for fragment in ("--clip_mode", "--jsd_token_clip", "--recipe", "OPSD_CLIP_MODE", "OPSD_DATA_SELECT",
                      "command-line flags"):
-        assert fragment in head, fragment
+        assert fragment in " ".join(head.split()), fragment  # the text wraps to the terminal
     assert "--per_device_train_batch_size" in text[inherited:]
+
+
+@pytest.mark.parametrize("columns", [80, 100])
+def test_help_wraps_every_line_to_the_terminal_width(columns):
+    """Our flags' help (from the config fields' metadata), the variables and argparse's inherited
+    flags, their long choice lists included, fit the terminal, as argparse's own help does."""
+    result = run([sys.executable, "opsd_train.py", "--help"], {"COLUMNS": str(columns)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert all(len(line) <= columns for line in lines), max(lines, key=len)
+    assert "  --clip_mode (default 'entry')" in lines  # the flag on its line, the help indented below
+    assert "--optim {adamw_torch, adamw_torch_fused," in result.stdout  # choices wrap after their commas
 
 
 def test_recipe_budget_knob_is_warned_and_ignored(tmp_path):
