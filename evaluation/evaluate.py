@@ -746,11 +746,25 @@ def format_metrics(metrics: dict) -> str:
 
 
 def format_grading(metrics: dict) -> str:
-    """How the samples were graded, one line (metrics["graded_by"])."""
+    """How the samples were graded, one line (metrics["graded_by"]): the counts of answers each
+    method decided (right or wrong; not counts of correct answers), then, when there are any,
+    the answers graded wrong because math-verify failed and the samples with nothing to grade."""
     counts = dict(metrics["graded_by"])
-    labels = {"string_match": "string match", "math_verify": "math-verify",
-              "math_verify_error": "math-verify error", "timeout": "timed out", "no_box": "no box"}
-    return "graded: " + ", ".join(f"{labels.get(name, name)} {n}" for name, n in counts.items())
+    total = sum(counts.values())
+
+    def answers(n: int) -> str:
+        return f"{n} answer{'' if n == 1 else 's'}"
+
+    line = (f"graded by: string match {answers(counts.pop('string_match', 0))}, "
+            f"math-verify {answers(counts.pop('math_verify', 0))} (of {total} samples)")
+    failed = [f"{label} {counts.pop(name)}" for name, label in (("math_verify_error", "math-verify error"),
+                                                                 ("timeout", "timed out")) if counts.get(name)]
+    if failed:
+        line += f"; graded wrong: {', '.join(failed)}"
+    if counts.get("no_box"):
+        line += f"; no \\boxed{{}} to grade: {counts.pop('no_box')}"
+    others = [f"{name} {n}" for name, n in counts.items() if n]  # e.g. "unrecorded" in an old report
+    return line + (f"; {', '.join(others)}" if others else "")
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
