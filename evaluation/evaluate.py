@@ -446,7 +446,7 @@ class InputError(Exception):
 class EvalRequest:
     checkpoint: str | None  # LoRA adapter folder; None = the base model
     model: str              # as given (hub id, local path or "tiny")
-    dataset: str
+    dataset: str            # its label: a tiny set as tiny:SEED:N (dataset_label)
     backend: str            # resolved: "transformers" or "vllm"
     settings: EvalSettings
     output_path: Path
@@ -498,7 +498,7 @@ def build_request(args: argparse.Namespace):
     request = EvalRequest(
         checkpoint=checkpoint,
         model=args.model or (TINY if tiny else DEFAULT_MODEL),
-        dataset=dataset,
+        dataset=dataset_label(dataset),
         backend=backend,
         settings=settings,
         output_path=output_dir / f"eval_{run_name(checkpoint)}.json",
@@ -575,6 +575,17 @@ def dataset_tag(dataset: str) -> str:
     'data/x.jsonl' -> 'x', 'tiny' -> 'tiny'."""
     name = Path(dataset).stem if Path(dataset).suffix else dataset.rstrip("/").split("/")[-1]
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name) or "dataset"
+
+
+def dataset_label(dataset: str) -> str:
+    """What the header and the report call the eval set: a tiny set by its seed and size
+    (`tiny` -> `tiny:20240101:30`, `tiny:7` -> `tiny:7:30`), so that a report says which set it
+    was and two reports of one set say the same; any other name as given."""
+    if dataset == TINY or dataset.startswith(TINY + ":"):  # real runs never import tiny_default
+        import tiny_default
+
+        return tiny_default.eval_set_name(dataset)
+    return dataset
 
 
 def resolve_model_path(model: str) -> str:

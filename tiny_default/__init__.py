@@ -40,7 +40,7 @@ _NAME = re.compile(r"tiny:(\d+)(?::(\d+))?")
 
 __all__ = [
     "ADDED_TOKENS", "EOS_ID", "PAD_ID", "BUILD_VERSION", "N_EVAL_ROWS", "N_TRAIN_ROWS", "TINY", "TINY_RANDOM", "build_learned_model",
-    "build_qwen3_tokenizer", "build_tiny_model", "cache_dir", "is_tiny_name", "learned_model_dir",
+    "build_qwen3_tokenizer", "build_tiny_model", "cache_dir", "eval_set_name", "is_tiny_name", "learned_model_dir",
     "random_model_dir", "resolve_model", "tasks", "tiny_eval_path", "tiny_train_path",
 ]
 
@@ -73,6 +73,16 @@ def _seed_and_count(name: str, default_seed: int, default_count: int) -> tuple[i
         return default_seed, default_count
     match = _NAME.fullmatch(name)
     return int(match.group(1)), int(match.group(2) or default_count)
+
+
+def eval_set_name(name: str) -> str:
+    """An eval set's name with its seed and size spelled out, `tiny:SEED:N` (`tiny` is
+    `tiny:20240101:30`): what reports call the set, so that two reports of one set say the same
+    and a report says which set it was. Any other name is returned unchanged."""
+    if not is_tiny_name(name):
+        return name
+    seed, count = _seed_and_count(name, EVAL_SEED, N_EVAL_ROWS)
+    return f"{TINY}:{seed}:{count}"
 
 
 def tiny_train_path(name: str = TINY) -> Path:

@@ -311,6 +311,20 @@ def test_load_run_reads_the_opsd_eval_schema(arms):
     assert list(run.num_correct) == list(counts(arm_a)[0])
 
 
+def test_tiny_sets_compare_by_seed_and_size_whatever_the_report_called_them(arms, tmp_path, capsys):
+    """A report of before the labels (`tiny`) and one of now (`tiny:20240101:30`) are one set;
+    another seed or size of the tiny task is another set."""
+    arm_a, arm_b, _, _ = arms
+    old = write_arm(tmp_path, "old", arm_a[:2], dataset="tiny")
+    new = write_arm(tmp_path, "new", arm_b[:2], dataset="tiny:20240101:30")
+    status, out, err = cli(capsys, "compare", "--a", *old, "--b", *new, "--bootstrap", "200")
+    assert status == 0, err
+    assert "| dataset tiny:20240101:30 |" in out.splitlines()[0]
+    other = write_arm(tmp_path, "seed7", arm_b[:2], dataset="tiny:7")
+    one_error_line(*cli(capsys, "compare", "--a", *old, "--b", *other),
+                   "dataset 'tiny:7:30' differs from 'tiny:20240101:30'")
+
+
 def test_bad_inputs_exit_2_with_one_line(arms, tmp_path, capsys, difficulty):
     _, arm_b, paths_a, paths_b = arms
     flags = arm_b[0]

@@ -195,6 +195,16 @@ def test_names_of_reports():
     assert opsd_eval.dataset_tag("data/aime 25.jsonl") == "aime-25"
     assert opsd_eval.dataset_tag("tiny") == "tiny"
 
+@pytest.mark.parametrize("given, label, problems", [("tiny", "tiny:20240101:30", 30), ("tiny:7", "tiny:7:30", 30),
+                                                    ("tiny:7:4", "tiny:7:4", 4)])
+def test_a_report_names_its_tiny_set_by_seed_and_size(given, label, problems):
+    """The header and the report call the set by its seed and size; its folder stays as given."""
+    request, loaded = opsd_eval.build_request(opsd_eval.parse_args(["base", "--preset", "tiny", "--dataset", given,
+                                                                  "--backend", "transformers"]))
+    assert (request.dataset, len(loaded)) == (label, problems)
+    assert request.output_path == Path("outputs") / "eval" / opsd_eval.dataset_tag(given) / "eval_base.json"
+    assert opsd_eval.dataset_label("HuggingFaceH4/aime_2024") == "HuggingFaceH4/aime_2024"
+
 
 def test_frozen_settings():
     frozen = opsd_eval.FROZEN_SETTINGS

@@ -211,8 +211,13 @@ def test_the_report_counts_how_answers_were_graded(use_worker, tmp_path, monkeyp
     assert metrics["graded_by"] == {"string_match": 1, "math_verify": 2, "math_verify_error": 1, "timeout": 1,
                                     "no_box": 2}
     assert metrics["num_correct"] == 2 and metrics["no_answer_rate"] == pytest.approx(100 * 2 / 7)
-    assert opsd_eval.format_grading(metrics) == ("graded: string match 1, math-verify 2, math-verify error 1, "
-                                                 "timed out 1, no box 2")
+    # counts of answers each method decided, not of correct ones (1 + 2 graded, 2 of them correct)
+    assert opsd_eval.format_grading(metrics) == (
+        "graded by: string match 1 answer, math-verify 2 answers (of 7 samples); "
+        "graded wrong: math-verify error 1, timed out 1; no \\boxed{} to grade: 2")
+    assert opsd_eval.format_grading({"graded_by": {"string_match": 104, "math_verify": 136, "math_verify_error": 0,
+                                                   "timeout": 0, "no_box": 0}}) == (
+        "graded by: string match 104 answers, math-verify 136 answers (of 240 samples)")
     # a sample of a report written before "graded_by" existed
     old = {**samples[0]}
     del old["graded_by"]
