@@ -35,7 +35,6 @@ from typing import NamedTuple
 import torch
 from accelerate.utils import is_peft_model
 from torch.distributed.tensor import DTensor
-from tqdm.auto import tqdm
 from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import rotate_checkpoints
@@ -357,8 +356,7 @@ class _RunLog(TrainerCallback):
             return
         line = kl_line(state.global_step, logs)
         if line:
-            tqdm.write(line, file=sys.stdout)  # above the progress bar, not glued to it
-            sys.stdout.flush()
+            opsd_logging.print_line(line)  # on its own line, above or below the progress bar
         append_metrics(self.path, state.global_step, logs)
 
 
@@ -391,8 +389,7 @@ class _CollapseWatch(TrainerCallback):
         logs[opsd_logging.COLLAPSE_FIELD] = 1
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1][opsd_logging.COLLAPSE_FIELD] = 1  # Trainer.log stored a copy already
-        tqdm.write(opsd_logging.collapse_line(evidence), file=sys.stdout)
-        sys.stdout.flush()
+        opsd_logging.print_line(opsd_logging.collapse_line(evidence))
 
 
 class _ProgressBarOnly(ProgressCallback):

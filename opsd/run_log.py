@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 
 # Metric keys the trainer records (one place, so the line and the docs agree).
@@ -25,6 +26,49 @@ KL_LINE_FIELDS = (
     ("H_teacher", "opsd/teacher_entropy"),
     ("nll", "opsd/nll"),
 )
+
+
+def print_line(line: str, file=None) -> None:
+    """One console line of the run (`[OPSD kl]`, `[OPSD warn]`) on a line of its own, whatever
+    tqdm progress bars (the trainer's) are drawn on stdout or stderr. A bar on a terminal is
+    cleared, the line written and flushed, the bar redrawn below it (tqdm.write's way, with the
+    flush before the redraw). A bar on a file or pipe (`train_capped.sh > log 2>&1`) cannot be
+    cleared: a carriage return there leaves the bar's text at the start of the log's line, so
+    the bar's line is ended with a newline instead and the bar goes on below the line."""
+    out = sys.stdout if file is None else file
+    try:
+        from tqdm import tqdm  # every tqdm class (tqdm.auto's too) registers its bars here
+    except ImportError:  # no bars without tqdm
+        out.write(line + "\n")
+        out.flush()
+        return
+    with tqdm.get_lock():
+        bars = [bar for bar in list(tqdm._instances)
+                if not bar.disable and hasattr(bar, "start_t") and _on_console(bar.fp, out)]
+        cleared = []
+        for bar in bars:
+            if _is_terminal(bar.fp):
+                bar.clear(nolock=True)
+                cleared.append(bar)
+            else:
+                bar.fp.write("\n")
+                bar.fp.flush()
+        out.write(line + "\n")
+        out.flush()
+        for bar in cleared:
+            bar.refresh(nolock=True)
+
+
+def _on_console(stream, out) -> bool:
+    """Whether a bar's stream shares the screen or log with `out` (as tqdm.write decides)."""
+    return stream == out or (stream in (sys.stdout, sys.stderr) and out in (sys.stdout, sys.stderr))
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
 
 
 def kl_line(step: int, logs: dict) -> str | None:
