@@ -18,9 +18,10 @@
 #   OPSD_TOKEN_MEAN_ROWS  rows per token mean, a divisor of the micro-batch, default the micro-batch;
 #                       OPSD_PER_DEVICE_BATCH=16 OPSD_TOKEN_MEAN_ROWS=4 is the default's loss in fewer,
 #                       larger forwards (faster on a GPU, more memory)
-#   OPSD_USE_VLLM       1 = vLLM rollouts, default 1 when vllm is importable
-#   OPSD_VLLM_MODE      colocate (default: vLLM shares the training GPUs) or server (a separate
-#                       `trl vllm-serve --model $OPSD_MODEL` must already be running)
+#   OPSD_USE_VLLM       0 (default) = the project's own rollout engine, 1 = vLLM rollouts; the own
+#                       engine is faster and leaner on one GPU (README "Real runs: which engine")
+#   OPSD_VLLM_MODE      with vLLM: colocate (default: vLLM shares the training GPUs) or server (a separate
+#                       `trl vllm-serve --model $OPSD_MODEL` must already be running); set, it means vLLM
 #   OPSD_VLLM_SERVER_GPU  server mode: the GPU id(s) running the server, comma-separated, default 0;
 #                       training uses the other visible GPUs (none: the server runs elsewhere)
 #   OPSD_PRESET=tiny    embedded tiny model + generated data, CPU budget (8 steps x batch 4);
@@ -51,6 +52,16 @@ if [[ -n "${OPSD_PRESET:-}" && "$OPSD_PRESET" != "tiny" ]]; then
   echo "error: OPSD_PRESET='$OPSD_PRESET' is not a preset; the only one is tiny (or leave it unset)" >&2
   exit 2
 fi
+if [[ ! "${OPSD_USE_VLLM:-0}" =~ ^[01]$ ]]; then
+  echo "error: OPSD_USE_VLLM='$OPSD_USE_VLLM' is not allowed; expected 0 (the own engine, default) or 1 (vLLM)" >&2
+  exit 2
+elif [[ -n "${OPSD_VLLM_MODE:-}" && "$OPSD_VLLM_MODE" != "colocate" && "$OPSD_VLLM_MODE" != "server" ]]; then
+  echo "error: OPSD_VLLM_MODE='$OPSD_VLLM_MODE' is not allowed; expected colocate or server" >&2
+  exit 2
+elif [[ -n "${OPSD_VLLM_MODE:-}" && "${OPSD_USE_VLLM:-}" == "0" ]]; then
+  echo "error: OPSD_VLLM_MODE=$OPSD_VLLM_MODE asks for vLLM rollouts but OPSD_USE_VLLM=0; unset one of them" >&2
+  exit 2
+fi
 
 # The multi-GPU engine, checked first (instant): its accelerate config file, or one error line.
 engine_config=$(opsd_config accelerate-config "${OPSD_ACCELERATE_CONFIG:-}")
@@ -63,7 +74,6 @@ if [[ "${OPSD_PRESET:-}" == "tiny" ]]; then
   if [[ -n "${OPSD_MODEL:-}" ]]; then model_args+=(--model_name_or_path "$OPSD_MODEL"); fi
   if [[ -n "${OPSD_DATA:-}" ]]; then model_args+=(--dataset_name "$OPSD_DATA"); fi
   extra=(--logging_steps 1)
-  use_vllm=0
 else
   steps=100; global_batch=32; save_steps=25
   per_device="${OPSD_PER_DEVICE_BATCH:-4}"
@@ -71,10 +81,6 @@ else
   model_args=(--model_name_or_path "${OPSD_MODEL:-Qwen/Qwen3-1.7B}"
               --dataset_name "${OPSD_DATA:-siyanzhao/Openthoughts_math_30k_opsd}")
   extra=(--logging_steps 1)
-  use_vllm="${OPSD_USE_VLLM:-$(python -c 'import importlib.util as u; print(int(u.find_spec("vllm") is not None))')}"
-  if [[ "$use_vllm" == "1" ]]; then
-    extra+=(--use_vllm true --vllm_mode "${OPSD_VLLM_MODE:-colocate}")
-  fi
 fi
 
 # GPUs: the visible ones (CUDA_VISIBLE_DEVICES, else all that nvidia-smi lists; none on a CPU machine).
@@ -85,11 +91,34 @@ elif command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1; then
 else
   visible=()
 fi
+# Rollouts: the own engine unless vLLM is asked for, measured faster and leaner on one GPU
+# (BENCHMARKS.md); vLLM server mode on a GPU of its own is not measured against it.
+vllm_mode="${OPSD_VLLM_MODE:-colocate}"
+if [[ "${OPSD_PRESET:-}" == "tiny" ]]; then
+  use_vllm=0; why="the tiny preset never uses vLLM"
+elif [[ "${OPSD_USE_VLLM:-}" == "1" ]]; then
+  use_vllm=1; why="OPSD_USE_VLLM=1"
+elif [[ -n "${OPSD_VLLM_MODE:-}" ]]; then
+  use_vllm=1; why="OPSD_VLLM_MODE=$OPSD_VLLM_MODE"
+elif [[ -n "${OPSD_USE_VLLM:-}" ]]; then
+  use_vllm=0; why="OPSD_USE_VLLM=0"
+elif (( ${#visible[@]} > 0 )); then
+  use_vllm=0
+  why="default on GPUs: 4.2 s a step and 16 GiB against vLLM colocate's 5.4 s and 60 GiB at Qwen3-1.7B, BENCHMARKS.md; OPSD_USE_VLLM=1 for vLLM"
+else
+  use_vllm=0; why="no GPU visible"
+fi
+if [[ "$use_vllm" == "1" ]]; then
+  extra+=(--use_vllm true --vllm_mode "$vllm_mode")
+  echo "[OPSD] rollouts: vLLM $vllm_mode ($why)"
+else
+  echo "[OPSD] rollouts: own engine ($why)"
+fi
 gpus=("${visible[@]}")
 server_gpus="${OPSD_VLLM_SERVER_GPU:-0}"
 server_gpus="${server_gpus// /}"
 server_mode=0
-if [[ "$use_vllm" == "1" && "${OPSD_VLLM_MODE:-colocate}" == "server" && "$server_gpus" != "none" ]]; then
+if [[ "$use_vllm" == "1" && "$vllm_mode" == "server" && "$server_gpus" != "none" ]]; then
   # No training rank on the server's GPUs.
   server_mode=1
   gpus=()

@@ -473,9 +473,11 @@ SCRIPT_VARIABLES = {
     "OPSD_PER_DEVICE_BATCH": Variable("micro-batch per process", "4", "train_capped.sh"),
     "OPSD_TOKEN_MEAN_ROWS": Variable("rows per token mean (a divisor of the micro-batch): the loss of micro-batches "
                                      "of that size, scored in fewer forwards", "the micro-batch", "train_capped.sh"),
-    "OPSD_USE_VLLM": Variable("`1`/`0`: vLLM rollouts", "`1` when vllm is importable", "train_capped.sh"),
-    "OPSD_VLLM_MODE": Variable("`colocate` (vLLM on the training GPUs) or `server` (a running `trl vllm-serve`)",
-                               "`colocate`", "train_capped.sh"),
+    "OPSD_USE_VLLM": Variable("`0`/`1`: `1` samples the rollouts with vLLM instead of the project's own engine "
+                              "(faster and leaner on one GPU: README \"Real runs: which engine\")", "`0`",
+                              "train_capped.sh"),
+    "OPSD_VLLM_MODE": Variable("with vLLM: `colocate` (on the training GPUs) or `server` (a running "
+                               "`trl vllm-serve`); set, it asks for vLLM", "`colocate`", "train_capped.sh"),
     "OPSD_VLLM_SERVER_GPU": Variable("server mode: the server's GPU id(s), comma-separated, or `none` (another host)",
                                      "`0`", "train_capped.sh"),
     REPORT_TO_VARIABLE: Variable(

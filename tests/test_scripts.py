@@ -352,6 +352,62 @@ def test_server_mode_without_enough_training_gpus_is_one_line(fake_gpu_host, ext
     assert message.startswith(f"error: OPSD_VLLM_MODE=server: {fragment}")
 
 
+def test_the_own_engine_is_the_default_even_with_vllm_importable(fake_gpu_host, tmp_path):
+    """With vllm importable (a fake package) and OPSD_USE_VLLM unset, training samples with the
+    own engine and says why in one line; OPSD_USE_VLLM=1 passes vLLM's flags."""
+    (tmp_path / "site" / "vllm").mkdir(parents=True)
+    (tmp_path / "site" / "vllm" / "__init__.py").write_text("")
+    env = {key: value for key, value in fake_gpu_host.items() if key != "OPSD_USE_VLLM"}
+    env["PYTHONPATH"] = str(tmp_path / "site")
+    assert subprocess.run(["python", "-c", "import vllm"], env=env).returncode == 0
+    result, line = launch(env, FAKE_GPUS="1")
+    assert result.returncode == 0, result.stderr
+    assert line.startswith("train ") and "--use_vllm" not in line
+    (engine,) = [l for l in result.stdout.splitlines() if l.startswith("[OPSD] rollouts:")]
+    assert engine.startswith("[OPSD] rollouts: own engine (default on GPUs: 4.2 s a step and 16 GiB against "
+                             "vLLM colocate's 5.4 s and 60 GiB at Qwen3-1.7B, BENCHMARKS.md; OPSD_USE_VLLM=1 for vLLM)")
+    result, line = launch(env, FAKE_GPUS="1", OPSD_USE_VLLM="1")
+    assert result.returncode == 0, result.stderr
+    assert line.endswith(" --use_vllm true --vllm_mode colocate"), line
+    assert "[OPSD] rollouts: vLLM colocate (OPSD_USE_VLLM=1)" in result.stdout.splitlines()
+
+
+@pytest.mark.parametrize("extra, engine, flags", [
+    ({"OPSD_USE_VLLM": "0"}, "own engine (OPSD_USE_VLLM=0)", None),
+    ({"OPSD_VLLM_MODE": "server", "OPSD_VLLM_SERVER_GPU": "none"}, "vLLM server (OPSD_VLLM_MODE=server)",
+     "--use_vllm true --vllm_mode server"),  # the mode alone asks for vLLM
+    ({"OPSD_USE_VLLM": "1", "OPSD_PRESET": "tiny"}, "own engine (the tiny preset never uses vLLM)", None),
+], ids=["off", "server-mode", "tiny"])
+def test_the_engine_line_names_the_variable_that_chose_it(fake_gpu_host, extra, engine, flags):
+    env = {key: value for key, value in fake_gpu_host.items() if key != "OPSD_USE_VLLM"}
+    result, line = launch(env, FAKE_GPUS="1", **extra)
+    assert result.returncode == 0, result.stderr
+    assert f"[OPSD] rollouts: {engine}" in result.stdout.splitlines()
+    assert (flags in line) if flags else ("--use_vllm" not in line and line)
+
+
+def test_without_a_gpu_the_own_engine_is_used(fake_gpu_host):
+    env = {key: value for key, value in fake_gpu_host.items() if key != "OPSD_USE_VLLM"}
+    result, line = launch(env, FAKE_GPUS="0")
+    assert result.returncode == 0, result.stderr
+    assert "[OPSD] rollouts: own engine (no GPU visible)" in result.stdout.splitlines()
+    assert line.startswith("train ") and "--use_vllm" not in line
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ({"OPSD_USE_VLLM": "yes"}, "OPSD_USE_VLLM='yes' is not allowed; expected 0 (the own engine, default) or 1 (vLLM)"),
+    ({"OPSD_USE_VLLM": "true", "OPSD_PRESET": "tiny"}, "OPSD_USE_VLLM='true' is not allowed"),
+    ({"OPSD_VLLM_MODE": "remote"}, "OPSD_VLLM_MODE='remote' is not allowed; expected colocate or server"),
+    ({"OPSD_USE_VLLM": "0", "OPSD_VLLM_MODE": "server"},
+     "OPSD_VLLM_MODE=server asks for vLLM rollouts but OPSD_USE_VLLM=0"),
+], ids=["word", "tiny", "mode", "contradiction"])
+def test_bad_vllm_choice_is_one_line_before_anything_runs(fake_gpu_host, extra, fragment):
+    result, line = launch(fake_gpu_host, FAKE_GPUS="1", **extra)
+    assert result.returncode == 2 and not line and "check " not in result.stdout
+    (message,) = result.stderr.splitlines()
+    assert message.startswith(f"error: {fragment}")
+
+
 @pytest.mark.slow
 def test_two_process_launch(tmp_path):
     """Data-parallel training of the CLI: gathers, barriers and the atomic checkpoint rename
