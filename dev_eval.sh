@@ -17,7 +17,7 @@ usage: dev_eval.sh CHECKPOINT|RUN_FOLDER|base
                distinguishable from the last checkpoint (FINAL best checkpoint-N avg@k ...)
 
 environment:
-  OPSD_MODEL         base model: hub id or local folder   (default Qwen/Qwen3-1.7B)
+  OPSD_MODEL         base model: hub id or local folder   (default the run's, else Qwen/Qwen3-1.7B)
   OPSD_EVAL_DATA     eval set: hub name, .json/.jsonl/.parquet  (default HuggingFaceH4/aime_2024)
   OPSD_EVAL_BACKEND  transformers | vllm | auto           (default auto: vllm with CUDA, else transformers)
   OPSD_EVAL_ENGINE   the transformers backend's engine: auto | dynamic | paged | static | graph | graph_compiled
@@ -27,6 +27,10 @@ environment:
   OPSD_EVAL_OUT      output folder for eval_<name>.json   (default <repo>/outputs/eval/<dataset>)
   OPSD_PRESET=tiny   embedded tiny model and its 30-problem eval set, 8 samples of at most 96 tokens each
                      (OPSD_MODEL / OPSD_EVAL_DATA, when set, still win)
+
+  A checkpoint or run folder is evaluated on its run's base model (run_config.json), and a run of
+  the tiny preset on the tiny preset's eval set, unless the variables above say otherwise (one line
+  says so).
   Any other OPSD_* variable set is an error (python -m opsd.config variables lists them all).
 USAGE
 }
@@ -41,7 +45,7 @@ if [[ $# -ne 1 ]]; then
 fi
 repo="$(cd "$(dirname "$(realpath -- "${BASH_SOURCE[0]}")")" && pwd)"
 # Every OPSD_* variable set is a declared one (a misspelled name would be ignored): one error line.
-PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" python -m opsd.config check-env
+python -m opsd.config check-env
 
 # Paths the caller gave are relative to the caller's folder; make them absolute
 # before moving to the repository (hub names, which are not existing paths, pass as is).
@@ -54,15 +58,11 @@ checkpoint="$1"
 
 args=("$checkpoint" --backend "${OPSD_EVAL_BACKEND:-auto}" --engine "${OPSD_EVAL_ENGINE:-auto}")
 if [[ -n "${OPSD_EVAL_PAGED_GIB:-}" ]]; then args+=(--paged-cache-gib "$OPSD_EVAL_PAGED_GIB"); fi
-if [[ -n "${OPSD_PRESET:-}" ]]; then
-  args+=(--preset "$OPSD_PRESET")
-  # Under the preset, only explicitly set variables override its tiny model and data.
-  if [[ -n "${OPSD_MODEL:-}" ]]; then args+=(--model "$(absolute_if_path "$OPSD_MODEL")"); fi
-  if [[ -n "${OPSD_EVAL_DATA:-}" ]]; then args+=(--dataset "$(absolute_if_path "$OPSD_EVAL_DATA")"); fi
-else
-  args+=(--model "$(absolute_if_path "${OPSD_MODEL:-Qwen/Qwen3-1.7B}")")
-  args+=(--dataset "$(absolute_if_path "${OPSD_EVAL_DATA:-HuggingFaceH4/aime_2024}")")
-fi
+if [[ -n "${OPSD_PRESET:-}" ]]; then args+=(--preset "$OPSD_PRESET"); fi
+# Only variables that are set are passed: the rest is python -m evaluation's to decide (the
+# defaults above, the preset's, or those of the run a checkpoint's run_config.json records).
+if [[ -n "${OPSD_MODEL:-}" ]]; then args+=(--model "$(absolute_if_path "$OPSD_MODEL")"); fi
+if [[ -n "${OPSD_EVAL_DATA:-}" ]]; then args+=(--dataset "$(absolute_if_path "$OPSD_EVAL_DATA")"); fi
 if [[ -n "${OPSD_EVAL_OUT:-}" ]]; then args+=(--output-dir "$(realpath -m -- "$OPSD_EVAL_OUT")"); fi
 
 cd "$repo"

@@ -553,6 +553,47 @@ def resolve_engine(name: str, backend: str, tiny: bool = False) -> str | None:
     return name
 
 
+def apply_run_defaults(args: argparse.Namespace) -> str | None:
+    """What a checkpoint's (or run folder's) run_config.json decides where the command line and
+    OPSD_* variables left it open: a run of the tiny preset is evaluated on the tiny preset's
+    eval set and settings (unless --preset or --dataset is given), any run on its own base model
+    (unless --model is given). Sets those on `args`; returns the one line saying what was taken,
+    or, without a run_config.json and a dataset, the line naming the hub dataset it will need
+    (None: nothing to say). Called before anything loads."""
+    if args.checkpoint == "base" or not Path(args.checkpoint).is_dir():
+        return None
+    from opsd.run_folder import CONFIG_FILE, RunFolderError, read_config
+
+    folder = Path(args.checkpoint).resolve()
+    recorded = None
+    for where in (folder, folder.parent):  # a checkpoint's own copy, else its run folder's
+        try:
+            recorded = read_config(str(where))
+        except RunFolderError:
+            recorded = None
+        if recorded:
+            break
+    if not recorded:
+        if args.preset is None and args.dataset is None:
+            return (f"[eval] {folder} has no {CONFIG_FILE} saying what it was trained on: evaluating on the default "
+                    f"{DEFAULT_DATASET}, which needs the hub (OPSD_PRESET=tiny or OPSD_EVAL_DATA / --dataset choose "
+                    "another)")
+        return None
+    taken = []
+    if recorded.get("preset") == TINY and args.preset is None and args.dataset is None:
+        args.preset = TINY
+        taken.append(f"the tiny preset's eval set ({TINY}) and settings")
+    model = recorded.get("model")
+    if args.model is None and isinstance(model, str) and model != (TINY if args.preset == TINY else DEFAULT_MODEL):
+        args.model = model
+        taken.append(f"its base model {model}")
+    if not taken:
+        return None
+    what = "a run of the tiny preset" if recorded.get("preset") == TINY else "a run"
+    return (f"[eval] {folder} is {what} ({CONFIG_FILE}): evaluating with {' and '.join(taken)} "
+            "(OPSD_PRESET, OPSD_MODEL, OPSD_EVAL_DATA or --preset / --model / --dataset choose otherwise)")
+
+
 def check_checkpoint(path: Path) -> None:
     if not path.is_dir():
         raise InputError(f"checkpoint folder not found: {path}")
@@ -633,13 +674,14 @@ def problem_chunks(request: EvalRequest, num_problems: int) -> list[range]:
     return [range(start, min(start + size, num_problems)) for start in range(0, num_problems, size)]
 
 
-def _sample_chunk(backend, request: EvalRequest, prompts: list[list[int]], chunk: range):
+def _sample_chunk(backend, request: EvalRequest, prompts: list[list[int]], chunk: range, progress=True):
+    """The chunk's samples; `progress`: the evaluation's one bar, advanced per finished sample."""
     from opsd.sampling import SamplingSettings, derive_seed
 
     s = request.settings
     sampling = SamplingSettings(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                 max_new_tokens=s.max_new_tokens, seed=derive_seed(s.seed, chunk.start))
-    return backend.generate([prompts[i] for i in chunk], sampling, n=s.n_samples, progress=True)
+    return backend.generate([prompts[i] for i in chunk], sampling, n=s.n_samples, progress=progress)
 
 
 def _sampling_backend(request: EvalRequest, model_path: str, tokenizer, prompts: list[list[int]]):
@@ -807,7 +849,7 @@ def evaluate(request: EvalRequest, problems: list[dict]) -> dict:
     # Shut the backend (vLLM's engine) down before the results, so that nothing the
     # engine does on exit (it may print) comes after them and the FINAL line.
     with contextlib.ExitStack() as stack:
-        backend = None
+        backend = bar = None
         for chunk in problem_chunks(request, len(problems)):
             if all(i in done for i in chunk):
                 continue
@@ -815,8 +857,9 @@ def evaluate(request: EvalRequest, problems: list[dict]) -> dict:
                 backend = _sampling_backend(request, model_path, tokenizer, prompts)
                 if hasattr(backend, "__exit__"):
                     stack.enter_context(backend)
+                bar = stack.enter_context(progress_bar(len(problems), len(done), request.settings.n_samples))
             graded = [grade_problem(i, problems[i], c, tokenizer)
-                      for i, c in zip(chunk, _sample_chunk(backend, request, prompts, chunk))]
+                      for i, c in zip(chunk, _sample_chunk(backend, request, prompts, chunk, progress=bar))]
             partial.append(graded)
             done.update((record["index"], record) for record in graded)
     records = [done[i] for i in range(len(problems))]
@@ -838,6 +881,15 @@ def evaluate(request: EvalRequest, problems: list[dict]) -> dict:
     write_json_atomic(request.output_path, report)
     partial.remove()
     return report
+
+
+def progress_bar(num_problems: int, num_done: int, n_samples: int):
+    """The evaluation's one progress bar (stderr): samples done of all, with a rate and an ETA,
+    across every chunk and batch; a resumed evaluation starts it at the samples already done."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=num_problems * n_samples, initial=num_done * n_samples, desc="sampling", unit="sample",
+                dynamic_ncols=True, file=sys.stderr)
 
 
 class PartialResults:
@@ -897,9 +949,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("checkpoint", help="LoRA checkpoint folder (with adapter_config.json), 'base', or a run "
                                            "folder (holding checkpoint-N folders): every checkpoint in step order, "
                                            "then an accuracy-vs-step table and the best (evaluation/sweep.py)")
-    parser.add_argument("--model", help=f"base model: hub id, local folder or 'tiny' (default {DEFAULT_MODEL})")
-    parser.add_argument("--dataset", help=f"eval set: hub name, .json/.jsonl/.parquet or 'tiny' "
-                                          f"(default {DEFAULT_DATASET})")
+    parser.add_argument("--model", help=f"base model: hub id, local folder or 'tiny' (default: the run's, from "
+                                        f"run_config.json, else {DEFAULT_MODEL})")
+    parser.add_argument("--dataset", help=f"eval set: hub name, .json/.jsonl/.parquet or 'tiny' (default "
+                                          f"{DEFAULT_DATASET}; the tiny preset's for a run of the tiny preset)")
     parser.add_argument("--output-dir", help="where eval_<name>.json goes (default outputs/eval/<dataset>)")
     parser.add_argument("--backend", default="auto", choices=("transformers", "vllm", "auto"),
                         help="sampling engine; auto = vllm when importable with CUDA, else transformers")
@@ -930,6 +983,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
     from evaluation import sweep as checkpoint_sweep  # standard library and run_folder only
 
+    note = apply_run_defaults(args)  # before any hub access: what the run recorded fills the gaps
+    if note:
+        print(note, flush=True)
     if checkpoint_sweep.is_run_folder(args.checkpoint):  # a folder of checkpoint-N folders: all of them
         return checkpoint_sweep.sweep(args, sys.modules[__name__])
     from opsd.config import ConfigError, check_env

@@ -78,7 +78,7 @@ def two_checkpoints(tmp_path_factory):
 @pytest.mark.slow
 def test_sweep_evaluates_every_checkpoint_then_skips_them(two_checkpoints, tmp_path, capsys):
     from evaluation import sweep as checkpoint_sweep
-    from evaluation import evaluate as opsd_eval
+    from evaluation import evaluate
 
     run, evals = two_checkpoints, tmp_path / "evals"
     env = {**os.environ, "OPSD_PRESET": "tiny", "OPSD_MODEL": "tiny-random", "OPSD_EVAL_DATA": EVAL_SET,
@@ -103,8 +103,8 @@ def test_sweep_evaluates_every_checkpoint_then_skips_them(two_checkpoints, tmp_p
             str(run / f"checkpoint-{step}")
 
     # Again, in this process: both reports exist, nothing is sampled, the same table.
-    status = opsd_eval.main([str(run), "--preset", "tiny", "--model", "tiny-random", "--dataset", EVAL_SET,
-                             "--output-dir", str(evals), "--backend", "transformers"])
+    status = evaluate.main([str(run), "--preset", "tiny", "--model", "tiny-random", "--dataset", EVAL_SET,
+                            "--output-dir", str(evals), "--backend", "transformers"])
     out = capsys.readouterr().out.strip().splitlines()
     assert status == 0
     assert [line for line in out if line.startswith("[sweep] checkpoint-")] == [
@@ -112,14 +112,14 @@ def test_sweep_evaluates_every_checkpoint_then_skips_them(two_checkpoints, tmp_p
     assert out[-1] == lines[-1]
 
     # A report made with other settings is not current: it would be evaluated again.
-    args = opsd_eval.parse_args([str(run / "checkpoint-1"), "--preset", "tiny", "--model", "tiny-random",
-                                 "--dataset", EVAL_SET, "--output-dir", str(evals), "--backend", "transformers"])
-    request, problems = opsd_eval.build_request(args)
-    assert checkpoint_sweep.report_is_current(opsd_eval, request, len(problems))
+    args = evaluate.parse_args([str(run / "checkpoint-1"), "--preset", "tiny", "--model", "tiny-random",
+                                "--dataset", EVAL_SET, "--output-dir", str(evals), "--backend", "transformers"])
+    request, problems = evaluate.build_request(args)
+    assert checkpoint_sweep.report_is_current(evaluate, request, len(problems))
     report = json.loads(request.output_path.read_text())
     report["settings"]["seed"] += 1
     request.output_path.write_text(json.dumps(report))
-    assert not checkpoint_sweep.report_is_current(opsd_eval, request, len(problems))
+    assert not checkpoint_sweep.report_is_current(evaluate, request, len(problems))
 
 
 def test_a_run_folder_is_told_from_a_checkpoint(tmp_path):
@@ -131,3 +131,58 @@ def test_a_run_folder_is_told_from_a_checkpoint(tmp_path):
     assert checkpoint_sweep.is_run_folder(str(tmp_path))
     assert not checkpoint_sweep.is_run_folder(str(tmp_path / "checkpoint-3"))
     assert not checkpoint_sweep.is_run_folder("base")
+
+
+class _Sampled(Exception):
+    """Raised where sampling would start: what the evaluation chose is known by then."""
+
+
+@pytest.mark.slow
+def test_a_tiny_run_is_evaluated_on_the_tiny_presets_eval_set_without_the_hub(two_checkpoints, monkeypatch, capsys):
+    """No OPSD_PRESET, model or dataset given (`bash dev_eval.sh outputs/opsd-tiny`): a run folder
+    or checkpoint whose run_config.json records the tiny preset is evaluated with its own model on
+    the tiny preset's eval set and settings, said in one line before anything loads; the hub is
+    never asked (HF_HUB_OFFLINE=1: a hub dataset would fail)."""
+    import tiny_default
+    from evaluation import evaluate
+
+    for name in ("OPSD_PRESET", "OPSD_MODEL", "OPSD_EVAL_DATA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    requests = []
+
+    def stop(request, problems):
+        requests.append((request, len(problems)))
+        raise _Sampled
+
+    monkeypatch.setattr(evaluate, "evaluate", stop)
+    for target in (two_checkpoints, two_checkpoints / "checkpoint-2"):
+        with pytest.raises(_Sampled):
+            evaluate.main([str(target), "--backend", "transformers", "--output-dir", str(two_checkpoints / "e")])
+        out = capsys.readouterr().out.splitlines()
+        notes = [line for line in out if line.startswith("[eval] ")]
+        assert notes == [f"[eval] {target} is a run of the tiny preset (run_config.json): evaluating with the tiny "
+                         "preset's eval set (tiny) and settings and its base model tiny-random (OPSD_PRESET, "
+                         "OPSD_MODEL, OPSD_EVAL_DATA or --preset / --model / --dataset choose otherwise)"]
+        assert out.index(notes[0]) == 0  # before anything else
+        request, count = requests.pop()
+        assert (request.model, request.dataset, request.settings, count) == \
+            ("tiny-random", "tiny", evaluate.TINY_SETTINGS, tiny_default.N_EVAL_ROWS)
+
+
+def test_a_checkpoint_without_run_config_names_the_hub_dataset_it_needs(tmp_path):
+    """Where nothing says what a checkpoint was trained on, one line says before any hub access
+    which hub dataset the default needs and how to choose another."""
+    from evaluation import evaluate
+
+    checkpoint = tmp_path / "checkpoint-3"
+    checkpoint.mkdir()
+    (checkpoint / "adapter_config.json").write_text("{}")
+    args = evaluate.parse_args([str(checkpoint)])
+    args.preset = None
+    note = evaluate.apply_run_defaults(args)
+    assert note == (f"[eval] {checkpoint} has no run_config.json saying what it was trained on: evaluating on the "
+                    "default HuggingFaceH4/aime_2024, which needs the hub (OPSD_PRESET=tiny or OPSD_EVAL_DATA / "
+                    "--dataset choose another)")
+    args.dataset = "tiny"
+    assert evaluate.apply_run_defaults(args) is None
