@@ -344,14 +344,30 @@ def format_identity(identity: dict) -> str:
     return "\n".join(lines)
 
 
-def resume_point(output_dir: str, identity: dict, resume: bool) -> tuple[int, str] | None:
-    """The checkpoint this run continues from (None: a fresh start).
+def resume_point(output_dir: str, identity: dict, resume: bool,
+                 skipped: list | None = None) -> tuple[int, str] | None:
+    """The checkpoint this run continues from (None: a fresh start): the newest one whose files
+    read (run_folder.checkpoint_problem); each newer unreadable one is appended to `skipped` as
+    (folder, problem).
 
     Refuses (RunFolderError) when the folder records another configuration: a
-    resumed run must not mix two arms."""
-    last = run_folder.last_checkpoint(output_dir) if resume else None
-    if last is None:
+    resumed run must not mix two arms; and when no checkpoint is readable."""
+    found = run_folder.checkpoints(output_dir) if resume else []
+    if not found:
         return None
+    last, unreadable = None, []
+    for step, path in reversed(found):
+        problem = run_folder.checkpoint_problem(path)
+        if problem is None:
+            last = (step, path)
+            break
+        unreadable.append((path, problem))
+    if last is None:
+        raise run_folder.RunFolderError(
+            f"no checkpoint in {output_dir} is readable (newest {unreadable[0][0]}: {unreadable[0][1]}); "
+            "delete the broken checkpoint-N folders to start fresh, or choose another OPSD_OUTPUT")
+    if skipped is not None:
+        skipped.extend(unreadable)
     recorded = run_folder.read_config(output_dir)
     if recorded is not None:
         differing = run_folder.config_conflicts(recorded, identity)
@@ -437,7 +453,9 @@ def train(script_args: ScriptArguments, config, dataset, resume: tuple[int, str]
         base_model_name=_absolute_if_local(script_args.model_name_or_path),  # as the adapter records it
     )
     if resume and trainer.accelerator.is_main_process:
-        print(f"[OPSD] resuming from {resume[1]}", flush=True)
+        newest = run_folder.last_checkpoint(config.output_dir)
+        older = f", the newest readable checkpoint (not {newest[1]})" if newest and newest[0] > resume[0] else ""
+        print(f"[OPSD] resuming from {resume[1]}{older}", flush=True)
     trainer.train(resume_from_checkpoint=resume[1] if resume else None)
     if trainer.stopped_by_signal is None:
         trainer.save_model(config.output_dir)  # final adapter + tokenizer at the top of the run folder
@@ -549,7 +567,8 @@ def main(argv=None) -> int:
                 "(not supported): make one visible (CUDA_VISIBLE_DEVICES=0) or start one process per GPU "
                 "(train_capped.sh, accelerate launch)")
         identity = run_identity(script_args, config, dataset, world_size)
-        resume = resume_point(config.output_dir, identity, script_args.resume)
+        unreadable = []
+        resume = resume_point(config.output_dir, identity, script_args.resume, unreadable)
         lock = run_folder.RunLock(config.output_dir)
         if check_only:
             lock.check()
@@ -568,6 +587,9 @@ def main(argv=None) -> int:
     from opsd_trainer import CheckpointWriteError, NonFiniteLossError
 
     main_process = int(os.environ.get("RANK", "0")) == 0
+    if main_process:
+        for path, problem in unreadable:
+            print(f"[OPSD] checkpoint {path} is unreadable: {problem}", flush=True)
     started = time.time()
     try:
         if main_process:

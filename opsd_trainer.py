@@ -24,7 +24,6 @@ import errno
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import time
@@ -42,6 +41,7 @@ from trl import DistillationConfig, DistillationTrainer
 from trl.models.utils import unwrap_model_for_generation
 
 from opsd import run_log as opsd_logging
+from opsd import model_card
 from opsd import run_folder as run_folder
 from opsd.adapter_layers import AdapterLayers
 from rollout.compiled_layers import CompiledLayers
@@ -74,7 +74,7 @@ from opsd.loss import divergence_loss, nll_loss, tinker_loss
 from rollout import BackendUnavailable, TransformersBackend, kv_cache_options, vllm_environment
 from opsd.sampling import ROLLOUT_STREAMS, SamplingSettings, on_policy_step, rollout_seed, to_completion
 from rollout.static_decode import GRAPH_LOOPS
-from tiny_default import TINY, TINY_RANDOM
+from tiny_default import TINY, TINY_RANDOM, resolve_model
 from rollout.vllm_weights import merged_named_parameters
 
 EMA_FILE = "ema_adapter.pt"
@@ -821,50 +821,50 @@ class OPSDTrainer(DistillationTrainer):
             if self.state.best_model_checkpoint == staged:
                 self.state.best_model_checkpoint = final
             rotate_checkpoints(run_dir, save_total_limit=self.args.save_total_limit, use_mtime=False)
+            if self.base_model_name:  # the run folder's card: its newest checkpoint, until the final adapter
+                model_card.write_card(self.card_data(final, checkpoint=True), into=run_dir)
         self.accelerator.wait_for_everyone()
 
     def _save(self, output_dir=None, state_dict=None):
-        """The adapter without a copy of the tokenizer: training leaves it as the base model's
-        folder or hub id holds it, where the run read it and where evaluation and the card's
-        snippet read it (Qwen3's tokenizer.json is 11 MB a copy). Its config and card then name
-        the base model as the run was given it (`base_model_name`: `tiny`, a hub id, a local
-        folder's absolute path), not the cache folder that `tiny` resolved to here."""
-        tokenizer, self.processing_class = self.processing_class, None
-        try:
-            super()._save(output_dir, state_dict=state_dict)
-        finally:
-            self.processing_class = tokenizer
+        """The adapter and the tokenizer (transformers' save; `AutoTokenizer.from_pretrained(folder)`
+        loads it), then the adapter config's base model set to what loads (`adapter_base`) and
+        the project's card (opsd.model_card) in place of peft's template."""
+        super()._save(output_dir, state_dict=state_dict)
         folder = output_dir if output_dir is not None else self.args.output_dir
         if self.args.should_save and self.base_model_name:
-            name_adapter_base_model(folder, self.base_model_name)
-            self._fix_model_card(folder)
+            name_adapter_base_model(folder, self.adapter_base)
+            staged = self._staging_root and os.path.dirname(os.path.abspath(folder)) == os.path.abspath(self._staging_root)
+            final = os.path.join(os.path.dirname(self._staging_root), os.path.basename(folder)) if staged else folder
+            model_card.write_card(self.card_data(final, checkpoint=bool(staged)), into=folder)
+
+    @property
+    def adapter_base(self) -> str:
+        """The base model as adapter_config.json names it: what `from_pretrained` loads from
+        anywhere (`tiny` / `tiny-random`: their folder in the cache, absolute)."""
+        if self.base_model_name in EMBEDDED_MODELS:
+            return os.path.abspath(resolve_model(self.base_model_name))
+        return self.base_model_name
+
+    def card_data(self, folder: str, checkpoint: bool) -> model_card.CardData:
+        config = run_folder.read_config(self.args.output_dir) or {}
+        problem = self.train_dataset[0]["problem"] if self.train_dataset is not None and len(self.train_dataset) else ""
+        return model_card.CardData(
+            folder=os.path.abspath(folder), base_model=self.base_model_name, adapter_base=self.adapter_base,
+            run_config=config, step=self.state.global_step, metrics=model_card.last_metrics(self.state.log_history),
+            problem=problem, checkpoint=checkpoint)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """TRL's card names the base model only when it is a hub id read back from the
-        config, which is None for local folders (and the tiny default), and its quick start
-        loads a pipeline from the run's hub id (None here): name the base model from what the
-        user asked for and show how to load the adapter instead."""
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
-        if self.is_world_process_zero():
-            self._fix_model_card(self.args.output_dir)
-
-    def _fix_model_card(self, folder: str) -> None:
-        path = os.path.join(folder, "README.md")
-        if self.base_model_name and os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                card = f.read()
-            card = portable_model_card(card, self.base_model_name, os.path.basename(os.path.normpath(folder)))
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(card)
+        """The project's card (opsd.model_card), not TRL's template (which TRL's _save_checkpoint
+        writes into the run folder): the run folder gets its card with each checkpoint
+        (`_save_checkpoint`) and with the final adapter (`_save`)."""
 
 
-EMBEDDED_MODELS = (TINY, TINY_RANDOM)  # resolved by tiny_default.resolve_model, rebuilt when the cache is missing
+EMBEDDED_MODELS = (TINY, TINY_RANDOM)  # tiny_default's models: a folder in its cache (resolve_model)
 
 
 def name_adapter_base_model(folder: str, base_model: str) -> None:
     """`base_model_name_or_path` of the adapter in `folder` set to `base_model` (peft records
-    the folder the weights were loaded from: for `tiny`, a cache path that stops loading once
-    the cache moves)."""
+    the folder the weights were loaded from, relative when they were given so)."""
     path = os.path.join(folder, "adapter_config.json")
     if not os.path.isfile(path):
         return
@@ -874,52 +874,6 @@ def name_adapter_base_model(folder: str, base_model: str) -> None:
         config["base_model_name_or_path"] = base_model
         with open(path, "w", encoding="utf-8") as f:
             f.write(json.dumps(config, indent=2, sort_keys=True))  # as peft writes it
-
-
-def loading_snippet(base_model: str, adapter: str) -> str:
-    """The card's code: the adapter in the folder named `adapter` on its base model, with peft."""
-    lines = ["from peft import PeftModel", "from transformers import AutoModelForCausalLM, AutoTokenizer", ""]
-    if base_model in EMBEDDED_MODELS:
-        lines[2:2] = ["", "from tiny_default import resolve_model  # the OPSD repository's embedded models"]
-        lines.append(f"base = resolve_model({json.dumps(base_model)})  # rebuilt into the cache when it is missing")
-    else:
-        lines.append(f"base = {json.dumps(base_model)}")
-    lines += [
-        f"adapter = {json.dumps(adapter)}  # this folder (its path from where you run this)",
-        "tokenizer = AutoTokenizer.from_pretrained(base)",
-        "model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)",
-        "",
-        'messages = [{"role": "user", "content": "What is 12 + 30? Put the answer in \\\\boxed{}."}]',
-        "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", "
-        "return_dict=True)",
-        "output = model.generate(**inputs, max_new_tokens=64)",
-        "print(tokenizer.decode(output[0, inputs[\"input_ids\"].shape[1]:], skip_special_tokens=True))",
-    ]
-    return "```python\n" + "\n".join(lines) + "\n```\n"
-
-
-def portable_model_card(card: str, base_model: str, adapter: str) -> str:
-    """A model card written by TRL (the run folder's) or by peft (each checkpoint's) with the
-    base model named `base_model` and a quick start that loads the adapter (`adapter`: the
-    folder's name) with peft. Applying it twice changes nothing."""
-    shown = f"`{base_model}`" if base_model in EMBEDDED_MODELS or os.path.isdir(base_model) else \
-        f"[{base_model}](https://huggingface.co/{base_model})"
-    card = card.replace("[None](https://huggingface.co/None)", shown)
-    # peft records the folder the weights came from (front matter and tag): the name instead.
-    card = re.sub(r"(?m)^base_model: .*$", lambda _: f"base_model: {base_model}", card)
-    card = re.sub(r"(?m)^(\s*- base_model:adapter:).*$", lambda m: m.group(1) + base_model, card)
-    card = re.sub(r"(?m)^(- \*\*Finetuned from model \[optional\]:\*\* ).*$", lambda m: m.group(1) + shown, card)
-    if "base_model:" not in card:
-        card = card.replace("library_name:", f"base_model: {base_model}\nlibrary_name:", 1)
-    embedded = (f". `{base_model}` is an embedded model of the OPSD repository: run this in Python started in "
-                "the repository's root, or with that root on PYTHONPATH") if base_model in EMBEDDED_MODELS else ""
-    snippet = ("Load the adapter on its base model with peft; the tokenizer is the base model's (this folder holds "
-               f"none){embedded}:\n\n" + loading_snippet(base_model, adapter))
-    # TRL's quick start: a pipeline of the run's hub id, which does not exist
-    card = re.sub(r"```python\n(?:(?!```).)*?\bpipeline\(.*?```\n", lambda _: snippet, card, count=1, flags=re.S)
-    # peft's template, in each checkpoint's card
-    return card.replace("Use the code below to get started with the model.\n\n[More Information Needed]\n",
-                        snippet, 1)
 
 
 def _remove_if_empty(path: str) -> None:

@@ -13,6 +13,8 @@ train_capped.sh before it launches accelerate).
   run refuses, a lock left by a dead process is taken over.
 - `.staging/`: where checkpoints are written before their atomic rename; a
   leftover from a killed save is removed (`remove_staging`).
+- `checkpoint_problem`: why a checkpoint's files cannot be read (resume skips it for the
+  newest readable one).
 - `metrics.jsonl`: cut back to the resumed step (`truncate_metrics`), so no step
   is recorded twice.
 """
@@ -25,6 +27,7 @@ import re
 import shutil
 import socket
 import tempfile
+import zipfile
 
 CONFIG_FILE = "run_config.json"
 LOCK_FILE = ".lock"
@@ -78,6 +81,49 @@ def checkpoints(path: str) -> list[tuple[int, str]]:
 def last_checkpoint(path: str) -> tuple[int, str] | None:
     found = checkpoints(path)
     return found[-1] if found else None
+
+
+def checkpoint_problem(folder: str) -> str | None:
+    """Why a complete `checkpoint-N` cannot be resumed from (None: its files read).
+
+    Cheap structural checks, no torch: trainer_state.json parses; each .safetensors file is
+    exactly as long as its header says (a file cut short on a full disk or a failed copy is
+    not); each torch.save file (.pt, .pth, .bin) is a whole zip archive, whose directory sits
+    at its end."""
+    try:
+        with open(os.path.join(folder, "trainer_state.json"), encoding="utf-8") as f:
+            if not isinstance(json.load(f), dict):
+                return "trainer_state.json does not hold a JSON object"
+    except (OSError, ValueError) as e:
+        return f"trainer_state.json is unreadable ({e})"
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name.endswith(".safetensors"):
+            problem = _safetensors_problem(path)
+            if problem:
+                return f"{name} {problem}"
+        elif name.endswith((".pt", ".pth", ".bin")) and not zipfile.is_zipfile(path):
+            return f"{name} is not a whole torch.save archive (truncated?)"
+    return None
+
+
+def _safetensors_problem(path: str) -> str | None:
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else None
+            if length is None or 8 + length > size:
+                return f"is truncated ({size} bytes, shorter than its header)"
+            header = json.loads(f.read(length))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        return f"has an unreadable header ({type(e).__name__})"
+    expected = 8 + length + end
+    if size != expected:
+        return f"is truncated ({size} of {expected} bytes)" if size < expected else \
+            f"is {size} bytes, its header says {expected}"
+    return None
 
 
 # --------------------------------------------------------------------------
