@@ -65,7 +65,7 @@ VLLM_ENV_DEFAULTS = {
 VLLM_NO_FLASHINFER = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
 # The vLLM releases this project runs with (README "Versions"): TRL 1.16's window, in which
-# 0.26.0 was run (torch 2.11.0) and 0.30.0 is the pin of requirements-gpu.txt (torch 2.13.0).
+# 0.26.0 was run (torch 2.11.0) and is the pin of requirements-gpu.txt (`bash install.sh --gpu`).
 VLLM_SUPPORTED = ("0.22.0", "0.31.0")
 VLLM_RUN = ("0.26.0",)
 
@@ -141,8 +141,10 @@ class TransformersBackend:
         self.paged_cache_gib = paged_cache_gib  # paged only: the KV pool in GiB (None: paged_decode's default)
 
     def generate(self, prompt_ids: list[list[int]], settings: SamplingSettings, n: int = 1,
-                 progress: bool = False) -> list[list[Completion]]:
-        """n completions for each prompt: result[prompt][sample]."""
+                 progress=False) -> list[list[Completion]]:
+        """n completions for each prompt: result[prompt][sample]. `progress`: True for a bar of
+        this call's samples, or the caller's bar (anything with update(), advanced per sample:
+        one bar over many calls)."""
         rows = [list(prompt) for prompt in prompt_ids for _ in range(n)]
         if self.cache_implementation == PAGED:
             completions = self._generate_paged(rows, settings, progress)
@@ -159,7 +161,7 @@ class TransformersBackend:
                 bar.update(len(batch))
         return [completions[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
 
-    def _generate_paged(self, rows: list[list[int]], settings: SamplingSettings, progress: bool) -> list[Completion]:
+    def _generate_paged(self, rows: list[list[int]], settings: SamplingSettings, progress) -> list[Completion]:
         """All rows at once through transformers' continuous batching (rollout/paged_decode.py)."""
         with _progress_bar(len(rows), progress) as bar, eval_mode(self.model), torch.no_grad():
             config = self.generation_config(settings, processors_passed=False)
@@ -357,13 +359,13 @@ def check_vllm_version(version: str | None = None) -> str:
         try:
             version = metadata.version("vllm")
         except metadata.PackageNotFoundError:
-            raise BackendUnavailable("vLLM is not installed (pip install -r requirements-gpu.txt on a GPU machine)") \
+            raise BackendUnavailable("vLLM is not installed (bash install.sh --gpu on a GPU machine)") \
                 from None
     low, high = VLLM_SUPPORTED
     if not Version(low) <= Version(version) <= Version(high):
         raise BackendUnavailable(f"vLLM {version} is outside the supported range {low}-{high} (TRL 1.16's window; "
-                                 f"run here: {', '.join(VLLM_RUN)}): install one inside it, e.g. pip install -r "
-                                 "requirements-gpu.txt")
+                                 f"run here: {', '.join(VLLM_RUN)}): install one inside it, e.g. bash install.sh --gpu "
+                                 "(vLLM 0.26.0)")
     return version
 
 
@@ -385,7 +387,7 @@ def _import_vllm():
     except ImportError as exc:
         raise BackendUnavailable(
             f"the vllm backend needs vLLM, which cannot be imported here ({exc}); "
-            "install it on a GPU machine (pip install -r requirements-gpu.txt) or use --backend transformers"
+            "install it on a GPU machine (bash install.sh --gpu) or use --backend transformers"
         ) from None
     _vllm_logs_to_stderr()
     return vllm
@@ -430,7 +432,8 @@ class VLLMBackend:
         self.eos_token_ids = _eos_ids_from_folder(str(model_path))
 
     def generate(self, prompt_ids: list[list[int]], settings: SamplingSettings, n: int = 1,
-                 progress: bool = False) -> list[list[Completion]]:
+                 progress=False) -> list[list[Completion]]:
+        """As TransformersBackend.generate; a caller's bar advances once vLLM returns."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -446,7 +449,10 @@ class VLLMBackend:
             for index in range(len(prompt_ids))
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=progress, lora_request=self.lora_request)
+        own_bar = progress is True  # vLLM's bar of this call; a caller's bar is advanced below
+        outputs = self.llm.generate(prompts, params, use_tqdm=own_bar, lora_request=self.lora_request)
+        if hasattr(progress, "update"):
+            progress.update(len(prompt_ids) * n)
         return [[self._completion(sample) for sample in output.outputs] for output in outputs]
 
     def _completion(self, sample) -> Completion:
@@ -553,7 +559,11 @@ def _as_id_list(ids: Sequence[int] | int | None) -> list[int]:
     return [int(i) for i in ids]
 
 
-def _progress_bar(total: int, enabled: bool):
+def _progress_bar(total: int, progress):
+    """The bar a generate() call advances: the caller's (`progress` has update()), a new one over
+    `total` samples (`progress` True), or a disabled one."""
+    if hasattr(progress, "update"):
+        return contextlib.nullcontext(progress)
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, disable=not enabled, desc="sampling", unit="sample", dynamic_ncols=True)
+    return tqdm(total=total, disable=not progress, desc="sampling", unit="sample", dynamic_ncols=True)

@@ -438,8 +438,8 @@ def test_paged_engine_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(opsd_eval, "TINY_SETTINGS", opsd_eval.replace(TINY_SETTINGS, n_samples=2))
     calls = []
     real_chunk = opsd_eval._sample_chunk
-    monkeypatch.setattr(opsd_eval, "_sample_chunk", lambda backend, request, prompts, chunk: calls.append(
-        (backend.cache_implementation, backend.batch_size, chunk)) or real_chunk(backend, request, prompts, chunk))
+    monkeypatch.setattr(opsd_eval, "_sample_chunk", lambda backend, request, prompts, chunk, **kw: calls.append(
+        (backend.cache_implementation, backend.batch_size, chunk)) or real_chunk(backend, request, prompts, chunk, **kw))
     status, out, err = in_process(capsys, "base", "--engine", "paged", "--dataset", "tiny:7:4",
                                   "--output-dir", str(tmp_path))
     assert status == 0, err
@@ -461,6 +461,33 @@ def _small_tiny_settings(monkeypatch):
     """3 problems x 2 samples of 6 tokens at batch size 2: one problem per chunk."""
     monkeypatch.setattr(opsd_eval, "TINY_SETTINGS",
                         opsd_eval.replace(TINY_SETTINGS, n_samples=2, max_new_tokens=6, max_problems=3))
+
+
+def bar_counts(stderr: str) -> list[tuple[int, int]]:
+    """(done, total) of every progress-bar frame tqdm drew."""
+    return [(int(done), int(total)) for done, total in re.findall(r"sampling: .*?(\d+)/(\d+) \[", stderr)]
+
+
+def test_one_progress_bar_over_every_sample(tmp_path, monkeypatch, capsys):
+    """One bar, samples done of all 6 (3 chunks of 1 problem x 2 samples), not a bar per chunk or
+    batch; a resumed evaluation's bar starts at the samples already done."""
+    _small_tiny_settings(monkeypatch)
+    status, _, err = in_process(capsys, "base", "--batch-size", "2", "--output-dir", str(tmp_path))
+    assert status == 0
+    frames = bar_counts(err)
+    assert frames[0] == (0, 6) and frames[-1] == (6, 6) and {total for _, total in frames} == {6}
+    assert "<" in err.split("6/6")[-1].split("\n")[0]  # elapsed<remaining: the ETA
+
+    partial = tmp_path / "eval_base.json.partial.jsonl"  # as if killed after the first two problems
+    report = json.loads((tmp_path / "eval_base.json").read_text())
+    header = {"settings": report["settings"], "model": report["model"], "checkpoint": "base",
+              "dataset": report["dataset"], "backend": report["backend"], "engine": report["engine"],
+              "batch_size": report["batch_size"], "paged_cache_gib": report["paged_cache_gib"], "num_problems": 3}
+    partial.write_text("".join(json.dumps(r) + "\n" for r in [header, *report["problems"][:2]]))
+    status, out, err = in_process(capsys, "base", "--batch-size", "2", "--output-dir", str(tmp_path))
+    assert status == 0 and "resuming: 2 of 3 problems" in out
+    frames = bar_counts(err)
+    assert frames[0] == (4, 6) and frames[-1] == (6, 6)
 
 
 def test_killed_evaluation_resumes_where_it_stopped(tmp_path, monkeypatch, capsys):
@@ -489,8 +516,8 @@ def test_killed_evaluation_resumes_where_it_stopped(tmp_path, monkeypatch, capsy
     sampled = []
     real_chunk = opsd_eval._sample_chunk
     monkeypatch.setattr(opsd_eval, "_sample_chunk",
-                        lambda backend, request, prompts, chunk: sampled.append(chunk) or real_chunk(
-                            backend, request, prompts, chunk))
+                        lambda backend, request, prompts, chunk, **kw: sampled.append(chunk) or real_chunk(
+                            backend, request, prompts, chunk, **kw))
     status, stdout, _ = in_process(capsys, "base", *argv, "--output-dir", str(out))
     assert status == 0 and "resuming: 2 of 3 problems" in stdout
     assert sampled == [range(2, 3)]  # only the problem that was not done
