@@ -44,19 +44,23 @@ DPI = 100
 LABEL_TO_KEY = dict(KL_LINE_FIELDS)  # `[OPSD kl]` label -> metrics.jsonl key
 KEY_TO_LABEL = {key: label for label, key in KL_LINE_FIELDS}
 
-# `curves`: (panel title, metrics.jsonl keys drawn in it). The opsd/ keys come from the
-# `[OPSD kl]` line's declaration; the others are what the trainer and transformers log.
+# `curves`: (panel title, y-axis label, metrics.jsonl keys drawn in it). The opsd/ keys come
+# from the `[OPSD kl]` line's declaration; the others are what the trainer and transformers log.
 CURVE_PANELS = (
-    ("loss", ("loss",)),
-    ("true KL (teacher || student)", (LABEL_TO_KEY["true_kl"],)),
-    ("divergence before the clip", (LABEL_TO_KEY["loss_unclipped"],)),
-    ("clip shares", (LABEL_TO_KEY["clip_entries"], LABEL_TO_KEY["clip_tokens"], LABEL_TO_KEY["argmax_clipped"])),
-    ("teacher mass removed", (LABEL_TO_KEY["teacher_mass_removed"],)),
-    ("entropy", (LABEL_TO_KEY["H_student"], LABEL_TO_KEY["H_teacher"])),
-    ("completion length (tokens)", ("completions/mean_length", "completions/max_length")),
-    ("learning rate", ("learning_rate",)),
-    ("gradient norm", ("grad_norm",)),
+    ("loss", "loss per token", ("loss",)),
+    ("true KL (teacher || student)", "true KL per token (nats)", (LABEL_TO_KEY["true_kl"],)),
+    ("divergence before the clip", "divergence per token (nats)", (LABEL_TO_KEY["loss_unclipped"],)),
+    ("clip shares", "share clipped", (LABEL_TO_KEY["clip_entries"], LABEL_TO_KEY["clip_tokens"],
+                                      LABEL_TO_KEY["argmax_clipped"])),
+    ("teacher mass removed", "teacher probability removed", (LABEL_TO_KEY["teacher_mass_removed"],)),
+    ("entropy", "entropy per token (nats)", (LABEL_TO_KEY["H_student"], LABEL_TO_KEY["H_teacher"])),
+    ("completion length (tokens)", "tokens", ("completions/mean_length", "completions/max_length")),
+    ("learning rate", "learning rate", ("learning_rate",)),
+    ("gradient norm", "gradient norm", ("grad_norm",)),
 )
+# y-axis label of one metric's panel (`overlay`, `curves --metric`): its CURVE_PANELS label; a key
+# of no panel is labelled with its name.
+Y_LABELS = {key: ylabel for _, ylabel, keys in CURVE_PANELS for key in keys}
 # `overlay` without --metric: the quantities that tell arms apart (OPSD_EXPERIMENTS.md); the
 # loss last, since the SFT baseline's loss is another quantity (an NLL) than OPSD's.
 OVERLAY_METRICS = (LABEL_TO_KEY["true_kl"], LABEL_TO_KEY["H_student"], LABEL_TO_KEY["teacher_mass_removed"], "loss")
@@ -73,6 +77,27 @@ def metric_key(name: str) -> str:
 
 def metric_label(key: str) -> str:
     return KEY_TO_LABEL.get(key, key)
+
+
+def y_label(key: str) -> str:
+    return Y_LABELS.get(key, metric_label(key))
+
+
+def run_name(run_dir) -> str:
+    """A run folder as a reader names it: a grid cell (GRID/ARM/seed-N/run) by its grid, arm and
+    seed, any other run by its folder's name."""
+    parts = Path(run_dir).resolve().parts
+    if len(parts) >= 4 and parts[-1] == "run" and _seed_number(Path(parts[-2])) >= 0:
+        return f"{parts[-4]}: arm {parts[-3]}, seed {_seed_number(Path(parts[-2]))}"
+    return parts[-1] if parts else str(run_dir)
+
+
+def _step_axis(ax) -> None:
+    """Steps are whole numbers: ticks only there (matplotlib would put one at 4.5)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("step", fontsize=9)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 # --------------------------------------------------------------------------
@@ -282,27 +307,29 @@ def plot_run_curves(run_dir, out=None, metrics: Sequence[str] | None = None) -> 
             key = metric_key(name)
             if not series(records, key)[0]:
                 raise _no_metric(name, where, records)
-            panels.append((metric_label(key), (key,)))
+            panels.append((metric_label(key), y_label(key), (key,)))
     else:
-        panels = [(title, tuple(k for k in keys if series(records, k)[0])) for title, keys in CURVE_PANELS]
-        panels = [(title, keys) for title, keys in panels if keys]
+        panels = [(title, ylabel, tuple(k for k in keys if series(records, k)[0]))
+                  for title, ylabel, keys in CURVE_PANELS]
+        panels = [(title, ylabel, keys) for title, ylabel, keys in panels if keys]
         if not panels:
             raise PlotError(f"{where}: none of the curve metrics is in it (logged: "
                             f"{', '.join(_logged_keys(records)) or 'nothing'})")
     fig, axes = _figure(len(panels))
     drawn = []
-    for ax, (title, keys) in zip(axes, panels):
+    for ax, (title, ylabel, keys) in zip(axes, panels):
         for key in keys:
             steps, values = series(records, key)
             ax.plot(steps, values, label=metric_label(key).split("/")[-1], marker="." if len(steps) <= 30 else None)
             drawn.append(key)
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step", fontsize=9)
+        _step_axis(ax)
+        ax.set_ylabel(ylabel, fontsize=9)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
         if len(keys) > 1:
             ax.legend(fontsize=8)
-    fig.suptitle("/".join(Path(run_dir).resolve().parts[-3:]), fontsize=11)  # grid cells are all named `run`
+    fig.suptitle(f"training curves of run {run_name(run_dir)}", fontsize=11)
     _save(fig, out)
     return drawn
 
@@ -332,7 +359,8 @@ def plot_overlay(curves: dict[str, list[Curve]], out, title: str = "") -> list[t
                 ax.fill_between(curve.steps, curve.low, curve.high, color=color, alpha=0.15, linewidth=0)
             drawn.append((key, curve.label))
         ax.set_title(metric_label(key), fontsize=10)
-        ax.set_xlabel("step", fontsize=9)
+        _step_axis(ax)
+        ax.set_ylabel(y_label(key), fontsize=9)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
     # One legend for the figure: every panel has the same runs (or a subset).
@@ -353,7 +381,9 @@ def plot_overlay(curves: dict[str, list[Curve]], out, title: str = "") -> list[t
 def overlay_runs(run_dirs: Sequence, out, metrics: Sequence[str] | None = None) -> list[tuple[str, str]]:
     check_output(out)
     keys = [metric_key(m) for m in (metrics or OVERLAY_METRICS)]
-    return plot_overlay(run_curves(run_dirs, keys, required=bool(metrics)), out)
+    names = ", ".join(run_name(d) for d in run_dirs)
+    return plot_overlay(run_curves(run_dirs, keys, required=bool(metrics)), out,
+                        f"training curves of {len(run_dirs)} runs: {textwrap.shorten(names, 100, placeholder=' ...')}")
 
 
 def overlay_grid(grid_dir, out=None, metrics: Sequence[str] | None = None,
@@ -363,7 +393,8 @@ def overlay_grid(grid_dir, out=None, metrics: Sequence[str] | None = None,
     keys = [metric_key(m) for m in (metrics or OVERLAY_METRICS)]
     curves = grid_curves(grid_dir, keys, arms, required=bool(metrics))  # first: a missing folder is the error
     out = check_output(out if out is not None else Path(grid_dir) / CURVES_FILE)
-    return plot_overlay(curves, out, f"{Path(grid_dir).resolve().name}: mean over seeds, band = lowest to highest seed")
+    return plot_overlay(curves, out, f"training curves of grid {Path(grid_dir).resolve().name}: each arm's mean over "
+                                     "its seeds, band from the lowest to the highest seed")
 
 
 @dataclass(frozen=True)
@@ -433,12 +464,13 @@ def plot_sweep(result: dict, out, title: str = "") -> list[int]:
     ax.errorbar(steps, avgs, yerr=[low, high], marker="o", capsize=3, label=f"{result['metric']} (problems 95% CI)")
     best = next(r for r in rows if r["checkpoint"] == result["best"])
     ax.plot([best["step"]], [best["avg"]], "D", color="C3", markersize=9, label=f"best: {best['checkpoint']}")
-    ax.set_xlabel("step", fontsize=9)
-    ax.set_ylabel(f"{result['metric']} (%)", fontsize=9)
+    _step_axis(ax)
+    ax.set_ylabel(f"{result['metric']} accuracy (%)", fontsize=9)
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(title or f"{result['dataset']}: {result['num_problems']} problems x "
+    run = f" of run {run_name(result['run_folder'])}" if result.get("run_folder") else ""
+    ax.set_title(title or f"checkpoint sweep{run} on {result['dataset']}: {result['num_problems']} problems x "
                  f"{result['samples_per_problem']} samples", fontsize=10)
     _save(fig, out)
     return steps

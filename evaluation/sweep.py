@@ -97,8 +97,8 @@ def sweep(args: argparse.Namespace, opsd_eval) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     run_folder.write_json_atomic(str(out_dir / f"{stem}.json"), result)
     run_folder.write_text_atomic(out_dir / f"{stem}.md", table)
-    drawn = run_plots.draw_or_warn("sweep plot", run_plots.plot_sweep, result, out_dir / f"{stem}.png",
-                                   f"checkpoint sweep of {'/'.join(folder.parts[-3:])} on {result['dataset']}")
+    # titled by the run's name (result["run_folder"]), a grid cell by its grid, arm and seed
+    drawn = run_plots.draw_or_warn("sweep plot", run_plots.plot_sweep, result, out_dir / f"{stem}.png")
     print(table)
     print(f"[sweep] table {out_dir / f'{stem}.md'} | numbers {out_dir / f'{stem}.json'}"
           + (f" | plot {out_dir / f'{stem}.png'}" if drawn is not None else ""))

@@ -53,7 +53,7 @@ def test_run_curves_draw_every_logged_metric(tmp_path):
     run = write_run(tmp_path / "run")
     drawn = run_plots.plot_run_curves(run)
     assert_png(run / "curves.png")
-    panel_keys = [k for _, keys in run_plots.CURVE_PANELS for k in keys]
+    panel_keys = [k for _, _, keys in run_plots.CURVE_PANELS for k in keys]
     assert drawn == panel_keys  # every panel drawn, in order
     assert set(drawn) == set(OPSD_KEYS) | set(OTHER_KEYS)  # ... and they are every metric of the file
     assert not list(run.glob(".*.tmp"))
@@ -162,6 +162,50 @@ def test_bad_input_is_one_line_exit_2_and_no_png(tmp_path, capsys):
     one_error_line(capsys, ["overlay", "--grid", good], "not an research/grid.py folder")
     one_error_line(capsys, ["overlay", "--grid", tmp_path / "nogrid", "--out", tmp_path / "g.png"], "no such folder")
     assert no_pngs(tmp_path)
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """The Figure objects the plots would save (rendered and written as usual)."""
+    drawn = []
+    real_save = run_plots._save
+    monkeypatch.setattr(run_plots, "_save", lambda fig, out: drawn.append(fig) or real_save(fig, out))
+    return drawn
+
+
+def step_ticks(ax) -> list[float]:
+    low, high = ax.get_xlim()
+    return [t for t in ax.get_xticks() if low <= t <= high]
+
+
+def test_every_axis_says_what_it_shows_and_steps_are_whole(tmp_path, figures):
+    """y labels on every panel, integer step ticks (over 4 steps matplotlib alone ticks every 0.5
+    step), a title naming what is plotted and which run or grid."""
+    cell = write_run(tmp_path / "mini" / "token" / "seed-3" / "run", steps=4)
+    run_plots.plot_run_curves(cell)
+    (fig,) = figures
+    assert fig.get_suptitle() == "training curves of run mini: arm token, seed 3"
+    for ax in fig.axes:
+        assert ax.get_ylabel() and ax.get_xlabel() == "step"
+        assert step_ticks(ax) and all(t == int(t) for t in step_ticks(ax))
+    labels = {ax.get_title(): ax.get_ylabel() for ax in fig.axes}
+    assert labels["true KL (teacher || student)"] == "true KL per token (nats)"
+    assert all(t == int(t) for ax in figures[-1].axes for t in step_ticks(ax))
+
+    write_run(tmp_path / "mini" / "entry" / "seed-3" / "run", steps=4)
+    run_plots.overlay_grid(tmp_path / "mini")
+    assert figures[-1].get_suptitle().startswith("training curves of grid mini: ")
+    assert all(ax.get_ylabel() for ax in figures[-1].axes)
+
+    checkpoints = [{"step": step, "checkpoint": f"checkpoint-{step}", "avg": 40.0 + step, "problems_ci": [38.0, 50.0]}
+                   for step in (1, 2, 3, 4)]
+    result = {"metric": "avg@8", "dataset": "tiny:7:16", "num_problems": 16, "samples_per_problem": 8,
+              "checkpoints": checkpoints, "best": "checkpoint-4", "run_folder": str(tmp_path / "opsd-tiny")}
+    run_plots.plot_sweep(result, tmp_path / "sweep.png")
+    (ax,) = figures[-1].axes
+    assert ax.get_ylabel() == "avg@8 accuracy (%)"
+    assert ax.get_title() == "checkpoint sweep of run opsd-tiny on tiny:7:16: 16 problems x 8 samples"
+    assert all(t == int(t) for t in step_ticks(ax))
 
 
 def test_a_failed_write_leaves_no_partial_png(tmp_path, monkeypatch):
