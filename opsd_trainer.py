@@ -7,7 +7,7 @@ One network, two roles, every optimizer step:
               no_grad, with the weights chosen by `fixed_teacher` (adapter
               disabled), `use_ema_teacher` (EMA of the adapter) or neither (live);
 3. student  - scores [student prompt + the same completion] with gradients;
-4. loss     - the clipped divergence of `opsd_loss` between the two next-token
+4. loss     - the clipped divergence of `opsd.loss` between the two next-token
               distributions at every completion position.
 
 What we take from the base class: the sampler that generates once per
@@ -40,7 +40,7 @@ from transformers.trainer_utils import rotate_checkpoints
 from trl import DistillationConfig, DistillationTrainer
 from trl.models.utils import unwrap_model_for_generation
 
-from opsd import run_log as opsd_logging
+from opsd import run_log
 from opsd import model_card
 from opsd import run_folder as run_folder
 from opsd.adapter_layers import AdapterLayers
@@ -99,7 +99,7 @@ class OPSDConfig(DistillationConfig):
     a recipe file is the released configuration.
     """
 
-    # Recipe keys (docs/SPEC.md §6): default, help and range are declared once, in opsd_config.Recipe.
+    # Recipe keys (docs/SPEC.md §6): default, help and range are declared once, in opsd.config.Recipe.
     # Some are base-class fields whose defaults differ in the released recipe.
     learning_rate: float = recipe_field("learning_rate")
     lr_scheduler_type: str = recipe_field("lr_scheduler_type")
@@ -120,7 +120,7 @@ class OPSDConfig(DistillationConfig):
     lmbda: float = recipe_field("lmbda")
 
     logging_steps: float = field(default=1)
-    # Declared here (opsd_config.REPORT_TO_VALUES) so that no tracker starts unless asked for,
+    # Declared here (opsd.config.REPORT_TO_VALUES) so that no tracker starts unless asked for,
     # whatever transformers' own default is; OPSD_REPORT_TO or --report_to choose one.
     report_to: None | str | list[str] = field(
         default=REPORT_TO_VALUES[0],
@@ -356,12 +356,12 @@ class _RunLog(TrainerCallback):
             return
         line = kl_line(state.global_step, logs)
         if line:
-            opsd_logging.print_line(line)  # on its own line, above or below the progress bar
+            run_log.print_line(line)  # on its own line, above or below the progress bar
         append_metrics(self.path, state.global_step, logs)
 
 
 class _CollapseWatch(TrainerCallback):
-    """The collapse warning (opsd_logging.CollapseSignature): once per run, the first step whose
+    """The collapse warning (opsd.run_log.CollapseSignature): once per run, the first step whose
     logged metrics match the signature prints one `[OPSD warn]` line and gets
     `opsd/collapse_warning: 1` in its metrics (metrics.jsonl, the trackers, trainer_state.json's
     log history); `trainer.collapse_warning` holds the evidence. Training goes on. First in the
@@ -373,10 +373,10 @@ class _CollapseWatch(TrainerCallback):
         self.detector = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        share_key = opsd_logging.COLLAPSE_SHARE_KEYS[self.clip_mode]
-        self.detector = opsd_logging.CollapseDetector(share_key, opsd_logging.COLLAPSE_SIGNATURE)
+        share_key = run_log.COLLAPSE_SHARE_KEYS[self.clip_mode]
+        self.detector = run_log.CollapseDetector(share_key, run_log.COLLAPSE_SIGNATURE)
         for record in state.log_history:
-            if "step" in record and record["step"] <= state.global_step and opsd_logging.KL_KEY in record:
+            if "step" in record and record["step"] <= state.global_step and run_log.KL_KEY in record:
                 self.detector.update(record["step"], record)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -386,10 +386,10 @@ class _CollapseWatch(TrainerCallback):
         if evidence is None:
             return
         self.trainer.collapse_warning = evidence
-        logs[opsd_logging.COLLAPSE_FIELD] = 1
+        logs[run_log.COLLAPSE_FIELD] = 1
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1][opsd_logging.COLLAPSE_FIELD] = 1  # Trainer.log stored a copy already
-        opsd_logging.print_line(opsd_logging.collapse_line(evidence))
+            state.log_history[-1][run_log.COLLAPSE_FIELD] = 1  # Trainer.log stored a copy already
+        run_log.print_line(run_log.collapse_line(evidence))
 
 
 class _ProgressBarOnly(ProgressCallback):
@@ -981,7 +981,7 @@ def make_objective(args: OPSDConfig):
 
 
 def divergence_settings(args: OPSDConfig) -> dict:
-    """The divergence objective's options (opsd_loss.DivergenceConfig fields) from the config."""
+    """The divergence objective's options (opsd.loss.DivergenceConfig fields) from the config."""
     return {
         "beta": args.beta, "temperature": args.temperature, "clip": args.jsd_token_clip,
         "clip_mode": args.clip_mode, "top_k": args.top_k_loss,

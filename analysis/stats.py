@@ -459,7 +459,7 @@ class Run:
 
 
 def load_run(path) -> Run:
-    """Read one opsd_eval report and check that it is internally consistent."""
+    """Read one evaluation report (evaluation/evaluate.py) and check that it is internally consistent."""
     path = str(path)
     if not Path(path).is_file():
         raise ReportError(path, "no such file")
@@ -470,10 +470,10 @@ def load_run(path) -> Run:
     except json.JSONDecodeError as exc:
         raise ReportError(path, f"not valid JSON (line {exc.lineno}: {exc.msg})") from None
     if not isinstance(report, dict):
-        raise ReportError(path, "not an opsd_eval report (not a JSON object)")
+        raise ReportError(path, "not an evaluation report (not a JSON object)")
     for field, kind in (("settings", dict), ("dataset", str), ("problems", list)):
         if not isinstance(report.get(field), kind):
-            raise ReportError(path, f"not an opsd_eval report: no {field!r} {kind.__name__}")
+            raise ReportError(path, f"not an evaluation report: no {field!r} {kind.__name__}")
     k = report["settings"].get("n_samples")
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ReportError(path, f"settings.n_samples must be a positive integer, got {k!r}")
@@ -629,7 +629,8 @@ def sweep_checkpoints(steps: Sequence[int], runs: Sequence[Run], n_resamples: in
         low, high = versus["ci"]
         beyond = (low > 0 or high < 0) and versus["sign_flip_p"] < ALPHA
         verdict_text = ("distinguishable from the last beyond evaluation-sampling noise" if beyond else
-                        "not distinguishable from the last" if not (low > 0 or high < 0 or versus["sign_flip_p"] < ALPHA)
+                        "not distinguishable from the last"
+                        if not (low > 0 or high < 0 or versus["sign_flip_p"] < ALPHA)
                         else "inconclusive against the last (the bootstrap CI and the sign-flip test disagree)")
     return {"command": "sweep", "metric": f"avg@{k}", "dataset": runs[0].dataset, "settings": runs[0].settings,
             "num_problems": int(counts.shape[1]), "samples_per_problem": k, "checkpoints": rows,
@@ -757,7 +758,8 @@ def interval_panels(result: dict) -> tuple[list, str]:
     from analysis.plots import Interval, IntervalPanel
 
     metric = result["metric"]
-    head = f"{metric} | {result['dataset']} | {result['num_problems']} problems x {result['samples_per_problem']} samples"
+    head = (f"{metric} | {result['dataset']} | {result['num_problems']} problems x "
+            f"{result['samples_per_problem']} samples")
     if result["command"] == "summary":
         rows = [Interval(f"{Path(r['file']).name}: problems 95% CI", r["avg"], _pair(r["problems_ci"]))
                 for r in result["runs"]]
@@ -768,7 +770,8 @@ def interval_panels(result: dict) -> tuple[list, str]:
                      Interval("runs + problems: bootstrap 95% CI", across["bootstrap"]["mean"],
                               _pair(across["bootstrap"]["ci"]), means)]
         return [IntervalPanel("each run, and the arm", f"{metric} (points)", tuple(rows))], f"summary {head}"
-    arms = [Interval(f"{label}: {arm['n']} run{'s' if arm['n'] > 1 else ''}, mean" + (", t 95% CI" if arm["ci"] else ""),
+    arms = [Interval(f"{label}: {arm['n']} run{'s' if arm['n'] > 1 else ''}, mean"
+                     + (", t 95% CI" if arm["ci"] else ""),
                      arm["mean"], _pair(arm["ci"]), tuple(arm["per_run"]))
             for label, arm in result["arms"].items()]
     boot = result["bootstrap"]
@@ -804,7 +807,8 @@ def _pair(ci) -> tuple[float, float] | None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m analysis.stats", description="Statistics over opsd_eval reports: one arm's spread "
+    parser = argparse.ArgumentParser(prog="python -m analysis.stats",
+                                     description="Statistics over evaluation reports: one arm's spread "
                                                  "(summary) or arm B against arm A (compare).")
     commands = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)

@@ -6,9 +6,9 @@ trainer_state.json); the final adapter a finished run also keeps at the top of t
 evaluated again (it is the last checkpoint's weights when the run saved at its last step).
 
 - Each checkpoint gets the report a single evaluation writes (`eval_<run>_checkpoint-N.json` in
-  the output folder), through `opsd_eval.main`. Resumable: a checkpoint whose report exists and
+  the output folder), through `evaluation.evaluate.main`. Resumable: a checkpoint whose report exists and
   was made with the same settings, model, data and engine (the header an interrupted evaluation
-  resumes from, `opsd_eval.PartialResults`) is skipped; one with other settings is evaluated again.
+  resumes from, `evaluation.evaluate.PartialResults`) is skipped; one with other settings is evaluated again.
 - Then `sweep_<run>.md` / `.json` (the accuracy-vs-step table, `run_stats.sweep_checkpoints`)
   and `sweep_<run>.png` (`run_plots.plot_sweep`) beside the reports, and, as the last line,
   the FINAL line of the BEST checkpoint with the statistics against the last one, e.g.
@@ -52,8 +52,8 @@ def report_is_current(evaluator, request, num_problems: int) -> bool:
     return len(report["problems"]) == num_problems and all(report.get(k) == v for k, v in header.items())
 
 
-def sweep(args: argparse.Namespace, opsd_eval) -> int:
-    """`args`: the evaluation's parsed command line, its checkpoint a run folder; `opsd_eval`: the
+def sweep(args: argparse.Namespace, evaluator) -> int:
+    """`args`: the evaluation's parsed command line, its checkpoint a run folder; `evaluator`: the
     module (passed in by its main, which calls this: importing it here would be a cycle).
     Returns the exit status."""
     from analysis import plots as run_plots
@@ -65,22 +65,22 @@ def sweep(args: argparse.Namespace, opsd_eval) -> int:
         for step, path in run_folder.checkpoints(folder):
             cell_args = copy.copy(args)
             cell_args.checkpoint = path
-            request, problems = opsd_eval.build_request(cell_args)
+            request, problems = evaluator.build_request(cell_args)
             cells.append((step, cell_args, request, len(problems)))
-    except opsd_eval.InputError as exc:
+    except evaluator.InputError as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     out_dir = cells[0][2].output_path.parent
-    stem = f"sweep_{opsd_eval.run_name(str(folder))}"
+    stem = f"sweep_{evaluator.run_name(str(folder))}"
     print(f"[sweep] {len(cells)} checkpoints of {folder} (steps {', '.join(str(c[0]) for c in cells)}) -> {out_dir}",
           flush=True)
     for step, cell_args, request, num_problems in cells:
         name = Path(request.checkpoint).name
-        if report_is_current(opsd_eval, request, num_problems):
+        if report_is_current(evaluator, request, num_problems):
             print(f"[sweep] {name}: report exists, skipped ({request.output_path})", flush=True)
             continue
         print(f"[sweep] {name}: evaluating", flush=True)
-        status = opsd_eval.main(cell_args)
+        status = evaluator.main(cell_args)
         if status != 0:
             print(f"error: the evaluation of {name} failed (exit {status}); re-run to resume the sweep",
                   file=sys.stderr)

@@ -3,13 +3,13 @@
 The full-vocabulary logits of every completion token (N x V float32, e.g. 8k x 152k
 = 5 GB per role) are never held at once. A custom autograd Function projects
 `chunk_size` tokens at a time through the (tied) LM head, runs the per-token
-objective of `opsd_loss` on that chunk (`rows_divergence` / `rows_tinker`, the
+objective of `opsd.loss` on that chunk (`rows_divergence` / `rows_tinker`, the
 very functions the reference uses) and keeps only scalar sums. Backward recomputes
 each chunk's logits and turns d(sum_n D_n)/d(logits) into gradients for the
 student hidden states (and the LM head weight / bias when they require grad).
 
 Inputs are the masked completion positions only, already flattened to [N, H];
-the reduction is the token mean over N, exactly as `opsd_loss.divergence_loss`.
+the reduction is the token mean over N, exactly as `opsd.loss.divergence_loss`.
 Peak extra memory is a few [chunk_size, V] float32 buffers plus [N, H] for the
 hidden-state gradient.
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from opsd.model_utils import import_inductor_quietly
 from opsd.loss import (
     DIVERGENCE_STAT_KEYS,
     NLL_STAT_KEYS,
@@ -37,6 +36,7 @@ from opsd.loss import (
     rows_tinker,
     tempered_log_probs,
 )
+from opsd.model_utils import import_inductor_quietly
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -294,7 +294,7 @@ def chunked_divergence_loss(
     lm_head_bias: torch.Tensor | None = None,
     compile: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`opsd_loss.divergence_loss` on logits = hidden @ W.T (+ bias), chunked over tokens.
+    """`opsd.loss.divergence_loss` on logits = hidden @ W.T (+ bias), chunked over tokens.
 
     Args:
         student_hidden: [N, H] final hidden states of the masked completion tokens
@@ -324,7 +324,7 @@ def chunked_tinker_loss(
     chunk_size: int = 1024,
     lm_head_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`opsd_loss.tinker_loss` on hidden states, chunked; target_ids [N] are the sampled tokens."""
+    """`opsd.loss.tinker_loss` on hidden states, chunked; target_ids [N] are the sampled tokens."""
     if target_ids.shape != student_hidden.shape[:1]:
         raise ValueError(f"target_ids {tuple(target_ids.shape)} is not [{student_hidden.shape[0]}]")
     if not temperature > 0:
@@ -342,7 +342,7 @@ def chunked_nll_loss(
     chunk_size: int = 1024,
     lm_head_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`opsd_loss.nll_loss` on hidden states, chunked; target_ids [N] are the reference tokens."""
+    """`opsd.loss.nll_loss` on hidden states, chunked; target_ids [N] are the reference tokens."""
     if target_ids.shape != student_hidden.shape[:1]:
         raise ValueError(f"target_ids {tuple(target_ids.shape)} is not [{student_hidden.shape[0]}]")
     return _apply(NLLObjective(target_ids), student_hidden, teacher_hidden, lm_head_weight, lm_head_bias, chunk_size)

@@ -18,7 +18,7 @@ Selection of training rows:
           stay in their original order. A null trace counts as length 0;
 - nomath: drop the rows whose `source` is exactly "math"; original order;
 - a comma-separated combination, e.g. "nomath,hard": the filters apply one after
-  the other in the fixed order of `opsd_config.DATA_FILTERS` (nomath, then hard),
+  the other in the fixed order of `opsd.config.DATA_FILTERS` (nomath, then hard),
   whatever order they are written in, so "hard" halves what "nomath" left.
 A selection that leaves no row is an error.
 
@@ -41,8 +41,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from opsd.answers import answer_text, reference_answer
-from opsd.jsonl import parse_json, parse_lines, read_text
 from opsd.config import TEACHER_CONTEXTS, ConfigError, parse_data_select
+from opsd.jsonl import parse_json, parse_lines, read_text
 from opsd.prompts import SHUFFLED_SOLUTION
 
 RELEASED_TRAIN_DATASET = "siyanzhao/Openthoughts_math_30k_opsd"

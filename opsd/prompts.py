@@ -45,7 +45,7 @@ REASON_FIRST_REQUEST = (
 # OPSD_TEACHER_CONTEXT=answer: the whole privileged context is this label and the answer.
 ANSWER_LABEL = "Final answer:"
 # OPSD_TEACHER_CONTEXT=shuffled: the column the data loader fills with another row's
-# solution (opsd_data), so a row carries its own foreign reference.
+# solution (opsd.data), so a row carries its own foreign reference.
 SHUFFLED_SOLUTION = "shuffled_solution"
 
 # Appended where the collator cut a privileged context to fit the teacher prompt.

@@ -14,7 +14,7 @@ configurations, without training (OPSD_EXPERIMENTS.md, "Probe on frozen rollouts
 3. The baseline and every `--variant` (a comma list of KEY=VALUE over VARIANT_KEYS) score
    the same rollouts: the trainer's scoring forwards (`OPSDTrainer.scoring_forwards`, both
    roles, its padding geometry, in micro-batches of `--batch-size`) and the loss's own
-   per-token function (`opsd_loss.rows_divergence`). Nothing is trained; the student is
+   per-token function (`opsd.loss.rows_divergence`). Nothing is trained; the student is
    the model with a fresh LoRA adapter, i.e. the trainer's state at its first step, or
    with a run's adapter (`--checkpoint DIR`: checkpoint-N of a run, the trainer's state
    after N steps; its LoRA shape must match, checked before the model loads).
@@ -24,7 +24,7 @@ every diagnostic the trainer logs, under the same names, plus `lp_shift_student`
 `lp_shift_teacher`: the mean |log p(sampled token)| difference between the batched forward
 and the same row scored alone (no pads at all), i.e. what the padding geometry moves. One
 markdown row per variant goes to stdout, then the per-token attribution summary of the
-baseline (`opsd_attribution`); `--out` writes every number as JSON and `--attribution` a
+baseline (`research.attribution`); `--out` writes every number as JSON and `--attribution` a
 sample of per-position records as JSON lines.
 
 Bad input (an unknown variant key or value, a missing or malformed rollouts file, data or
@@ -47,12 +47,12 @@ from contextlib import redirect_stdout
 from dataclasses import dataclass, field
 
 from opsd.answers import reference_answer
-from opsd.jsonl import parse_json, read_jsonl, read_text
-from research.attribution import format_summary, pre_box, summarize, token_groups
 from opsd.config import SWITCH_VALUES, ConfigError, parse_recipe_value, parse_switch_value
 from opsd.data import DataError, load_train_dataset
-from opsd.run_log import KL_LINE_FIELDS
+from opsd.jsonl import parse_json, read_jsonl, read_text
 from opsd.run_folder import write_text_atomic
+from opsd.run_log import KL_LINE_FIELDS
+from research.attribution import format_summary, pre_box, summarize, token_groups
 
 # Settings that change how fixed rollouts are scored: the prompts each role sees, the scoring
 # geometry and the objective. Sampling settings cannot change frozen rollouts, and
@@ -246,7 +246,8 @@ def prepare(argv: list[str], workdir: str, env=os.environ) -> Plan:
                                           ("use_tinker_loss", config.use_tinker_loss),
                                           ("reason_first", config.reason_first)) if on]
     if unsupported:
-        raise ProbeError(f"the probe scores the divergence objective on fixed prompts; {unsupported[0]} is not supported")
+        raise ProbeError(f"the probe scores the divergence objective on fixed prompts; {unsupported[0]} is not "
+                         "supported")
 
     if args.checkpoint:
         check_checkpoint(args.checkpoint, script_args, config)
@@ -283,7 +284,8 @@ def check_checkpoint(path: str, script_args, config) -> None:
         raise ProbeError(f"{where}: no such folder")
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if not os.path.isfile(os.path.join(path, name)):
-            raise ProbeError(f"{where}: no {name} (a LoRA checkpoint holds both {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+            raise ProbeError(f"{where}: no {name} (a LoRA checkpoint holds both {ADAPTER_CONFIG} and "
+                             f"{ADAPTER_WEIGHTS})")
     if config.use_ema_teacher:
         raise ProbeError(f"{where}: the EMA teacher's state is not restored from a checkpoint; "
                          "probe it with fixed_teacher (the default)")
@@ -308,7 +310,8 @@ def load_adapter(model, path: str) -> None:
     missing = [key for key in result.missing_keys if "lora_" in key]
     if result.unexpected_keys or missing:
         raise ProbeError(f"--checkpoint {path}/{ADAPTER_WEIGHTS}: does not fit the probe's adapter "
-                         f"({(result.unexpected_keys or missing)[0]} {'unexpected' if result.unexpected_keys else 'missing'})")
+                         f"({(result.unexpected_keys or missing)[0]} "
+                         f"{'unexpected' if result.unexpected_keys else 'missing'})")
 
 
 def _vocab_size(model: str) -> int:
@@ -356,7 +359,7 @@ def head_logits(hidden, head, dtype):
 def token_scores(student_hidden, teacher_hidden, head, divergence, targets, answer_id: int | None, top: int,
                  chunk_size: int) -> dict:
     """Per-token values of one rollout from both roles' hidden states [n, H]: the clipped
-    divergence D_n and diagnostics of `opsd_loss.rows_divergence` (the loss's own function),
+    divergence D_n and diagnostics of `opsd.loss.rows_divergence` (the loss's own function),
     the sampled token's tempered log-prob, top entries and the answer token's probability."""
     import torch
 
@@ -495,7 +498,7 @@ def summarize_variant(variant: Variant, config, scores: list[RowScores], gaps: d
 # --------------------------------------------------------------------------
 
 def attribution_records(tokenizer, rollouts: list[Rollout], rows: list, scores: list[RowScores]) -> list[dict]:
-    """One record per completion token of the baseline scoring (opsd_attribution's input)."""
+    """One record per completion token of the baseline scoring (research.attribution's input)."""
     def text(token_id: int) -> str:
         return tokenizer.decode([token_id])
 

@@ -34,7 +34,7 @@ as it was; a seedless call draws its seed from it). Since every request is queue
 before the thread starts, the scheduler sees the same requests in the same order each
 time, and with the same pool (`cache_gib`, by default fixed from the device's total
 memory, never from what happens to be free) and `max_rows` it builds the same batches:
-the same seed gives the same samples (checked on CPU, tests/test_rollout.py; on CUDA
+the same seed gives the same samples (checked on CPU, tests/rollout/test_rollout.py; on CUDA
 as far as the kernels are deterministic for equal shapes, not checked here). Another
 pool size or `max_rows` regroups rows into other forward passes and draws, so gives
 other samples (from the same distribution); so does another engine.

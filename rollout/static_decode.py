@@ -40,14 +40,14 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
+from opsd.model_utils import causal_lm, eval_mode, import_inductor_quietly, kv_geometry, model_device
+from opsd.sampling import SamplingSettings
+from rollout.compiled_layers import CompiledLayers, decoder_layers
 from rollout.kernels import attention as decode_attention
 from rollout.kernels import matmul as decode_matmul
 from rollout.kernels import qkv as decode_qkv
 from rollout.kernels import sampler as decode_sampler
-from rollout.compiled_layers import CompiledLayers, decoder_layers
 from rollout.merged_student import MergedStudent, MergeUnsupported, has_enabled_adapters
-from opsd.model_utils import causal_lm, eval_mode, import_inductor_quietly, kv_geometry, model_device
-from opsd.sampling import SamplingSettings
 
 # The engines of rollout.TransformersBackend (None = "dynamic"); "paged" is rollout/paged_decode.py.
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static", "graph", "graph_compiled", "paged", "auto")
@@ -86,7 +86,7 @@ SAMPLER_TOPK_BLOCK: int | None = 128
 def resolve_cache_implementation(name: str | None, model) -> str | None:
     """The engine `name` stands for with this model: None (dynamic), static, graph, graph_compiled, paged.
     "auto" never picks "paged" (the trainer's rollouts keep the measured graph loop); the
-    evaluation chooses it for itself (opsd_eval.resolve_engine)."""
+    evaluation chooses it for itself (evaluation.evaluate.resolve_engine)."""
     if name == "dynamic":
         return None
     if name == "auto":

@@ -1,4 +1,4 @@
-"""The collapse warning: opsd_logging's signature on recorded runs, and the trainer's one
+"""The collapse warning: opsd.run_log's signature on recorded runs, and the trainer's one
 `[OPSD warn]` line and `opsd/collapse_warning` record (opsd_trainer._CollapseWatch).
 
 No per-step metrics of the recorded runs are committed (grids/results/*.json hold the
@@ -19,10 +19,10 @@ import types
 
 import pytest
 
-from opsd import run_log as opsd_logging
+from opsd import run_log
 from opsd.run_log import COLLAPSE_FIELD, ENTROPY_KEY, KL_KEY, CollapseDetector, CollapseSignature
 
-ARGMAX, TOKEN = opsd_logging.COLLAPSE_SHARE_KEYS["entry"], opsd_logging.COLLAPSE_SHARE_KEYS["token"]
+ARGMAX, TOKEN = run_log.COLLAPSE_SHARE_KEYS["entry"], run_log.COLLAPSE_SHARE_KEYS["token"]
 
 # name: (share key, onset step or None (healthy), (true KL, student entropy, clip share) start -> end)
 COLLAPSED = {
@@ -100,7 +100,7 @@ def test_a_run_without_a_clip_share_never_fires(seed):
 
 def test_the_recorded_end_values_themselves_sit_on_the_right_side():
     """Without noise and at the table values: the ratios each factor separates."""
-    sig = opsd_logging.COLLAPSE_SIGNATURE
+    sig = run_log.COLLAPSE_SIGNATURE
     for _, _, values in COLLAPSED.values():
         kl, h, share = (end / start for start, end in values)
         assert kl >= sig.kl_factor and h >= sig.entropy_factor and share >= sig.share_factor
@@ -112,11 +112,11 @@ def test_the_recorded_end_values_themselves_sit_on_the_right_side():
 def test_evidence_and_line():
     rows = [{"step": s, KL_KEY: 0.2, ENTROPY_KEY: 0.1, ARGMAX: 0.08} for s in range(1, 6)]
     rows += [{"step": s, KL_KEY: 0.8, ENTROPY_KEY: 0.5, ARGMAX: 0.25} for s in range(6, 11)]
-    assert opsd_logging.collapse_evidence(rows[:9], ARGMAX) is None  # fewer than early + window steps
-    evidence = opsd_logging.collapse_evidence(rows, ARGMAX)
+    assert run_log.collapse_evidence(rows[:9], ARGMAX) is None  # fewer than early + window steps
+    evidence = run_log.collapse_evidence(rows, ARGMAX)
     assert evidence["step"] == 10 and evidence["window_steps"] == [6, 10] and evidence["early_steps"] == [1, 5]
     assert evidence[KL_KEY]["ratio"] == pytest.approx(4.0)
-    line = opsd_logging.collapse_line(evidence)
+    line = run_log.collapse_line(evidence)
     assert line.startswith("[OPSD warn] step=10 collapse signature:") and "\n" not in line
     assert "true_kl 0.2 -> 0.8 (x4)" in line and "teacher_argmax_clipped_frac 8.0% -> 25.0%" in line
     json.dumps(evidence)  # recordable as is
@@ -132,7 +132,7 @@ def test_a_resumed_run_replays_its_history_and_does_not_warn_twice():
     history = [{"step": s, KL_KEY: 0.2, ENTROPY_KEY: 0.1, ARGMAX: 0.08, "loss": 0.0} for s in (1, 2)]
     state = types.SimpleNamespace(log_history=[dict(r) for r in history], global_step=2, is_world_process_zero=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(opsd_logging, "COLLAPSE_SIGNATURE", low)
+        mp.setattr(run_log, "COLLAPSE_SIGNATURE", low)
         watch = opsd_trainer._CollapseWatch(trainer, "entry")
         watch.on_train_begin(None, state, None)
         logs = {KL_KEY: 0.9, ENTROPY_KEY: 0.5, ARGMAX: 0.3}
@@ -154,7 +154,7 @@ def test_training_prints_one_warning_records_it_and_goes_on(tmp_path, monkeypatc
     (one early step, a window of one, factors 0): one line, one record, every step trained."""
     import opsd_train
 
-    monkeypatch.setattr(opsd_logging, "COLLAPSE_SIGNATURE",
+    monkeypatch.setattr(run_log, "COLLAPSE_SIGNATURE",
                         CollapseSignature(early_steps=1, window=1, kl_factor=0, entropy_factor=0, share_factor=0))
     out = tmp_path / "run"
     argv = ["--preset", "tiny", "--model_name_or_path", "tiny-random", "--output_dir", str(out),

@@ -104,7 +104,7 @@ def test_cli_prints_the_file_or_one_error_line():
 
 
 def test_docs_name_every_engine_and_its_file():
-    """The engines are declared once (opsd_config.ACCELERATE_CONFIGS); the README's table, the
+    """The engines are declared once (opsd.config.ACCELERATE_CONFIGS); the README's table, the
     script's help and the spec name the same ones."""
     root = CONFIGS_DIR.rsplit("/", 1)[0]
     readme = open(f"{root}/README.md", encoding="utf-8").read()

@@ -523,7 +523,7 @@ def test_bad_switch_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     ("--lora_r", "0", "lora_r=0 is out of range; must be >= 1"),
 ])
 def test_flags_are_held_to_the_recipe_ranges(tmp_path, capsys, flag, value, message):
-    """A range is declared once (opsd_config.Recipe) and checked for flags as for recipe lines."""
+    """A range is declared once (opsd.config.Recipe) and checked for flags as for recipe lines."""
     assert opsd_train.main(tiny_argv(tmp_path / "out", 1, flag, value)) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: {message}"

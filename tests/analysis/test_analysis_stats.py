@@ -3,9 +3,9 @@ integration; descriptive statistics and tests against hand-computed values;
 bootstrap reproducibility and coverage on synthetic arms with a known effect;
 input validation; the command line end to end on synthetic eval reports.
 
-The synthetic reports are built with opsd_eval's own pieces (frozen settings,
+The synthetic reports are built with evaluation.evaluate's own pieces (frozen settings,
 problem_summary, summarize, write_json_atomic) and the same top-level fields
-that opsd_eval.evaluate() writes, so they follow the real report schema."""
+that evaluation.evaluate.evaluate() writes, so they follow the real report schema."""
 import json
 import math
 import subprocess
@@ -17,10 +17,24 @@ import numpy as np
 import pytest
 
 from analysis import stats as run_stats
+from analysis.stats import (
+    betainc,
+    bootstrap_difference,
+    bootstrap_mean,
+    describe,
+    problem_scores,
+    run_level_test,
+    sampling_se,
+    sign_flip_test,
+    sign_test,
+    single_run_t,
+    t_cdf,
+    t_ppf,
+    t_two_sided_p,
+    verdict,
+    welch_t,
+)
 from evaluation.evaluate import FROZEN_SETTINGS, TINY_SETTINGS, problem_summary, summarize, write_json_atomic
-from analysis.stats import (betainc, bootstrap_difference, bootstrap_mean, describe, problem_scores, run_level_test,
-                       sampling_se, sign_flip_test, sign_test, single_run_t, t_cdf, t_ppf, t_two_sided_p, verdict,
-                       welch_t)
 
 ROOT = Path(__file__).resolve().parents[2]
 DATASET = "HuggingFaceH4/aime_2024"
@@ -35,7 +49,7 @@ def problem_text(i):
 
 def report_from_flags(flags, settings=FROZEN_SETTINGS, dataset=DATASET, checkpoint="run/checkpoint-100",
                       problem_texts=None):
-    """An eval report as opsd_eval.evaluate() writes it, from correct flags [problem][sample]."""
+    """An eval report as evaluation.evaluate.evaluate() writes it, from correct flags [problem][sample]."""
     records = []
     for i, row in enumerate(flags):
         gold = str(100 + i)
@@ -362,7 +376,7 @@ def test_bad_inputs_exit_2_with_one_line(arms, tmp_path, capsys, difficulty):
 
     not_report = tmp_path / "other.json"
     not_report.write_text('{"hello": 1}')
-    one_error_line(*cli(capsys, "summary", not_report), f"{not_report}: not an opsd_eval report")
+    one_error_line(*cli(capsys, "summary", not_report), f"{not_report}: not an evaluation report")
 
     short = report_from_flags(flags)
     short["problems"][2]["samples"].pop()

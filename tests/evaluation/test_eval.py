@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluation import evaluate as opsd_eval
+from evaluation import evaluate
 from evaluation.evaluate import (TINY_SETTINGS, answers_match, extract_boxed, final_line, grade, is_correct,
                        majority_vote, normalize_answer, pass_at_k, summarize)
 
@@ -106,7 +106,7 @@ def test_answer_check_time_limit(monkeypatch):
     is_correct("\\boxed{1}", "2")  # the worker is up (its start is not part of the limit)
     started = time.monotonic()
     assert is_correct(r"\boxed{9^{9^{9^{9}}}}", "5") is False
-    assert time.monotonic() - started < opsd_eval.MATH_VERIFY_TIMEOUT_S + 2
+    assert time.monotonic() - started < evaluate.MATH_VERIFY_TIMEOUT_S + 2
     assert answers_match("033", "33") is True                 # the string fallback still decides
     assert is_correct(r"\boxed{\frac{1}{2}}", "0.5") is True   # the restarted worker grades again
 
@@ -121,7 +121,7 @@ PATHOLOGICAL = [
 
 
 def test_pathological_answers_are_wrong_within_a_bounded_time(monkeypatch):
-    monkeypatch.setattr(opsd_eval, "MATH_VERIFY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(evaluate, "MATH_VERIFY_TIMEOUT_S", 1.0)
     is_correct("\\boxed{1}", "2")
     started = time.monotonic()
     results = [grade(text, "5", truncated=False) for text in PATHOLOGICAL]
@@ -161,7 +161,7 @@ def graded(*rows):
     for answers in rows:
         samples = [{"answer": a, "correct": a == "1", "truncated": a is None, "num_tokens": 10}
                    for a in answers]
-        problems.append({"samples": samples, **opsd_eval.problem_summary(samples)})
+        problems.append({"samples": samples, **evaluate.problem_summary(samples)})
     return problems
 
 
@@ -189,25 +189,26 @@ def test_final_line_format():
 
 
 def test_names_of_reports():
-    assert opsd_eval.run_name(None) == "base"
-    assert opsd_eval.run_name("/runs/capped/checkpoint-100") == "capped_checkpoint-100"
-    assert opsd_eval.dataset_tag("HuggingFaceH4/aime_2024") == "aime_2024"
-    assert opsd_eval.dataset_tag("data/aime 25.jsonl") == "aime-25"
-    assert opsd_eval.dataset_tag("tiny") == "tiny"
+    assert evaluate.run_name(None) == "base"
+    assert evaluate.run_name("/runs/capped/checkpoint-100") == "capped_checkpoint-100"
+    assert evaluate.dataset_tag("HuggingFaceH4/aime_2024") == "aime_2024"
+    assert evaluate.dataset_tag("data/aime 25.jsonl") == "aime-25"
+    assert evaluate.dataset_tag("tiny") == "tiny"
+
 
 @pytest.mark.parametrize("given, label, problems", [("tiny", "tiny:20240101:30", 30), ("tiny:7", "tiny:7:30", 30),
                                                     ("tiny:7:4", "tiny:7:4", 4)])
 def test_a_report_names_its_tiny_set_by_seed_and_size(given, label, problems):
     """The header and the report call the set by its seed and size; its folder stays as given."""
-    request, loaded = opsd_eval.build_request(opsd_eval.parse_args(["base", "--preset", "tiny", "--dataset", given,
+    request, loaded = evaluate.build_request(evaluate.parse_args(["base", "--preset", "tiny", "--dataset", given,
                                                                   "--backend", "transformers"]))
     assert (request.dataset, len(loaded)) == (label, problems)
-    assert request.output_path == Path("outputs") / "eval" / opsd_eval.dataset_tag(given) / "eval_base.json"
-    assert opsd_eval.dataset_label("HuggingFaceH4/aime_2024") == "HuggingFaceH4/aime_2024"
+    assert request.output_path == Path("outputs") / "eval" / evaluate.dataset_tag(given) / "eval_base.json"
+    assert evaluate.dataset_label("HuggingFaceH4/aime_2024") == "HuggingFaceH4/aime_2024"
 
 
 def test_frozen_settings():
-    frozen = opsd_eval.FROZEN_SETTINGS
+    frozen = evaluate.FROZEN_SETTINGS
     assert (frozen.n_samples, frozen.seed, frozen.enable_thinking) == (12, 20260610, True)
     assert (frozen.temperature, frozen.top_p, frozen.top_k, frozen.max_new_tokens) == (1.0, 0.95, 0, 38912)
     assert frozen.max_problems is None
@@ -237,8 +238,8 @@ def base_run(tmp_path_factory):
 
 
 def in_process(capsys, *argv):
-    """opsd_eval's entry point in this process: (exit status, stdout, stderr)."""
-    status = opsd_eval.main([*argv, "--preset", "tiny", "--backend", "transformers"])
+    """evaluation.evaluate's entry point in this process: (exit status, stdout, stderr)."""
+    status = evaluate.main([*argv, "--preset", "tiny", "--backend", "transformers"])
     captured = capsys.readouterr()
     return status, captured.out, captured.err
 
@@ -258,7 +259,7 @@ def test_dev_eval_base_end_to_end(base_run):
 
     report = json.loads(report_path.read_text())
     assert set(report) >= {"settings", "model", "checkpoint", "dataset", "backend", "metrics", "problems"}
-    assert report["settings"] == opsd_eval.asdict(TINY_SETTINGS) and int(k) == TINY_SETTINGS.n_samples
+    assert report["settings"] == evaluate.asdict(TINY_SETTINGS) and int(k) == TINY_SETTINGS.n_samples
     assert (report["checkpoint"], report["dataset"], report["backend"]) == ("base", EVAL_SET, "transformers")
     metrics = report["metrics"]
     assert (metrics["num_correct"], metrics["num_samples"], metrics["num_problems"]) == \
@@ -342,8 +343,8 @@ def test_evaluating_a_checkpoint_raises_no_deprecation_warning(tmp_path, monkeyp
     import warnings
 
     checkpoint = make_lora_checkpoint(tmp_path / "run" / "checkpoint-7")
-    monkeypatch.setattr(opsd_eval, "TINY_SETTINGS",
-                        opsd_eval.replace(TINY_SETTINGS, n_samples=2, max_new_tokens=6, max_problems=1))
+    monkeypatch.setattr(evaluate, "TINY_SETTINGS",
+                        evaluate.replace(TINY_SETTINGS, n_samples=2, max_new_tokens=6, max_problems=1))
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         warnings.simplefilter("error", DeprecationWarning)
@@ -384,7 +385,7 @@ def test_bad_inputs_exit_2_with_one_line_and_write_nothing(case, tmp_path, capsy
         extra = ["--backend", "transformers", "--vllm-kv-cache-gib", "2"]
     if case == "unknown preset":
         monkeypatch.setenv("OPSD_PRESET", "huge")
-        status = opsd_eval.main([checkpoint, "--output-dir", str(out)])
+        status = evaluate.main([checkpoint, "--output-dir", str(out)])
         err = capsys.readouterr().err
     else:
         status, _, err = in_process(capsys, checkpoint, "--output-dir", str(out), *extra)
@@ -409,25 +410,25 @@ def test_dev_eval_bad_checkpoint_and_usage(tmp_path):
 
 def test_paged_calls_hold_at_least_its_rows_per_forward():
     """The paged engine keeps up to batch_size rows in one forward: a call must bring that many."""
-    frozen = opsd_eval.FROZEN_SETTINGS  # 12 samples per problem
+    frozen = evaluate.FROZEN_SETTINGS  # 12 samples per problem
     request = types.SimpleNamespace(backend="transformers", engine="paged", batch_size=256, settings=frozen)
-    assert opsd_eval.problem_chunks(request, 30) == [range(0, 22), range(22, 30)]  # 22 x 12 = 264 >= 256
+    assert evaluate.problem_chunks(request, 30) == [range(0, 22), range(22, 30)]  # 22 x 12 = 264 >= 256
     request.batch_size = 24
-    assert opsd_eval.problem_chunks(request, 30) == [range(0, 10), range(10, 20), range(20, 30)]
+    assert evaluate.problem_chunks(request, 30) == [range(0, 10), range(10, 20), range(20, 30)]
     request.backend, request.engine = "vllm", None
-    assert opsd_eval.problem_chunks(request, 30) == [range(0, 10), range(10, 20), range(20, 30)]
+    assert evaluate.problem_chunks(request, 30) == [range(0, 10), range(10, 20), range(20, 30)]
 
 
 def test_engine_choice():
-    assert opsd_eval.resolve_engine("auto", "transformers") == "dynamic"  # CPU
-    assert opsd_eval.resolve_engine("auto", "transformers", tiny=True) == opsd_eval.TINY_ENGINE == "dynamic"
-    assert opsd_eval.ENGINE_AUTO == {"cuda": "paged", "cpu": "dynamic"}
-    assert opsd_eval.resolve_engine("paged", "transformers") == "paged"
-    assert opsd_eval.resolve_engine("auto", "vllm") is None
-    with pytest.raises(opsd_eval.InputError, match="--backend transformers"):
-        opsd_eval.resolve_engine("paged", "vllm")
-    assert set(opsd_eval.ENGINE_AUTO.values()) <= set(opsd_eval.engine_names())
-    assert set(opsd_eval.engine_names()) == {"auto", "dynamic", "static", "graph", "graph_compiled", "paged"}
+    assert evaluate.resolve_engine("auto", "transformers") == "dynamic"  # CPU
+    assert evaluate.resolve_engine("auto", "transformers", tiny=True) == evaluate.TINY_ENGINE == "dynamic"
+    assert evaluate.ENGINE_AUTO == {"cuda": "paged", "cpu": "dynamic"}
+    assert evaluate.resolve_engine("paged", "transformers") == "paged"
+    assert evaluate.resolve_engine("auto", "vllm") is None
+    with pytest.raises(evaluate.InputError, match="--backend transformers"):
+        evaluate.resolve_engine("paged", "vllm")
+    assert set(evaluate.ENGINE_AUTO.values()) <= set(evaluate.engine_names())
+    assert set(evaluate.engine_names()) == {"auto", "dynamic", "static", "graph", "graph_compiled", "paged"}
 
 
 def test_paged_engine_end_to_end(tmp_path, monkeypatch, capsys):
@@ -435,10 +436,10 @@ def test_paged_engine_end_to_end(tmp_path, monkeypatch, capsys):
     paged engine: every problem's samples in one call, graded, the engine in the report."""
     from rollout.paged_decode import DEFAULT_MAX_ROWS
 
-    monkeypatch.setattr(opsd_eval, "TINY_SETTINGS", opsd_eval.replace(TINY_SETTINGS, n_samples=2))
+    monkeypatch.setattr(evaluate, "TINY_SETTINGS", evaluate.replace(TINY_SETTINGS, n_samples=2))
     calls = []
-    real_chunk = opsd_eval._sample_chunk
-    monkeypatch.setattr(opsd_eval, "_sample_chunk", lambda backend, request, prompts, chunk, **kw: calls.append(
+    real_chunk = evaluate._sample_chunk
+    monkeypatch.setattr(evaluate, "_sample_chunk", lambda backend, request, prompts, chunk, **kw: calls.append(
         (backend.cache_implementation, backend.batch_size, chunk)) or real_chunk(backend, request, prompts, chunk, **kw))
     status, out, err = in_process(capsys, "base", "--engine", "paged", "--dataset", "tiny:7:4",
                                   "--output-dir", str(tmp_path))
@@ -459,8 +460,8 @@ def test_paged_engine_end_to_end(tmp_path, monkeypatch, capsys):
 
 def _small_tiny_settings(monkeypatch):
     """3 problems x 2 samples of 6 tokens at batch size 2: one problem per chunk."""
-    monkeypatch.setattr(opsd_eval, "TINY_SETTINGS",
-                        opsd_eval.replace(TINY_SETTINGS, n_samples=2, max_new_tokens=6, max_problems=3))
+    monkeypatch.setattr(evaluate, "TINY_SETTINGS",
+                        evaluate.replace(TINY_SETTINGS, n_samples=2, max_new_tokens=6, max_problems=3))
 
 
 def bar_counts(stderr: str) -> list[tuple[int, int]]:
@@ -497,7 +498,7 @@ def test_killed_evaluation_resumes_where_it_stopped(tmp_path, monkeypatch, capsy
     assert status == 0
     whole = json.loads((tmp_path / "whole" / "eval_base.json").read_text())
 
-    real_grade = opsd_eval.grade_problem
+    real_grade = evaluate.grade_problem
 
     def killed_at_third(index, *args):
         if index == 2:
@@ -505,17 +506,17 @@ def test_killed_evaluation_resumes_where_it_stopped(tmp_path, monkeypatch, capsy
         return real_grade(index, *args)
 
     out = tmp_path / "resumed"
-    monkeypatch.setattr(opsd_eval, "grade_problem", killed_at_third)
+    monkeypatch.setattr(evaluate, "grade_problem", killed_at_third)
     with pytest.raises(KeyboardInterrupt):
         in_process(capsys, "base", *argv, "--output-dir", str(out))
     assert not (out / "eval_base.json").exists()
     partial = out / "eval_base.json.partial.jsonl"
     assert len(partial.read_text().splitlines()) == 1 + 2  # the arguments, then two problems
 
-    monkeypatch.setattr(opsd_eval, "grade_problem", real_grade)
+    monkeypatch.setattr(evaluate, "grade_problem", real_grade)
     sampled = []
-    real_chunk = opsd_eval._sample_chunk
-    monkeypatch.setattr(opsd_eval, "_sample_chunk",
+    real_chunk = evaluate._sample_chunk
+    monkeypatch.setattr(evaluate, "_sample_chunk",
                         lambda backend, request, prompts, chunk, **kw: sampled.append(chunk) or real_chunk(
                             backend, request, prompts, chunk, **kw))
     status, stdout, _ = in_process(capsys, "base", *argv, "--output-dir", str(out))
@@ -541,12 +542,12 @@ def test_partial_results_of_other_arguments_are_not_reused(tmp_path, monkeypatch
 # ---------------------------------------------------------------- the vLLM backend, with a fake vLLM
 
 def test_context_warning():
-    assert opsd_eval.context_warning([100, 2048], 38912, 40960, "vllm") is None  # 2048 fits exactly
-    line = opsd_eval.context_warning([100, 2049, 3000], 38912, 40960, "vllm")
+    assert evaluate.context_warning([100, 2048], 38912, 40960, "vllm") is None  # 2048 fits exactly
+    line = evaluate.context_warning([100, 2049, 3000], 38912, 40960, "vllm")
     assert line.startswith("warning: 2 of 3 prompts are longer than the 2048 tokens ") and "\n" not in line
     assert "(longest 3000)" in line and "vLLM stops their samples at the context limit" in line
-    assert "past the model's context" in opsd_eval.context_warning([5000], 38912, 40960, "transformers")
-    assert opsd_eval.context_warning([10 ** 6], 38912, None, "vllm") is None  # no declared context
+    assert "past the model's context" in evaluate.context_warning([5000], 38912, 40960, "transformers")
+    assert evaluate.context_warning([10 ** 6], 38912, None, "vllm") is None  # no declared context
 
 
 def fake_vllm_modules(events: list):
@@ -606,10 +607,10 @@ def test_vllm_evaluation_env_logs_teardown_and_last_line(monkeypatch, tmp_path, 
 
     monkeypatch.setattr(rollout, "check_vllm_version", lambda: "0.26.0")  # the fake has no package metadata
     # A budget that leaves the tiny prompts too little of the context: the warning case.
-    context = opsd_eval.model_context(opsd_eval.resolve_model_path("tiny"))  # the learned tiny model's: 4096
-    monkeypatch.setattr(opsd_eval, "TINY_SETTINGS", opsd_eval.replace(TINY_SETTINGS, max_new_tokens=context - 20))
+    context = evaluate.model_context(evaluate.resolve_model_path("tiny"))  # the learned tiny model's: 4096
+    monkeypatch.setattr(evaluate, "TINY_SETTINGS", evaluate.replace(TINY_SETTINGS, max_new_tokens=context - 20))
     try:
-        status = opsd_eval.main(["base", "--preset", "tiny", "--backend", "vllm", "--output-dir", str(tmp_path)])
+        status = evaluate.main(["base", "--preset", "tiny", "--backend", "vllm", "--output-dir", str(tmp_path)])
     finally:
         logger.handlers.clear()
     captured = capsys.readouterr()
@@ -618,7 +619,7 @@ def test_vllm_evaluation_env_logs_teardown_and_last_line(monkeypatch, tmp_path, 
     assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": user_multiprocessing or "0",
                    "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
     assert engine_args["max_model_len"] == context  # capped at the tiny model's context
-    chunks = -(-30 // opsd_eval.VLLM_CHUNK_PROBLEMS)  # one generate per chunk of the 30 tiny problems
+    chunks = -(-30 // evaluate.VLLM_CHUNK_PROBLEMS)  # one generate per chunk of the 30 tiny problems
     assert events[1:] == ["generate"] * chunks + ["shutdown", "cleanup"]
 
     out = captured.out.splitlines()
@@ -637,7 +638,7 @@ def test_a_vllm_outside_the_supported_range_is_one_line_before_loading(monkeypat
 
     monkeypatch.setattr(rollout, "_import_vllm", lambda: None)  # "installed"
     monkeypatch.setattr(metadata, "version", lambda name: "0.40.0" if name == "vllm" else "0")
-    status = opsd_eval.main(["base", "--preset", "tiny", "--backend", "vllm", "--output-dir", str(tmp_path / "out")])
+    status = evaluate.main(["base", "--preset", "tiny", "--backend", "vllm", "--output-dir", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1
     assert err[0].startswith("error: vLLM 0.40.0 is outside the supported range 0.22.0-0.31.0")

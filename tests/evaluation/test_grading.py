@@ -1,4 +1,4 @@
-"""Grading that is never silently wrong (opsd_eval's answer checker, opsd/grading_worker.py).
+"""Grading that is never silently wrong (evaluation.evaluate's answer checker, opsd/grading_worker.py).
 
 math-verify runs in opsd/grading_worker.py, started as a plain subprocess: grading gives
 the same verdicts from every kind of caller (no re-import of the caller's __main__),
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluation import evaluate as opsd_eval
+from evaluation import evaluate
 from evaluation.evaluate import GradingError, check_answer, is_correct
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,9 +101,9 @@ def use_worker(monkeypatch):
     workers = []
 
     def install(command):
-        worker = opsd_eval._AnswerWorker(command)
+        worker = evaluate._AnswerWorker(command)
         workers.append(worker)
-        monkeypatch.setattr(opsd_eval, "_ANSWER_WORKER", worker)
+        monkeypatch.setattr(evaluate, "_ANSWER_WORKER", worker)
         return worker
 
     yield install
@@ -123,7 +123,7 @@ def test_a_worker_that_cannot_start_raises(command, message, use_worker):
     with pytest.raises(GradingError, match=message):
         is_correct(r"\boxed{\frac{1}{2}}", "0.5")
     with pytest.raises(GradingError):                        # and again: never a "wrong" grade
-        opsd_eval.grade(r"\boxed{\frac{1}{2}}", "0.5", truncated=False)
+        evaluate.grade(r"\boxed{\frac{1}{2}}", "0.5", truncated=False)
     assert is_correct(r"\boxed{033}", "33") is True          # the string match needs no worker
     assert check_answer("033", "33") == (True, "string_match")
 
@@ -156,7 +156,7 @@ def test_math_verify_error_is_a_wrong_answer(use_worker, tmp_path):
 
 
 def test_a_timeout_is_wrong_and_restarts_the_worker(use_worker, tmp_path, monkeypatch):
-    monkeypatch.setattr(opsd_eval, "MATH_VERIFY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(evaluate, "MATH_VERIFY_TIMEOUT_S", 0.5)
     worker = use_worker(fake_worker("""\
         if request["answer"] == "hang":
             time.sleep(60)
@@ -187,7 +187,7 @@ def test_the_real_worker_speaks_json_lines():
 # ---------------------------------------------------------------- the report's counts
 
 def test_the_report_counts_how_answers_were_graded(use_worker, tmp_path, monkeypatch):
-    monkeypatch.setattr(opsd_eval, "MATH_VERIFY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(evaluate, "MATH_VERIFY_TIMEOUT_S", 0.5)
     use_worker(fake_worker("""\
         if request["answer"] == "hang":
             time.sleep(60)
@@ -200,34 +200,34 @@ def test_the_report_counts_how_answers_were_graded(use_worker, tmp_path, monkeyp
     completions = [types.SimpleNamespace(ids=list(range(i + 1)), truncated=text == "trunc")
                    for i, text in enumerate(texts)]
     tokenizer = types.SimpleNamespace(decode=lambda ids, skip_special_tokens: texts[len(ids) - 1])
-    record = opsd_eval.grade_problem(0, {"problem": "p", "answer": "33"}, completions, tokenizer)
+    record = evaluate.grade_problem(0, {"problem": "p", "answer": "33"}, completions, tokenizer)
     samples = record["samples"]
     assert [s["graded_by"] for s in samples] == ["string_match", "math_verify", "math_verify", "timeout",
                                                  "math_verify_error", "no_box", "no_box"]
     assert [s["correct"] for s in samples] == [True, True, False, False, False, False, False]
     assert [s["reason"] for s in samples][-2:] == ["no_answer", "truncated"]
 
-    metrics = opsd_eval.summarize([record], k=len(texts))
+    metrics = evaluate.summarize([record], k=len(texts))
     assert metrics["graded_by"] == {"string_match": 1, "math_verify": 2, "math_verify_error": 1, "timeout": 1,
                                     "no_box": 2}
     assert metrics["num_correct"] == 2 and metrics["no_answer_rate"] == pytest.approx(100 * 2 / 7)
     # counts of answers each method decided, not of correct ones (1 + 2 graded, 2 of them correct)
-    assert opsd_eval.format_grading(metrics) == (
+    assert evaluate.format_grading(metrics) == (
         "graded by: string match 1 answer, math-verify 2 answers (of 7 samples); "
         "graded wrong: math-verify error 1, timed out 1; no \\boxed{} to grade: 2")
-    assert opsd_eval.format_grading({"graded_by": {"string_match": 104, "math_verify": 136, "math_verify_error": 0,
-                                                   "timeout": 0, "no_box": 0}}) == (
+    assert evaluate.format_grading({"graded_by": {"string_match": 104, "math_verify": 136, "math_verify_error": 0,
+                                                  "timeout": 0, "no_box": 0}}) == (
         "graded by: string match 104 answers, math-verify 136 answers (of 240 samples)")
     # a sample of a report written before "graded_by" existed
     old = {**samples[0]}
     del old["graded_by"]
-    assert opsd_eval.graded_by_counts([old])["unrecorded"] == 1
+    assert evaluate.graded_by_counts([old])["unrecorded"] == 1
 
 
 def test_the_command_line_stops_on_a_failing_checker(use_worker, tmp_path, capsys):
     use_worker([sys.executable, "-m", "no_such_grading_worker_module"])
-    status = opsd_eval.main(["base", "--preset", "tiny", "--backend", "transformers",
-                             "--output-dir", str(tmp_path / "out")])
+    status = evaluate.main(["base", "--preset", "tiny", "--backend", "transformers",
+                            "--output-dir", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2
     assert len(err) == 1 and err[0].startswith("error: the answer-check worker"), err

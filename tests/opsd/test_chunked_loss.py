@@ -1,4 +1,4 @@
-"""opsd_chunked_loss equals opsd_loss on the full logits hidden @ W.T (+ bias).
+"""opsd.chunked_loss equals opsd.loss on the full logits hidden @ W.T (+ bias).
 
 float64 on CPU, small vocabulary: loss, every stat and the gradients wrt the
 hidden states, the LM head weight and bias must agree for every option and chunk
@@ -7,7 +7,7 @@ size (1, a divisor-free 8, 64 and more than N).
 import pytest
 import torch
 
-from opsd import chunked_loss as opsd_chunked_loss
+from opsd import chunked_loss
 from opsd.chunked_loss import (
     DivergenceObjective,
     chunked_divergence_loss,
@@ -150,13 +150,13 @@ def test_analytic_forward_kl_grad_equals_autograd(clip):
 def test_never_projects_more_than_a_chunk(monkeypatch):
     """Forward and backward only ever build [<= chunk_size, V] logits."""
     rows_seen = []
-    project = opsd_chunked_loss._logits
+    project = chunked_loss._logits
 
     def recording(hidden, *args):
         rows_seen.append(hidden.shape[0])
         return project(hidden, *args)
 
-    monkeypatch.setattr(opsd_chunked_loss, "_logits", recording)
+    monkeypatch.setattr(chunked_loss, "_logits", recording)
     student, teacher, weight, _ = make_inputs()
     for beta in (0.0, 0.5):
         loss, _ = chunked_divergence_loss(student, teacher, weight, beta=beta, chunk_size=8)
@@ -241,7 +241,7 @@ def test_fixed_chunks_pad_and_drop_rows(monkeypatch, opts, chunk_size):
     the two roles (zeros would give zero divergence and hide a leak); torch.compile itself
     is replaced by the identity (the next test compiles for real)."""
     rows_seen = []
-    pad_rows = opsd_chunked_loss._chunk_rows
+    pad_rows = chunked_loss._chunk_rows
     gen = torch.Generator().manual_seed(7)
 
     def random_padding(hidden, rows, pad_to):
@@ -253,8 +253,8 @@ def test_fixed_chunks_pad_and_drop_rows(monkeypatch, opts, chunk_size):
         rows_seen.append(part.shape[0])
         return part
 
-    monkeypatch.setattr(opsd_chunked_loss, "_compiled", lambda fn: fn)
-    monkeypatch.setattr(opsd_chunked_loss, "_chunk_rows", random_padding)
+    monkeypatch.setattr(chunked_loss, "_compiled", lambda fn: fn)
+    monkeypatch.setattr(chunked_loss, "_chunk_rows", random_padding)
     check_against_reference(opts, chunk_size, compile=True)
     assert set(rows_seen) == {chunk_size}
 

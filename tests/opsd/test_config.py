@@ -1,4 +1,4 @@
-"""opsd_config: environment switches, recipe parsing and the `check` CLI."""
+"""opsd.config: environment switches, recipe parsing and the `check` CLI."""
 import dataclasses
 import os
 import re
@@ -223,7 +223,8 @@ def test_cli_check_prints_recipe_and_warnings(tmp_path):
     expected = dataclasses.replace(Recipe(), beta=0.5).as_lines()
     assert result.stdout.splitlines() == expected
     assert "beta=0.5" in expected and "fixed_teacher=true" in expected
-    assert result.stderr.splitlines() == [f"warning: {path}:2: max_steps is a budget knob fixed by train_capped.sh; ignored"]
+    assert result.stderr.splitlines() == [
+        f"warning: {path}:2: max_steps is a budget knob fixed by train_capped.sh; ignored"]
 
 
 @pytest.mark.parametrize("text, line, fragment", [ERRORS[0], ERRORS[3], ERRORS[11], ERRORS[30]])
@@ -316,7 +317,8 @@ def test_one_value_parsers_match_the_recipe_and_switch_rules():
         (lambda: parse_recipe_value("beta", "2"), "beta=2 is out of range; must be in [0, 1]"),
         (lambda: parse_recipe_value("top_k_loss", "1.5"), "top_k_loss='1.5' is not an integer"),
         (lambda: parse_recipe_value("bta", "0"), "unknown key 'bta' (did you mean beta?)"),
-        (lambda: parse_switch_value("pad_side", "middle"), "pad_side='middle' is not allowed; expected one of: right, left"),
+        (lambda: parse_switch_value("pad_side", "middle"),
+         "pad_side='middle' is not allowed; expected one of: right, left"),
     ]:
         with pytest.raises(ConfigError) as caught:
             call()

@@ -1,4 +1,4 @@
-"""opsd_data: every source format, every selection, every error (one line, naming
+"""opsd.data: every source format, every selection, every error (one line, naming
 the file and the column or line)."""
 import functools
 import json
@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from one_line_errors import one_line_message
 
-from opsd import data as opsd_data
+import opsd.data
 import tiny_default
 from opsd.data import DataError, load_eval_dataset, load_train_dataset
 from opsd.prompts import SHUFFLED_SOLUTION
@@ -78,7 +78,7 @@ def test_hub_name_goes_through_load_dataset(monkeypatch):
         return datasets.Dataset.from_list(ROWS)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    data = load_train_dataset(opsd_data.RELEASED_TRAIN_DATASET, select="nomath")
+    data = load_train_dataset(opsd.data.RELEASED_TRAIN_DATASET, select="nomath")
     assert calls == [("siyanzhao/Openthoughts_math_30k_opsd", "train")]
     assert problems(data) == ["problem 1", "problem 3", "problem 5", "problem 6"]
 
@@ -131,8 +131,8 @@ def test_select_hard_even_count_and_null_traces(tmp_path):
 
 
 def test_hard_indices_single_row_and_all_ties():
-    assert opsd_data.hard_indices(["abc"]) == [0]
-    assert opsd_data.hard_indices(["ab"] * 5) == [0, 1, 2]
+    assert opsd.data.hard_indices(["abc"]) == [0]
+    assert opsd.data.hard_indices(["ab"] * 5) == [0, 1, 2]
 
 
 def test_select_nomath_drops_math_rows_only(jsonl):
@@ -142,7 +142,8 @@ def test_select_nomath_drops_math_rows_only(jsonl):
 
 
 def test_select_nomath_is_an_exact_match(tmp_path):
-    rows = [{"problem": f"p{i}", "solution": "s", "source": s} for i, s in enumerate(["math", "Math", None, "mathematics"])]
+    rows = [{"problem": f"p{i}", "solution": "s", "source": s}
+            for i, s in enumerate(["math", "Math", None, "mathematics"])]
     data = load_train_dataset(str(write_jsonl(tmp_path / "t.jsonl", rows)), select="nomath")
     assert problems(data) == ["p1", "p2", "p3"]
 
@@ -222,7 +223,7 @@ def test_shuffled_pairing_is_fixed_by_the_seed_and_changes_with_it(jsonl):
         return load_train_dataset(str(jsonl), teacher_context="shuffled", seed=seed)[SHUFFLED_SOLUTION]
 
     assert foreign(42) == foreign(42)
-    pairings = {tuple(opsd_data.shuffled_pairing(len(ROWS), seed)) for seed in range(20)}
+    pairings = {tuple(opsd.data.shuffled_pairing(len(ROWS), seed)) for seed in range(20)}
     assert len(pairings) > 10  # the seed draws the pairing (7 rows: 720 possible cycles)
     assert foreign(42) != foreign(43)
     for pairing in pairings:
@@ -239,7 +240,7 @@ def test_shuffled_pairs_the_selected_rows(jsonl):
 @pytest.mark.parametrize("n", [2, 3, 50])
 def test_shuffled_pairing_has_no_fixed_point(n):
     for seed in range(30):
-        pairing = opsd_data.shuffled_pairing(n, seed)
+        pairing = opsd.data.shuffled_pairing(n, seed)
         assert sorted(pairing) == list(range(n)) and all(p != i for i, p in enumerate(pairing))
 
 
@@ -320,7 +321,8 @@ def test_unsupported_file_type(tmp_path):
 def test_column_with_mixed_types_is_named(tmp_path):
     rows = [dict(ROWS[0], Answer="12"), dict(ROWS[1], Answer={"value": 12})]
     path = write_jsonl(tmp_path / "mixed.jsonl", rows)
-    assert message_of(load_train_dataset, str(path)) == f"train file {path}: column 'Answer' mixes value types across rows"
+    assert message_of(load_train_dataset, str(path)) == (
+        f"train file {path}: column 'Answer' mixes value types across rows")
 
 
 @pytest.mark.parametrize("drop, kwargs, reason", [
@@ -384,5 +386,6 @@ def test_eval_default_is_aime24_train_split(monkeypatch):
 def test_eval_errors(tmp_path):
     no_answer = write_jsonl(tmp_path / "no_answer.jsonl", [{"problem": "a"}])
     assert message_of(load_eval_dataset, str(no_answer)).startswith(f"eval file {no_answer}: missing column 'answer'")
-    null_answer = write_jsonl(tmp_path / "null_answer.jsonl", [{"problem": "a", "answer": "1"}, {"problem": "b", "answer": None}])
+    null_answer = write_jsonl(tmp_path / "null_answer.jsonl",
+                              [{"problem": "a", "answer": "1"}, {"problem": "b", "answer": None}])
     assert message_of(load_eval_dataset, str(null_answer)) == f"eval file {null_answer}: row 2 has an empty 'answer'"

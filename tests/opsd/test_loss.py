@@ -1,4 +1,4 @@
-"""opsd_loss against an independent float64 reference written from docs/SPEC.md §2.
+"""opsd.loss against an independent float64 reference written from docs/SPEC.md §2.
 
 The reference below loops over tokens and spells each formula out (explicit
 softmax, explicit mixture M, explicit clip), without calling any helper of the

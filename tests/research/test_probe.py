@@ -1,6 +1,6 @@
-"""opsd_probe: frozen rollouts scored under several configurations (CPU, the learned tiny
+"""research.probe: frozen rollouts scored under several configurations (CPU, the learned tiny
 model, 3 rollouts of at most 12 tokens), checked against the trainer's own loss step and
-against an independent full-logit recomputation; opsd_attribution's grouping and summary."""
+against an independent full-logit recomputation; research.attribution's grouping and summary."""
 import json
 import math
 
@@ -8,12 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from research import attribution as opsd_attribution
-from research import probe as opsd_probe
 import opsd_train
 from data_collator import OPSDCollator
 from opsd.data import load_train_dataset
 from opsd_trainer import OPSDTrainer
+from research import attribution, probe
 from tiny_default import build_qwen3_tokenizer, resolve_model
 
 ROWS, LENGTH = 3, 12
@@ -31,7 +30,7 @@ def probed(tmp_path_factory):
     argv = probe_argv(*(a for v in VARIANTS for a in ("--variant", v)), "--out", str(tmp / "p.json"),
                       "--save-rollouts", str(tmp / "r.jsonl"), "--attribution", str(tmp / "a.jsonl"),
                       "--attribution-positions", "0")
-    assert opsd_probe.main(argv) == 0
+    assert probe.main(argv) == 0
     report = json.loads((tmp / "p.json").read_text())
     rollouts = [json.loads(line) for line in (tmp / "r.jsonl").read_text().splitlines()]
     records = [json.loads(line) for line in (tmp / "a.jsonl").read_text().splitlines()]
@@ -96,7 +95,7 @@ def test_a_checkpoints_adapter_is_the_student(probed, tmp_path):
     out = tmp_path / "p.json"
     argv = ["--preset", "tiny", "--max-completion-length", str(LENGTH), "--batch-size", str(ROWS),
             "--rollouts", str(tmp / "r.jsonl"), "--checkpoint", str(checkpoint), "--out", str(out)]
-    assert opsd_probe.main(argv) == 0
+    assert probe.main(argv) == 0
     report = json.loads(out.read_text())
     baseline = report["variants"][0]
     assert report["checkpoint"] == str(checkpoint) and baseline["name"] == "baseline"
@@ -173,7 +172,7 @@ def test_attribution_dump_and_summary_against_a_direct_recomputation(probed):
 
     # the printed summary, recomputed from the records
     summary = report["attribution"]
-    for group in opsd_attribution.GROUPS:
+    for group in attribution.GROUPS:
         kl = [r["true_kl"] for r in records if r["group"] == group]
         assert summary["groups"][group]["tokens"] == len(kl)
         if kl:
@@ -191,11 +190,11 @@ def test_attribution_dump_and_summary_against_a_direct_recomputation(probed):
 def test_token_groups_and_pre_box():
     pieces = ["Wait", ",", " $", "9", "8", " \\", "times", " ", "4", " =", " ", "3", "9", "2", "$.", " The",
               " answer", " is", " \\", "boxed", "{", "1", "4", "}.", " So"]
-    groups = opsd_attribution.token_groups(pieces)
+    groups = attribution.token_groups(pieces)
     assert groups == ["reflection", "other", "other", "digit", "digit", "operator", "operator", "other", "digit",
                       "operator", "other", "digit", "digit", "digit", "other", "other",
                       "answer", "other", "answer", "answer", "answer", "answer", "answer", "answer", "other"]
-    flags = opsd_attribution.pre_box(pieces)
+    flags = attribution.pre_box(pieces)
     assert flags.index(False) == pieces.index("{") + 1  # the first token after `\boxed{` is past the box opening
     assert all(flags[:pieces.index("{") + 1]) and not any(flags[pieces.index("{") + 1:])
 
@@ -204,7 +203,7 @@ def test_saved_rollouts_score_the_same(probed, tmp_path, capsys):
     tmp, rows, _, _, _ = probed
     out = tmp_path / "again.json"
     argv = ["--preset", "tiny", "--batch-size", str(ROWS), "--rollouts", str(tmp / "r.jsonl"), "--out", str(out)]
-    assert opsd_probe.main(argv) == 0
+    assert probe.main(argv) == 0
     again = json.loads(out.read_text())["variants"][0]
     assert again["tokens"] == rows["baseline"]["tokens"]
     for key in ("loss", "true_kl", "clipped_teacher_mass", "lp_shift_teacher"):
@@ -256,7 +255,7 @@ def test_bad_input_is_one_line_before_any_model_loads(tmp_path, monkeypatch, cap
     extra = [e.replace("{tmp}", str(tmp_path)) for e in extra]
     out = tmp_path / "p.json"
     argv = ["--preset", "tiny", "--out", str(out), *extra]
-    assert opsd_probe.main(argv) == 2
+    assert probe.main(argv) == 2
     captured = capsys.readouterr()
     err = captured.err.strip()
     assert err.startswith(message.replace("{tmp}", str(tmp_path))) and "\n" not in err

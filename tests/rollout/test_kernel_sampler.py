@@ -2,7 +2,7 @@
 
 The kernel runs here in Triton's CPU interpreter (TRITON_INTERPRET=1, see conftest.py).
 The torch draw (`top_k_and_logsumexp` -> `torch_draw`, what `static_decode._Sampler`
-runs without the kernel) is the reference: tests/test_sampling_distribution.py checks its
+runs without the kernel) is the reference: tests/rollout/test_sampling_distribution.py checks its
 distribution against a float64 target, test_rollout.py its top-k against a float64 sort.
 Given the same noise the kernel must draw the same token with the same log-probability
 wherever no two candidates tie (float32 logits); where bf16 logits tie, a token of the
@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
-from rollout.kernels import sampler as decode_sampler
-from rollout import static_decode as static_decode
 from opsd.sampling import SamplingSettings
+from rollout import static_decode as static_decode
+from rollout.kernels import sampler as decode_sampler
 
 # (temperature, top_p, top_k): the recipe's; top-p inside a wider top-k (not a power of two); no top-p; a small k
 SETTINGS = [(1.1, 0.95, 20), (0.8, 0.6, 50), (1.0, 1.0, 5), (0.7, 0.9, 3)]

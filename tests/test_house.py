@@ -1,0 +1,106 @@
+"""The package move is finished: no module lives on under an old name. No import aliases a
+project module as `opsd_*` (the flat layout's names), and every module the prose names, as a
+dotted name (`opsd.loss.divergence_loss`, `python -m evaluation`) or as a path
+(`bench/bench_step.py`), exists. Prose is the .md files and the comments and strings of the .py
+files; the list of modules is tests/test_imports.py's."""
+import ast
+import io
+import re
+import tokenize
+from pathlib import Path
+
+from test_imports import ROOT, project_modules
+
+SKIPPED_FOLDERS = {"__pycache__", "build", "dist"}  # and hidden folders but .ci (.git, .cache, scratch)
+FIELD = re.compile(r"\{[^{}]*\}")  # an f-string's replacement field is code, not prose
+PACKAGES = ("opsd", "rollout", "evaluation", "analysis", "research", "tiny_default")
+# The folders whose files the prose names by path (relative to the repository root).
+FOLDERS = (*PACKAGES, "bench", "checks", "tests", "docs", "slurm", "configs", "grids", ".ci")
+OLD_NAME = re.compile(r"(?<![\w./-])(opsd_\w+)\.(\w+)")
+DOTTED = re.compile(r"(?<![\w./-])((?:%s)(?:\.\w+)+)" % "|".join(PACKAGES))
+# A path with a file's suffix: `opsd/true_kl` is a metric's name, `bench/common.SHAPES` a constant.
+SUFFIXES = ("py", "sh", "md", "txt", "env", "json", "jsonl", "yaml", "toml", "sbatch", "safetensors")
+PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*\.(?:%s))(?![\w*{<])"
+                  % ("|".join(re.escape(f) for f in FOLDERS), "|".join(SUFFIXES)))
+
+
+def files(suffix: str) -> list[Path]:
+    return sorted(path for path in ROOT.rglob(f"*{suffix}")
+                  if path != Path(__file__).resolve() and not any(
+                      part in SKIPPED_FOLDERS or part.endswith(".egg-info") or (part.startswith(".") and part != ".ci")
+                      for part in path.relative_to(ROOT).parts))
+
+
+def prose(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of what a reader reads: a .md file whole, a .py file's comments and strings."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".md":
+        return list(enumerate(text.splitlines(), start=1))
+    return [(token.start[0], FIELD.sub("", token.string) if "f" in token.string.split(token.string[-1])[0].lower()
+             else token.string)
+            for token in tokenize.generate_tokens(io.StringIO(text).readline)
+            if token.type in (tokenize.COMMENT, tokenize.STRING)]
+
+
+def top_level_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return names
+
+
+def unresolved(dotted: str, modules: dict[str, Path], names: dict[str, set[str]]) -> str | None:
+    """What of `dotted` names nothing: the longest prefix that is a module, then one attribute of it."""
+    parts = dotted.split(".")
+    module, rest = parts[0], parts[1:]
+    while rest and f"{module}.{rest[0]}" in modules:
+        module, rest = f"{module}.{rest[0]}", rest[1:]
+    if not rest or rest[0] in ("py", "md", "sh"):  # `opsd.config` or a file name's suffix
+        return None
+    if module not in names:
+        names[module] = top_level_names(modules[module])
+    return None if rest[0] in names[module] else f"{module}.{rest[0]}"
+
+
+def test_no_module_is_imported_under_an_old_opsd_name():
+    aliased = []
+    for path in files(".py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                aliased += [f"{path.relative_to(ROOT)}:{node.lineno}: as {alias.asname}"
+                            for alias in node.names if (alias.asname or "").startswith("opsd_")]
+    assert not aliased, "imports under an old name (import the module under its own): " + ", ".join(aliased)
+
+
+def test_the_prose_names_only_modules_and_files_that_exist():
+    modules = project_modules()
+    names: dict[str, set[str]] = {}
+    missing = []
+    for path in files(".md") + files(".py"):
+        for line, text in prose(path):
+            where = f"{path.relative_to(ROOT)}:{line}"
+            missing += [f"{where}: {m[1]}.{m[2]}" for m in OLD_NAME.finditer(text) if m[1] not in modules]
+            missing += [f"{where}: {what}" for m in DOTTED.finditer(text)
+                        if (what := unresolved(m[1], modules, names))]
+            missing += [f"{where}: {m[1]}" for m in PATH.finditer(text) if not (ROOT / m[1]).exists()]
+    assert not missing, "names of nothing in the repository:\n" + "\n".join(missing)
+
+
+def test_the_checks_see_what_they_look_for():
+    """The patterns find the old names, a missing module and a missing file; they pass real ones."""
+    modules, names = project_modules(), {}
+    assert [m[1] for m in OLD_NAME.finditer("as `opsd_loss.divergence_loss` and opsd_train.main")] == [
+        "opsd_loss", "opsd_train"]
+    assert unresolved("opsd.loss.divergence_loss", modules, names) is None
+    assert unresolved("opsd.config.Recipe", modules, names) is None
+    assert unresolved("opsd.logging.CollapseDetector", modules, names) == "opsd.logging"
+    assert unresolved("evaluation.evaluate.no_such_function", modules, names) == "evaluation.evaluate.no_such_function"
+    assert [m[1] for m in PATH.finditer("see bench/bench_step.py, tests/test_bench_*.py and opsd/config.py.")] == [
+        "bench/bench_step.py", "opsd/config.py"]
+    assert not (ROOT / "bench/no_such_bench.py").exists()
