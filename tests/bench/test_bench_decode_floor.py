@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import common  # noqa: E402
 import decode_floor  # noqa: E402
 
@@ -80,7 +80,8 @@ def test_the_plain_reads_launch_within_cudas_grid_limits(shape):
     length = decode_floor.windows()[-1]
     layer = [{**{name: torch.empty(n, k, device="meta", dtype=torch.bfloat16)
                  for name, (n, k) in decode_floor.products(shape).items()},
-              **{name: torch.empty(32, 8, length, 128, device="meta", dtype=torch.bfloat16) for name in ("key", "value")}}]
+              **{name: torch.empty(32, 8, length, 128, device="meta", dtype=torch.bfloat16)
+                 for name in ("key", "value")}}]
     lm_head = torch.empty(decode_floor.VOCAB, hidden, device="meta", dtype=torch.bfloat16)
     grids = [call.grid for call in decode_floor.read_calls(layer, lm_head, attended=length)]
     assert max(first for first, _ in grids) < 2**31 and max(second for _, second in grids) <= 65_535

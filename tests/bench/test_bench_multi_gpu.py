@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import multi_gpu_report  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "multi_gpu.sh"
 
 
@@ -97,7 +97,8 @@ def _arm(out, name, processes, step_times, mem_mib, losses, recompiles=0, rc=0):
     for step, dt in enumerate(step_times, start=1):
         t += dt
         # as a real log has it: tqdm redraws its bar with carriage returns, the log line follows one
-        lines.append(f"{t:9.2f}  50%|#####  |\r 62%|###### |\r[OPSD kl] step={step} loss={losses[step - 1]} true_kl=0.5")
+        lines.append(f"{t:9.2f}  50%|#####  |\r 62%|###### |\r"
+                     f"[OPSD kl] step={step} loss={losses[step - 1]} true_kl=0.5")
     lines += [f"{t:9.2f} V0101 [0/1] [__recompiles] Recompiling function forward in layer.py"] * recompiles
     (folder / "train.log").write_text("\n".join(lines) + "\n")
     (folder / "gpu_mem.csv").write_text("".join(f"{i}, {m}\n" for i, series in enumerate(mem_mib) for m in series))

@@ -3,7 +3,7 @@ intervals that overlap count once), the split at the rollout, the waits and the 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import profile_capped_step as prof  # noqa: E402
 
 

@@ -4,7 +4,7 @@ bit for bit, repeat for the same seed and change with it."""
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_rollout  # noqa: E402
 
 

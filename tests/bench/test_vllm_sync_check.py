@@ -6,10 +6,9 @@ import sys
 import types
 from pathlib import Path
 
-import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import vllm_sync_check  # noqa: E402
 
 SETTINGS = (1.1, 20, 0.95)
