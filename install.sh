@@ -37,4 +37,8 @@ if python -c "import sys, torch; sys.exit(torch.version.cuda is not None)" && [[
   echo "[install 3/3] triton 3.6.0 (the CPU tests run its kernels in Triton's interpreter)"
   python -m pip install -q --disable-pip-version-check "triton==3.6.0"
 fi
+# The project's packages, importable from any folder (pyproject.toml); an editable install, so
+# the checkout is what runs. --no-build-isolation: the installed setuptools builds it, nothing is fetched.
+echo "[install] the project's packages: pip install -e ."
+python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 echo "[install] done"

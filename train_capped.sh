@@ -46,7 +46,7 @@ fi
 # The processes run in the caller's folder (scripts by absolute path), so every relative path
 # means what it means to the caller.
 # First (instant): every OPSD_* variable set is a declared one (a misspelled name would be ignored).
-opsd_config() { PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" python -m opsd.config "$@"; }  # from the caller's folder
+opsd_config() { python -m opsd.config "$@"; }  # from the caller's folder (pip install -e . makes opsd importable)
 opsd_config check-env
 if [[ -n "${OPSD_PRESET:-}" && "$OPSD_PRESET" != "tiny" ]]; then
   echo "error: OPSD_PRESET='$OPSD_PRESET' is not a preset; the only one is tiny (or leave it unset)" >&2

@@ -39,7 +39,6 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
 
@@ -91,7 +90,8 @@ def run_cli(model_dir: Path, out_dir: Path, micro_batch: int, steps: int, comple
     stamps: dict[int, float] = {}
     memory = _MemoryPoll()
     with open(log_path, "w", buffering=1) as log:  # line-buffered: a run killed from outside keeps its log
-        proc = subprocess.Popen(cmd, cwd=tree or common.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, cwd=tree or common.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
         watchdog = threading.Timer(timeout_s, proc.kill)  # also ends a run that hangs without output
         watchdog.start()
         try:
@@ -183,8 +183,8 @@ def main(argv=None) -> int:
                         "a single flag as --trainer-args=--flag); repeatable: one run per string and micro-batch, "
                         "in order, on the one model written")
     parser.add_argument("--tree", type=Path, default=None,
-                        help="run opsd_train.py of another checkout (e.g. a baseline commit unpacked from `git archive`): "
-                        "an A/B of two commits on one machine")
+                        help="run opsd_train.py of another checkout (e.g. a baseline commit unpacked from "
+                        "`git archive`): an A/B of two commits on one machine")
     common.add_inductor_argument(parser, "in the CLI's process")
     parser.add_argument("--json", default=None)
     opts = parser.parse_args(argv)
@@ -201,7 +201,8 @@ def main(argv=None) -> int:
     for index, extra in enumerate(variants):
         for mb in (int(x) for x in opts.micro_batches.split(",")):
             if 32 % (mb * opts.num_processes):
-                raise SystemExit(f"global batch 32 is not divisible by micro-batch {mb} x {opts.num_processes} processes")
+                raise SystemExit(f"global batch 32 is not divisible by micro-batch {mb} x {opts.num_processes} "
+                                 "processes")
             tag = f"mb{mb}_np{opts.num_processes}" + (f"_v{index}" if len(variants) > 1 else "")
             run = run_cli(work / "model", work / f"run-{tag}", mb, opts.steps, completion,
                           out_dir / f"capped_{tag}.log", opts.timeout_s, opts.num_processes,
@@ -223,12 +224,13 @@ def main(argv=None) -> int:
             rows.append([r["trainer_args"] or "defaults", r["processes"], r["micro_batch"],
                          32 // (r["micro_batch"] * r["processes"]), r["status"], f"rc={r['rc']}", "", "", "", "", ""])
     table = common.markdown_table(
-        ["trainer flags", "processes", "micro-batch", "accumulation", "start to step 1 (s)", "later steps (s)", "fastest step (s)",
-         "median step (s)", "its rollout, median (s)", "100 steps at the median step (min)",
+        ["trainer flags", "processes", "micro-batch", "accumulation", "start to step 1 (s)", "later steps (s)",
+         "fastest step (s)", "median step (s)", "its rollout, median (s)", "100 steps at the median step (min)",
          "GPU memory used, peak (GiB)"], rows)
     flags = f", code of {opts.tree}" if opts.tree else ""
     flags += f", inductor {', '.join(opts.inductor)}" if opts.inductor else ""
-    report = (f"## Capped run, {shape}, 32 x {completion} per step, `opsd_train.py` defaults and the flags of each row{flags} "
+    report = (f"## Capped run, {shape}, 32 x {completion} per step, `opsd_train.py` defaults and the flags of each "
+              f"row{flags} "
               f"({results['machine']})\n\n{table}")
     return common.finish(results, opts.json, report)
 

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
 import torch.nn.functional as F
@@ -91,7 +89,8 @@ def measure(name: str, n: int, k: int, configs: list, gated_configs: list, log,
             if name == "lm_head" and config.splits > 1:
                 continue
             record(f"split_k {tuple(config)}", lambda w, c=config: decode_matmul.split_k_partials(x, w, c))
-    if name == "gate_up" and "gated" in kernels:  # the product with its SiLU gating, against the product and the gating in torch
+    # The product with its SiLU gating, against the product and the gating in torch.
+    if name == "gate_up" and "gated" in kernels:
         rows += measure_gated(x, weights, gated_configs, log)
     return rows
 
@@ -126,7 +125,7 @@ def main(argv=None) -> int:
     if set(products) - set(SHAPES):
         parser.error(f"--products: unknown {', '.join(sorted(set(products) - set(SHAPES)))} (of {', '.join(SHAPES)})")
     if not torch.cuda.is_available():
-        print("bench_decode_matmul: needs a CUDA GPU (the kernel's CPU check is tests/test_decode_matmul.py)")
+        print("bench_decode_matmul: needs a CUDA GPU (the kernel's CPU check is tests/rollout/test_kernel_matmul.py)")
         return 1
     results = {"machine": common.machine(), "rows": ROWS, "products": []}
     for name in products:
@@ -137,8 +136,9 @@ def main(argv=None) -> int:
         rows = [r for r in results["products"] if r["product"] == name]
         torch_row = next((r for r in rows if r["implementation"].startswith("torch")), None)
         kernel = "gated" if name == "gate_up gated" else "split_k"
-        best = min((r for r in rows if r["implementation"].startswith(kernel) and "kernel only" not in r["implementation"]
-                    and "default" not in r["implementation"]), key=lambda r: r["us"], default=None)
+        best = min((r for r in rows if r["implementation"].startswith(kernel)
+                    and "kernel only" not in r["implementation"] and "default" not in r["implementation"]),
+                   key=lambda r: r["us"], default=None)
         shipped = next((r for r in rows if r["implementation"].endswith("kernel only")
                         or r["implementation"].startswith("gated default")), None)
 

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
 
@@ -37,7 +35,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     opts = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_decode_sampler: needs a CUDA GPU (the kernel's CPU check is tests/test_decode_sampler.py)")
+        print("bench_decode_sampler: needs a CUDA GPU (the kernel's CPU check is tests/rollout/test_kernel_sampler.py)")
         return 1
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = [(torch.randn(ROWS, VOCAB, device="cuda", generator=gen) * 3).bfloat16() for _ in range(DRAWS)]

@@ -39,16 +39,14 @@ import argparse
 import math
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
-
-from rollout import paged_decode as paged_decode
 from bench_rollout import agreement
-from rollout import TransformersBackend
+
 from opsd.sampling import SamplingSettings
+from rollout import TransformersBackend
+from rollout import paged_decode as paged_decode
 
 PAD_ID = 151643
 SAMPLES_PER_PROMPT = 12  # the frozen settings' n_samples

@@ -21,20 +21,18 @@ import argparse
 import hashlib
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
 
+from opsd.model_utils import causal_lm
+from opsd.sampling import SamplingSettings
+from rollout import TransformersBackend
+from rollout import static_decode as static_decode
 from rollout.kernels import attention as decode_attention
 from rollout.kernels import matmul as decode_matmul
 from rollout.kernels import qkv as decode_qkv
 from rollout.kernels import sampler as decode_sampler
-from rollout import static_decode as static_decode
-from opsd.model_utils import causal_lm
-from rollout import TransformersBackend
-from opsd.sampling import SamplingSettings
 from rollout.static_decode import DECODE_ATTENTION, StaticDecoder
 
 # configuration suffixes besides attn=NAME, qkv=NAME, topk=N
@@ -228,7 +226,8 @@ def profile_decode_step(state, steps: int, log) -> dict:
         f"{sum(e.count for e in events) / steps:.0f}, attention over cache columns [0, {limit}); recorded "
         f"step replayed: {replay_ms if replay_ms is None else round(replay_ms, 3)} ms wall")
     for row in table:
-        log(f"[profile]   {row['us_per_step']:8.1f} us {row['share']:6.1%} x{row['calls_per_step']:.0f} {row['kernel']}")
+        log(f"[profile]   {row['us_per_step']:8.1f} us {row['share']:6.1%} x{row['calls_per_step']:.0f} "
+            f"{row['kernel']}")
     # The kernels of the first profiled step in launch order: which small kernels a layer runs
     # between its matrix products (the start covers the embedding and the first two layers).
     # (CUDA only: on a CPU the profiler's operator events nest, so they are no kernel sequence.)
@@ -317,17 +316,18 @@ def main(argv=None) -> int:
                         help="the slow dynamic-cache baseline is timed on fewer new tokens (default 256; tiny: 32)")
     parser.add_argument("--configs", default="graph,dynamic,static,graph_compiled",
                         help="comma-separated engines; suffixes: '+merged' samples from the merged LoRA copy, "
-                        "'+fullkv' attends over the whole preallocated cache (no KV windows), '+unfused' keeps the merged "
-                        "copy's q/k/v and gate/up products separate, '+autotune' compiles the step with "
-                        "max-autotune-no-cudagraphs, '+torchmm' runs the merged copy's products through torch (cuBLAS) instead of "
-                        "decode_matmul's split-K and gated kernels, '+torchgate' the gate/up product through torch and then its SiLU "
-                        "gating (decode_matmul.GATED_IMPLEMENTATION torch), '+qkv=NAME' the q/k norms, rotary and cache writes (decode_qkv.IMPLEMENTATIONS), "
+                        "'+fullkv' attends over the whole preallocated cache (no KV windows), '+unfused' keeps the "
+                        "merged copy's q/k/v and gate/up products separate, '+autotune' compiles the step with "
+                        "max-autotune-no-cudagraphs, '+torchmm' runs the merged copy's products through torch "
+                        "(cuBLAS) instead of decode_matmul's split-K and gated kernels, '+torchgate' the gate/up "
+                        "product through torch and then its SiLU gating (decode_matmul.GATED_IMPLEMENTATION torch), "
+                        "'+qkv=NAME' the q/k norms, rotary and cache writes (decode_qkv.IMPLEMENTATIONS), "
                         "'+topk=N' searches the sampler's top-k in blocks of N logits ('+topk=torch': one torch.topk), "
                         "'+attn=NAME' picks the decode attention kernel "
                         "(decode_attention.IMPLEMENTATIONS), '+nospan' makes split_kv loop over every block of the "
                         "window (SPLIT_SPAN off), '+separateqkv' runs decode_qkv's kernel before split_kv instead of "
-                        "inside it (SPLIT_NEW_TOKEN off), '+eagerprefill' runs graph_compiled's prefill without compiling "
-                        "its decoder layers (COMPILE_PREFILL off), '+sampler=NAME' draws the "
+                        "inside it (SPLIT_NEW_TOKEN off), '+eagerprefill' runs graph_compiled's prefill without "
+                        "compiling its decoder layers (COMPILE_PREFILL off), '+sampler=NAME' draws the "
                         "top-k sample with decode_sampler's NAME (decode_sampler.IMPLEMENTATIONS)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="profile this many decode steps (CUDA time per kernel) of each graph engine")
@@ -499,7 +499,8 @@ def summarize(results) -> str:
                              f"{r['kernel'][:40]} {r['share']:.0%}" for r in prof["top"][:5]))
     for key, value in results["checks"].items():
         lines.append(f"check {key}: {value}")
-    lines.append(f"check teacher (base) weights bit-identical after all rollouts: {results['teacher_weights_unchanged']}")
+    lines.append("check teacher (base) weights bit-identical after all rollouts: "
+                 f"{results['teacher_weights_unchanged']}")
     return "\n".join(lines)
 
 

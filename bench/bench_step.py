@@ -5,7 +5,7 @@
 
 (a) naive, released-style: full logits of both roles over the full sequences
     (PeftModel forward, adapter disabled + no_grad for the teacher),
-    `opsd_loss.divergence_loss` (full-vocabulary entry-clipped forward KL, fp32),
+    `opsd.loss.divergence_loss` (full-vocabulary entry-clipped forward KL, fp32),
     backward, gradient clipping, AdamW; activation checkpointing on, as in the
     reference naive measurement of BENCHMARKS.md section 1.
 (b) the project's step exactly as the trainer runs it: `OPSDTrainer._opsd_loss`
@@ -34,16 +34,15 @@ import time
 import types
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
 
 import opsd_trainer
-from rollout.compiled_layers import CompiledLayers
 from data_collator import build_scoring_batch, gather_completion_positions
 from opsd.chunked_loss import chunked_divergence_loss
 from opsd.loss import divergence_loss
 from opsd_trainer import OPSDConfig, OPSDTrainer
+from rollout.compiled_layers import CompiledLayers
 
 PAD_ID = 151643
 MEMORY_LIMIT_GIB = 80.0  # "fits" for the throughput target (an 80 GB card)
@@ -233,7 +232,8 @@ def measure(stepper, model, variant: Variant, batch, geo, params, steps, log) ->
         )
         row["mfu"] = row["tflops"] / common.BF16_PEAK_TFLOPS
         log(f"[step] {variant.name:15s} mb={batch:3d} step={step_time:.3f}s tok/s={row['tokens_per_s']:8.0f} "
-            f"peak={row['peak_gib']:.1f}GiB TFLOP/s={row['tflops']:.0f} loss={loss:.5g} times={[f'{t:.3f}' for t in times]}")
+            f"peak={row['peak_gib']:.1f}GiB TFLOP/s={row['tflops']:.0f} loss={loss:.5g} "
+            f"times={[f'{t:.3f}' for t in times]}")
     except torch.OutOfMemoryError:
         row.update(status="OOM")
         log(f"[step] {variant.name:15s} mb={batch:3d} OOM")

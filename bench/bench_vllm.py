@@ -34,7 +34,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
 ROLLOUT_GPU_SHARE = 0.3  # TRL's vllm_gpu_memory_utilization default (colocate)

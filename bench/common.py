@@ -16,22 +16,20 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPSD_CACHE", str(ROOT / ".cache" / "opsd"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import torch
+# After the environment above: torch and transformers read it when they load.
+import torch  # noqa: E402
 
-from opsd import model_utils
+from opsd import model_utils  # noqa: E402
 
 BF16_PEAK_TFLOPS = 786.0  # dense bf16 matmul ceiling measured on the H200 with one large matmul
 LORA_R, LORA_ALPHA = 64, 128
@@ -105,7 +103,6 @@ def build_lora_model(shape: str, seed: int = 0, b_std: float = 0.01):
     from peft import get_peft_model
 
     import opsd_train
-
     from opsd.model_utils import peft_wrapping
 
     args = opsd_train.ScriptArguments(lora_r=LORA_R, lora_alpha=LORA_ALPHA)

