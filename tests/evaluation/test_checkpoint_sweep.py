@@ -167,7 +167,7 @@ def test_a_tiny_run_is_evaluated_on_the_tiny_presets_eval_set_without_the_hub(tw
         assert out.index(notes[0]) == 0  # before anything else
         request, count = requests.pop()
         assert (request.model, request.dataset, request.settings, count) == \
-            ("tiny-random", "tiny", evaluate.TINY_SETTINGS, tiny_default.N_EVAL_ROWS)
+            ("tiny-random", tiny_default.eval_set_name("tiny"), evaluate.TINY_SETTINGS, tiny_default.N_EVAL_ROWS)
 
 
 def test_a_checkpoint_without_run_config_names_the_hub_dataset_it_needs(tmp_path):
