@@ -226,7 +226,8 @@ def build_scoring_batch(
     """
     _check_choice("pad_side", pad_side, PAD_SIDES)
     if len(prompt_ids) != len(completion_ids) or not prompt_ids:
-        raise ValueError(f"need one completion per prompt; got {len(prompt_ids)} prompts, {len(completion_ids)} completions")
+        raise ValueError(f"need one completion per prompt; got {len(prompt_ids)} prompts, "
+                         f"{len(completion_ids)} completions")
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("every prompt needs at least one token: its last position predicts the first completion token")
     rows = len(prompt_ids)
@@ -360,7 +361,8 @@ def _check_row(batch: ScoringBatch, b: int, completion: list[int]) -> None:
     if not bool(attention[start:start + n].all()) or bool(attention[start + n:].any()):
         fail("attention_mask does not cover exactly the completion after the prompt")
     if int(attention[:start].sum()) != int(batch.prompt_lengths[b]):
-        fail(f"attention_mask covers {int(attention[:start].sum())} prompt tokens, expected {int(batch.prompt_lengths[b])}")
+        fail(f"attention_mask covers {int(attention[:start].sum())} prompt tokens, "
+             f"expected {int(batch.prompt_lengths[b])}")
     if batch.position_ids is not None:
         expected = torch.arange(n) + int(batch.prompt_lengths[b])
         if not torch.equal(batch.position_ids[b, start:start + n].cpu(), expected):

@@ -184,7 +184,8 @@ def sample_compact(model, prompts: list[list[int]], n_zero_rows: int, temperatur
     device = next(model.parameters()).device
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    mask = (torch.arange(width, device=device) >= torch.tensor([width - len(p) for p in prompts], device=device)[:, None]).long()
+    starts = torch.tensor([width - len(p) for p in prompts], device=device)
+    mask = (torch.arange(width, device=device) >= starts[:, None]).long()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
     cache, done = out.past_key_values, torch.zeros(len(prompts), dtype=torch.bool, device=device)
@@ -253,11 +254,13 @@ def train(args) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / args.warmup))
     batches = iter(torch.utils.data.DataLoader(BatchSource(used, args.seed + STREAM_SEED, args.batch_size),
-                                               batch_size=None, num_workers=args.workers, prefetch_factor=4 if args.workers else None,
+                                               batch_size=None, num_workers=args.workers,
+                                               prefetch_factor=4 if args.workers else None,
                                                pin_memory=device.type == "cuda"))
     dev = tasks.draw(DEV_SEED, "eval", args.dev_problems)
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
     history, start, step = [], time.time(), 0
     for step in range(1, args.max_steps + 1):
         batch = Batch(*(t.to(device, non_blocking=True) for t in next(batches)))
@@ -285,7 +288,8 @@ def train(args) -> dict:
                 "position_gap": {"share": GAP_SHARE, "max": MAX_POSITION_GAP}, "n_used_tokens": len(used),
                 "history": history, "train_seconds": round(time.time() - start, 1)}
     save_compact(model, used, Path(args.output), metadata)
-    print(f"[train] wrote {args.output} ({Path(args.output).stat().st_size / 2**20:.2f} MiB) after {step} steps", flush=True)
+    print(f"[train] wrote {args.output} ({Path(args.output).stat().st_size / 2**20:.2f} MiB) after {step} steps",
+          flush=True)
     return metadata
 
 
@@ -315,8 +319,8 @@ def measure(model_path: str, problems: int, samples: int, seed: int = MEASURE_SE
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from evaluation.evaluate import extract_boxed, is_correct
-    from rollout import TransformersBackend
     from opsd.sampling import SamplingSettings
+    from rollout import TransformersBackend
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()

@@ -10,12 +10,13 @@ How, keeping the teacher exact: the copy is a second module tree over the same
 tensors (embeddings, norms, lm_head, buffers are shared, never written); only each
 LoRA-wrapped linear layer gets a new weight tensor, which `refresh` fills out of
 place as base + scaling * B @ A (float32 arithmetic, one rounding to the weight's
-dtype; `rollout/kernels/lora_merge.py`, whose Triton kernel for it is not the default yet). The base weights, which are the teacher, are only read. `refresh` rebuilds
-every merged weight, unconditionally: it runs before every rollout (once per optimizer
-step in training), costs one pass over the adapted weights (milliseconds on a GPU for a
-1.7B model, next to seconds of sampling), and needs no way to tell whether the adapters
-changed; tensor version counters cannot tell, since fused optimizers (AdamW's default
-in transformers) update parameters in place without bumping them.
+dtype; `rollout/kernels/lora_merge.py`, whose Triton kernel for it is not the default yet).
+The base weights, which are the teacher, are only read. `refresh` rebuilds every merged
+weight, unconditionally: it runs before every rollout (once per optimizer step in training),
+costs one pass over the adapted weights (milliseconds on a GPU for a 1.7B model, next to
+seconds of sampling), and needs no way to tell whether the adapters changed; tensor version
+counters cannot tell, since fused optimizers (AdamW's default in transformers) update
+parameters in place without bumping them.
 
 A merged bf16 weight rounds W + BA once where the unmerged path rounds W x and BA x
 separately, so the two differ by bf16 rounding (BENCHMARKS.md gives the measured
@@ -35,10 +36,10 @@ import copy
 
 import torch
 
-from rollout.kernels import lora_merge
+from opsd.model_utils import causal_lm
 from rollout.fused_projections import fusable_projections
 from rollout.fused_projections import fuse as fuse_module
-from opsd.model_utils import causal_lm
+from rollout.kernels import lora_merge
 
 
 class MergeUnsupported(ValueError):

@@ -22,7 +22,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
 
-import torch
+import torch  # noqa: E402 (after OMP_NUM_THREADS above, which torch reads when it loads)
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)

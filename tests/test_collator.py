@@ -5,7 +5,6 @@ import warnings
 import pytest
 import torch
 
-from opsd import prompts as prompts
 import tiny_default
 from data_collator import (
     AlignmentError,
@@ -17,6 +16,7 @@ from data_collator import (
     one_forward,
     select_completion_tokens,
 )
+from opsd import prompts as prompts
 
 INSTR = "Please reason step by step, and put your final answer within \\boxed{}."
 THINK_OFF = "<think>\n\n</think>\n\n"
@@ -287,7 +287,8 @@ def test_alignment_check_passes(side):
 def test_alignment_check_catches_a_shift(side):
     b = build_scoring_batch(PROMPTS, COMPLETIONS, pad_id=PAD, pad_side=side)
     b.input_ids[1] = torch.roll(b.input_ids[1], shifts=1)  # row 1 off by one position
-    with pytest.raises(AlignmentError, match=r"^\[OPSD align\] row 1: input_ids\[3:6\] differ from the sampled completion at token 0$"):
+    with pytest.raises(AlignmentError,
+                       match=r"^\[OPSD align\] row 1: input_ids\[3:6\] differ from the sampled completion at token 0$"):
         check_alignment(b, COMPLETIONS)
 
 

@@ -9,7 +9,8 @@ SPEC = ROOT / "docs" / "SPEC.md"
 
 def project_files():
     """Every text file of the project but this test (whose patterns would match themselves)."""
-    for pattern in ("*.py", "*.sh", "*.md", "*.env", "*.txt", "tests/**/*.py", "*/**/*.py", "bench/*", "docs/*", ".ci/*"):
+    for pattern in ("*.py", "*.sh", "*.md", "*.env", "*.txt", "tests/**/*.py", "*/**/*.py", "bench/*", "docs/*",
+                    ".ci/*"):
         yield from (path for path in ROOT.glob(pattern) if path.is_file() and path != Path(__file__).resolve())
 
 

@@ -39,9 +39,9 @@ EVAL_SEED = 20240101
 _NAME = re.compile(r"tiny:(\d+)(?::(\d+))?")
 
 __all__ = [
-    "ADDED_TOKENS", "EOS_ID", "PAD_ID", "BUILD_VERSION", "N_EVAL_ROWS", "N_TRAIN_ROWS", "TINY", "TINY_RANDOM", "build_learned_model",
-    "build_qwen3_tokenizer", "build_tiny_model", "cache_dir", "eval_set_name", "is_tiny_name", "learned_model_dir",
-    "random_model_dir", "resolve_model", "tasks", "tiny_eval_path", "tiny_train_path",
+    "ADDED_TOKENS", "EOS_ID", "PAD_ID", "BUILD_VERSION", "N_EVAL_ROWS", "N_TRAIN_ROWS", "TINY", "TINY_RANDOM",
+    "build_learned_model", "build_qwen3_tokenizer", "build_tiny_model", "cache_dir", "eval_set_name", "is_tiny_name",
+    "learned_model_dir", "random_model_dir", "resolve_model", "tasks", "tiny_eval_path", "tiny_train_path",
 ]
 
 

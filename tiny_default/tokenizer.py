@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tiny_default.cache import BUILD_VERSION, cached_folder, cache_dir
+from tiny_default.cache import BUILD_VERSION, cache_dir, cached_folder
 
 # Qwen's pre-tokenisation regex (shared by Qwen2, Qwen2.5 and Qwen3).
 QWEN_PATTERN = (

@@ -51,7 +51,8 @@ def test_non_object_names_file_and_line(tmp_path):
 
 def test_unreadable_file_names_it(tmp_path):
     missing = tmp_path / "absent.jsonl"
-    assert message_of(read_jsonl, missing, Bad) == f"{missing}: cannot read it as UTF-8 text (No such file or directory)"
+    assert message_of(read_jsonl, missing, Bad) == (
+        f"{missing}: cannot read it as UTF-8 text (No such file or directory)")
     assert message_of(read_text, tmp_path, Bad).startswith(f"{tmp_path}: cannot read it as UTF-8 text (")
     binary = tmp_path / "binary.jsonl"
     binary.write_bytes(b'{"a": 1}\n\xff\xfe\n')

@@ -7,11 +7,11 @@ import pytest
 import torch
 from lora_helpers import acting_lora
 
+from opsd.sampling import SamplingSettings
+from rollout import TransformersBackend
 from rollout import static_decode as static_decode
 from rollout.fused_projections import FusedAttention, FusedMLP, fusable_projections, fuse
 from rollout.merged_student import MergedStudent
-from rollout import TransformersBackend
-from opsd.sampling import SamplingSettings
 from rollout.static_decode import StaticDecoder
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

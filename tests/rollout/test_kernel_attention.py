@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from rollout.kernels import attention as decode_attention
 from rollout import static_decode as static_decode
+from rollout.kernels import attention as decode_attention
 
 
 def reference(query, key, value, mask, scale):
@@ -142,8 +142,8 @@ def test_decode_loop_with_the_kernel_samples_what_sdpa_samples(interpreted_trito
     from transformers import AutoModelForCausalLM
 
     import tiny_default
-    from rollout import TransformersBackend
     from opsd.sampling import SamplingSettings
+    from rollout import TransformersBackend
 
     model = AutoModelForCausalLM.from_pretrained(tiny_default.random_model_dir()).eval()
     rows = [[151644, 872, 198, 16, 10, 16], [151644, 872, 198, 50, 30, 20, 17, 10, 19, 24, 11], [87, 30]]
@@ -262,7 +262,8 @@ def test_new_token_attention_dispatch_and_fallback(interpreted_triton, monkeypat
     monkeypatch.setattr(decode_attention, "split_kv_new_token", broken)
     monkeypatch.setattr(decode_attention, "_split_kv_suits", lambda *args: True)
     kernels.clear()
-    with pytest.warns(RuntimeWarning, match="Triton kernel failed .RuntimeError: PTX assembly failed.; using decode_qkv"):
+    failed = "Triton kernel failed .RuntimeError: PTX assembly failed.; using decode_qkv"
+    with pytest.warns(RuntimeWarning, match=failed):
         fallback = decode_attention.new_token_attention("auto", new, key.clone(), value.clone(), mask, 0.3)
     assert kernels == ["sdpa"] and torch.allclose(fallback, expected, atol=1e-5)
     assert decode_attention.resolve("auto", torch.zeros(1, 2, 2, 16, dtype=torch.float16)) == "sdpa"  # stays off
@@ -273,8 +274,9 @@ def test_decode_loop_through_the_one_kernel_samples_what_two_kernels_sample(inte
     decode_qkv's kernel and then split_kv: the same tokens, greedy and seeded, and the same
     log-probabilities to float32 rounding. (Two kernels against the model's own operations:
     test_kernel_qkv; split_kv against sdpa: the test above.)"""
-    from rollout.kernels import qkv as decode_qkv
     from test_fused_projections import GREEDY, SAMPLE, random_model, sample, with_lora
+
+    from rollout.kernels import qkv as decode_qkv
 
     model = with_lora(random_model("qwen3", torch.float32, head_dim=16))  # split_kv takes head dims from 16
     short_greedy, short_sample = (dataclasses.replace(s, max_new_tokens=6) for s in (GREEDY, SAMPLE))

@@ -8,8 +8,8 @@ log-probability check covers the compiled kernel)."""
 import pytest
 import torch
 
-from rollout.kernels import qkv as decode_qkv
 from rollout import static_decode as static_decode
+from rollout.kernels import qkv as decode_qkv
 from rollout.static_decode import StaticDecoder
 
 
@@ -150,7 +150,8 @@ def test_decode_loop_samples_the_same_tokens_through_the_kernel(interpreted_trit
     updates = []
     update = static_decode._KVCache.update
     monkeypatch.setattr(static_decode._KVCache, "update",
-                        lambda self, *args, **kwargs: updates.append(args[0].shape[-2]) or update(self, *args, **kwargs))
+                        lambda self, *args, **kwargs: updates.append(args[0].shape[-2])
+                        or update(self, *args, **kwargs))
     results, logprobs = {}, {}
     for implementation in ("torch", "triton"):
         monkeypatch.setattr(decode_qkv, "IMPLEMENTATION", implementation)

@@ -11,11 +11,11 @@ import types
 
 import pytest
 import torch
+from lora_helpers import acting_lora
 
 import rollout
-from lora_helpers import acting_lora
-from rollout import BackendUnavailable, TransformersBackend, make_backend, resolve_backend_name, vllm_lora_rank
 from opsd.sampling import ROLLOUT_STREAMS, Completion, SamplingSettings, derive_seed, rollout_seed, to_completion
+from rollout import BackendUnavailable, TransformersBackend, make_backend, resolve_backend_name, vllm_lora_rank
 from rollout.static_decode import StaticDecoder, bucket_width, resolve_cache_implementation
 
 SAMPLE = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=123)
@@ -304,7 +304,8 @@ def test_prefill_writes_the_cache_and_gives_each_prompts_last_logits(tiny, compi
             assert torch.allclose(state.cache.keys[layer][i, :, columns], key[0], rtol=0, atol=1e-9)
             assert torch.allclose(state.cache.values[layer][i, :, columns], value[0], rtol=0, atol=1e-9)
             padding = slice(0, state.width - len(row))  # zeros: finite, whatever reads them under the mask
-            assert not state.cache.keys[layer][i, :, padding].any() and not state.cache.values[layer][i, :, padding].any()
+            assert not state.cache.keys[layer][i, :, padding].any()
+            assert not state.cache.values[layer][i, :, padding].any()
     if compiled_layers:  # other prompt lengths reuse the graph (dynamic shapes); the layers' own forward has none
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
@@ -588,8 +589,8 @@ def test_adapters_that_cannot_merge_are_sampled_unmerged(tiny, prompts):
 
     from peft import LoraConfig, get_peft_model
 
-    from rollout.merged_student import MergedStudent, MergeUnsupported
     from opsd.model_utils import peft_wrapping
+    from rollout.merged_student import MergedStudent, MergeUnsupported
 
     model, _ = tiny
     with peft_wrapping():

@@ -42,8 +42,8 @@ import pytest
 import torch
 from scipy import stats
 
-from rollout import TransformersBackend
 from opsd.sampling import SamplingSettings
+from rollout import TransformersBackend
 from rollout.static_decode import _Sampler
 
 VOCAB = 1000

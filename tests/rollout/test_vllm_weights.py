@@ -5,8 +5,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from opsd.model_utils import peft_wrapping
-from tiny_default import build_tiny_model
 from rollout.vllm_weights import merged_named_parameters
+from tiny_default import build_tiny_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
