@@ -153,14 +153,14 @@ def model_card(data: CardData) -> str:
         lines += ["| setting | this run | released |", "|---|---|---|"]
         lines += [f"| `{k}` | `{v}` | `{d}` |" for k, v, d in changed]
     else:
-        lines.append("None: every switch and recipe value is the released recipe's.")
+        lines.append("No difference: every switch and recipe value is the released recipe's.")
     lines += ["", "The whole configuration is `run_config.json` in this folder.", ""]
     shown = [(k, data.metrics[k]) for k in METRIC_KEYS if isinstance(data.metrics.get(k), (int, float))]
     lines += [f"## Last logged metrics (step {data.metrics.get('step', data.step)})", ""]
     if shown:
         lines += ["| metric | value |", "|---|---|"] + [f"| `{k}` | {_value(v)} |" for k, v in shown]
     else:
-        lines.append("None logged.")
+        lines.append("No metrics logged yet.")
     lines += ["", "All steps: `metrics.jsonl` in the run folder.", "",
               "## Evaluation", "",
               "From the repository's root (the frozen protocol; a tiny run on its tiny eval set):", "",

@@ -63,7 +63,7 @@ def test_an_embedded_or_local_base_model_is_not_a_hub_field(tmp_path):
     assert "base_model:" not in local.split("---")[1] and "the local folder `/models/q`" in local
     released = model_card.model_card(data(run_config={"OPSD_CLIP_MODE": "entry"}, checkpoint=False,
                                           folder="/runs/b"))
-    assert "None: every switch and recipe value is the released recipe's." in released
+    assert "No difference: every switch and recipe value is the released recipe's." in released and "None" not in released
     assert "# OPSD adapter: b\n" in released and "(the run's final adapter)" in released
 
 
