@@ -34,6 +34,8 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
+# A job that asks for no memory gets 4 GiB a CPU (not the whole node), so that cells share the node.
+DefMemPerCPU=4096
 ReturnToService=2
 JobRequeue=1
 KillWait=30

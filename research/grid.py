@@ -167,12 +167,12 @@ def _check_eval_flags(flags: list[str], where: str) -> None:
     import contextlib
     import io
 
-    from evaluation import evaluate as opsd_eval
+    from evaluation import evaluate
 
     message = io.StringIO()
     try:
         with contextlib.redirect_stderr(message):
-            opsd_eval.parse_args(["base", *flags])
+            evaluate.parse_args(["base", *flags])
     except SystemExit:
         last = (message.getvalue().strip().splitlines() or ["not valid"])[-1]
         raise GridError(f"{where}: eval_flags {' '.join(flags)!r}: {last.split('error: ', 1)[-1]}") from None
@@ -224,9 +224,9 @@ def train_command(grid: Grid, cell: Cell, processes: int = 1, port: int | None =
     if processes == 1:
         command = [sys.executable, str(REPO / "opsd_train.py")]
     else:
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs" / "ddp.yaml"),
-                   "--num_processes", str(processes), "--main_process_port", str(port or 29500),
-                   str(REPO / "opsd_train.py")]
+        command = [sys.executable, "-m", "accelerate.commands.launch",
+                   "--config_file", str(REPO / "configs" / "ddp.yaml"), "--num_processes", str(processes),
+                   "--main_process_port", str(port or 29500), str(REPO / "opsd_train.py")]
     if grid.preset:
         command += ["--preset", grid.preset]
     command += [
@@ -320,7 +320,8 @@ def run_cell(grid: Grid, cell: Cell, log, gpus: tuple[str, ...] | None = None, p
         log(f"{cell.name}: {kind} on {devices_label(gpus)} ...")
         with open(cell.folder / f"{kind}.log", "a", encoding="utf-8") as out:
             where = f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} " if gpus is not None else ""
-            out.write(f"$ {where}{' '.join(command)}\n")
+            start_line = "\n" if out.tell() else ""  # an interrupted run may have left a line unfinished
+            out.write(f"{start_line}$ {where}{' '.join(command)}\n")
             out.flush()
             if started is None:
                 status = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO).returncode
@@ -529,7 +530,8 @@ def run_on_slurm(grid: Grid, grid_file: str, todo: list[Cell], out: Path, args, 
     """Submit the cells not already queued as one job array; unless --no-wait, wait with progress
     and resubmit once each cell that failed. Returns {cell name: outcome}, or None (--no-wait)."""
     options = executors.SlurmOptions(
-        partition=args.partition, time_min=args.time, gpus_per_cell=1 if args.gpus_per_cell is None else args.gpus_per_cell,
+        partition=args.partition, time_min=args.time,
+        gpus_per_cell=1 if args.gpus_per_cell is None else args.gpus_per_cell,
         cpus_per_cell=args.cpus_per_cell, mem_gb=args.mem_per_cell, account=args.account, qos=args.qos,
         sbatch=executors.parse_sbatch_options(args.sbatch), array_parallelism=args.parallel)
     copy = out / "grid.json"  # what the jobs read: the grid as submitted, whatever happens to GRID.json
@@ -596,11 +598,13 @@ def run_on_slurm(grid: Grid, grid_file: str, todo: list[Cell], out: Path, args, 
 
 
 def _job_failure(out: Path, job_id: str) -> str:
-    """What a job left about its end: the last line of its error log, with the log's path."""
+    """What a job left about its end, with its log's path: the cell's own failure line (it names the
+    cell's train.log or eval.log) when it got that far, else the log's last line (killed, ...)."""
     log_path = out / "slurm" / job_id / f"{job_id}_0_log.err"
-    lines = [line for line in (log_path.read_text(errors="replace").splitlines() if log_path.is_file() else [])
+    lines = [line.strip() for line in (log_path.read_text(errors="replace").splitlines() if log_path.is_file() else [])
              if line.strip()]
-    return f"{lines[-1].strip()[:300] if lines else 'no error log'}; log {log_path}"
+    ours = [line.split(": ", 2)[-1] for line in lines if line.startswith("RuntimeError: ")]
+    return f"{(ours or lines or ['no error log'])[-1][:300]}; log {log_path}"
 
 
 def main(argv=None) -> int:

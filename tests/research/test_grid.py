@@ -2,46 +2,16 @@
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from grid_cases import CELLS, FAKE_GPUS, GRID, run_grid
 
+import research.grid
 from research import executors
-from research import grid as opsd_grid
 
 REPO = Path(__file__).resolve().parents[2]
-
-GRID = {
-    "preset": "tiny",
-    "eval_data": "tiny:5:2",
-    "seeds": [0, 1],
-    "budget": {"max_steps": 3, "global_batch": 2, "per_device_batch": 2},  # a checkpoint every step
-    "recipe": {"learning_rate": 2e-4},
-    "baseline": "entry",
-    "arms": {"entry": {}, "token": {"env": {"OPSD_CLIP_MODE": "token"}}},
-}
-CELLS = [f"{arm}/seed-{seed}" for arm in GRID["arms"] for seed in GRID["seeds"]]
-FAKE_GPUS = "3,5"  # CUDA_VISIBLE_DEVICES of the grid: two GPU ids, each cell's own (on a CPU, still the CPU)
-
-
-def _run(grid_file, out, *extra, env=None):
-    return subprocess.run([sys.executable, "-m", "research.grid", str(grid_file), "--out", str(out), *extra],
-                          capture_output=True, text=True, cwd=REPO, timeout=900, env={**os.environ, **(env or {})})
-
-
-@pytest.fixture(scope="session")
-def local_grid(tmp_path_factory):
-    """GRID run once by the local executor in its GPU pool, on two fake GPU ids (one cell each, two
-    at a time): (grid file, grid folder, the run). tests/research/test_slurm.py compares SLURM's
-    results with these; the tests that share it are kept on one xdist worker (group "grid")."""
-    folder = tmp_path_factory.mktemp("local-grid")
-    grid_file = folder / "grid.json"
-    grid_file.write_text(json.dumps(GRID))
-    run = _run(grid_file, folder / "out", "--cells-per-gpu", "1", env={"CUDA_VISIBLE_DEVICES": FAKE_GPUS})
-    return grid_file, folder / "out", run
-
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("grid")
@@ -63,11 +33,11 @@ def test_two_arms_two_seeds_end_to_end_and_resume(local_grid):
             assert (cell / "recipe.env").read_text() == "learning_rate=0.0002\n"
             assert json.loads((cell / "eval.json").read_text())["dataset"] == "tiny:5:2"
             assert sorted(p.name for p in (cell / "run").glob("checkpoint-*")) == [
-                "checkpoint-1", "checkpoint-2", "checkpoint-3"]  # resumable from any step
+                "checkpoint-1", "checkpoint-2", "checkpoint-3", "checkpoint-4"]  # resumable from any step
     for arm in ("entry", "token"):  # each arm's variables reach only its own runs
         assert json.loads((out / arm / "seed-0" / "run" / "run_config.json").read_text())["OPSD_CLIP_MODE"] == arm
     # Every cell is done: a re-run trains and evaluates nothing, and gives the same table.
-    again = _run(grid_file, out)
+    again = run_grid(grid_file, out)
     assert again.returncode == 0 and "4 cells, 4 already done, 0 to run" in again.stdout
     assert json.loads((out / "results.json").read_text()) == table
 
@@ -104,33 +74,33 @@ def test_the_local_pool_puts_each_cell_on_its_own_gpu(local_grid):
 def test_bad_grid_files_are_one_line_errors(tmp_path, spec, message):
     grid_file = tmp_path / "g.json"
     grid_file.write_text(json.dumps(spec))
-    with pytest.raises(opsd_grid.GridError, match=message):
-        opsd_grid.load_grid(str(grid_file))
-    result = _run(grid_file, tmp_path / "out")
+    with pytest.raises(research.grid.GridError, match=message):
+        research.grid.load_grid(str(grid_file))
+    result = run_grid(grid_file, tmp_path / "out")
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and result.stderr.startswith("error:")
 
 
 def test_shipped_grids_load():
     for path in (REPO / "grids").glob("*.json"):
-        grid = opsd_grid.load_grid(str(path))
+        grid = research.grid.load_grid(str(path))
         assert grid.arms and grid.baseline in {a.name for a in grid.arms}
 
 
 def test_grid_curves_follow_the_grid_and_never_fail_it(tmp_path, capsys):
     """The arms' curves in the grid's order (untrained arms have none); a grid without a
     trained cell gets one warning line instead of a figure."""
-    grid = opsd_grid.Grid(arms=(opsd_grid.Arm("base", train=False), opsd_grid.Arm("token"), opsd_grid.Arm("entry")),
-                          seeds=(0, 1), eval_data=None, preset="tiny", budget=opsd_grid.BUDGET_DEFAULT, recipe={},
-                          baseline="base")
+    arms = (research.grid.Arm("base", train=False), research.grid.Arm("token"), research.grid.Arm("entry"))
+    grid = research.grid.Grid(arms=arms, seeds=(0, 1), eval_data=None, preset="tiny",
+                              budget=research.grid.BUDGET_DEFAULT, recipe={}, baseline="base")
     out = tmp_path / "grid"
-    assert opsd_grid.draw_curves(grid, out) is None
+    assert research.grid.draw_curves(grid, out) is None
     assert capsys.readouterr().err.startswith(f"warning: grid curves not drawn: {out}: no such folder")
-    for cell in opsd_grid.cells(grid, out):
+    for cell in research.grid.cells(grid, out):
         if cell.arm.train:
             (cell.folder / "run").mkdir(parents=True)
             (cell.folder / "run" / "metrics.jsonl").write_text(
                 "".join(f'{{"step": {s}, "loss": {s * (cell.seed + 1)}, "opsd/true_kl": 0.1}}\n' for s in (1, 2)))
-    assert opsd_grid.draw_curves(grid, out) == out / "curves.png"
+    assert research.grid.draw_curves(grid, out) == out / "curves.png"
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from analysis import plots as run_plots
 
@@ -144,9 +114,9 @@ def test_eval_flags_reach_every_cells_evaluation(tmp_path):
     grid_file.write_text(json.dumps({"preset": "tiny", "eval_data": "tiny:5:2", "seeds": [3],
                                      "eval_flags": ["--backend", "transformers", "--batch-size", "4"],
                                      "arms": {"base": {"train": False}, "a": {}}}))
-    grid = opsd_grid.load_grid(str(grid_file))
-    for cell in opsd_grid.cells(grid, tmp_path / "out"):
-        command = opsd_grid.eval_command(grid, cell)
+    grid = research.grid.load_grid(str(grid_file))
+    for cell in research.grid.cells(grid, tmp_path / "out"):
+        command = research.grid.eval_command(grid, cell)
         assert command[-4:] == ["--backend", "transformers", "--batch-size", "4"]
 
 
@@ -161,7 +131,7 @@ def test_a_swept_grid_evaluates_every_checkpoint_and_tables_accuracy_per_step(tm
                                      "arms": {"base": {"train": False}, "token": {"env": {"OPSD_CLIP_MODE": "token"}}},
                                      "baseline": "base"}))
     out = tmp_path / "grid"
-    result = _run(grid_file, out)
+    result = run_grid(grid_file, out)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     cell = out / "token" / "seed-0"
     assert sorted(p.name for p in (cell / "run").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
@@ -229,9 +199,9 @@ def test_the_pool_runs_every_cell_and_never_more_than_k_on_a_gpu():
 def test_a_multi_gpu_cell_trains_as_that_many_ddp_processes_with_the_grids_global_batch(tmp_path):
     grid_file = tmp_path / "g.json"
     grid_file.write_text(json.dumps({**GRID, "budget": {"max_steps": 100, "global_batch": 32, "per_device_batch": 4}}))
-    grid = opsd_grid.load_grid(str(grid_file))
-    cell = opsd_grid.cells(grid, tmp_path / "out")[0]
-    command = opsd_grid.train_command(grid, cell, processes=2, port=29501)
+    grid = research.grid.load_grid(str(grid_file))
+    cell = research.grid.cells(grid, tmp_path / "out")[0]
+    command = research.grid.train_command(grid, cell, processes=2, port=29501)
     assert command[1:4] == ["-m", "accelerate.commands.launch", "--config_file"]
     assert command[command.index("--num_processes") + 1] == "2" and "--main_process_port" in command
     assert command[command.index("--gradient_accumulation_steps") + 1] == "4"  # 32 = 4 x 4 x 2
@@ -243,7 +213,7 @@ def test_slurm_options_reach_the_job_arrays_sbatch_script(tmp_path):
                                      account="lab", qos="high", array_parallelism=3,
                                      sbatch=executors.parse_sbatch_options(["constraint=h100", "exclude=node7",
                                                                             "--mail-type=END"]))
-    executor = opsd_grid.executors.slurm_executor(tmp_path, options, "grid-x", REPO)
+    executor = executors.slurm_executor(tmp_path, options, "grid-x", REPO)
     script = executor._make_submission_file_text("python -u -m submitit.core._submit FOLDER", "uid")
     for line in ("--partition=gpu", "--time=90", "--gpus-per-node=2", "--cpus-per-task=16", "--mem=65536M",
                  "--account=lab", "--qos=high", "--constraint=h100", "--exclude=node7", "--mail-type=END",
@@ -285,14 +255,15 @@ def _error_line(result) -> str:
 def test_bad_executor_options_are_one_line_errors_before_anything_runs(tmp_path, flags, env, message):
     grid_file = tmp_path / "g.json"
     grid_file.write_text(json.dumps(GRID))
-    assert message in _error_line(_run(grid_file, tmp_path / "out", *flags, env=env))
+    assert message in _error_line(run_grid(grid_file, tmp_path / "out", *flags, env=env))
     assert not (tmp_path / "out").exists()
 
 
 def test_gpus_that_do_not_divide_the_batch_are_one_line(tmp_path):
     grid_file = tmp_path / "g.json"
     grid_file.write_text(json.dumps(GRID))  # global batch 2 = 2 per device: no room for 2 processes
-    line = _error_line(_run(grid_file, tmp_path / "out", "--gpus-per-cell", "2", env={"CUDA_VISIBLE_DEVICES": "0,1"}))
+    line = _error_line(run_grid(grid_file, tmp_path / "out", "--gpus-per-cell", "2",
+                                env={"CUDA_VISIBLE_DEVICES": "0,1"}))
     assert "2 GPUs a cell: global_batch 2 is not a multiple of per_device_batch 2 x 2 processes" in line
 
 
@@ -301,7 +272,7 @@ def test_slurm_without_sbatch_or_without_submitit_is_one_line(tmp_path):
     grid_file.write_text(json.dumps(GRID))
     bare = tmp_path / "bare"
     bare.mkdir()
-    line = _error_line(_run(grid_file, tmp_path / "out", "--cluster", "slurm", env={"PATH": str(bare)}))
+    line = _error_line(run_grid(grid_file, tmp_path / "out", "--cluster", "slurm", env={"PATH": str(bare)}))
     assert "--cluster slurm: no `sbatch` on PATH" in line
     tools = tmp_path / "tools"
     tools.mkdir()
@@ -311,7 +282,7 @@ def test_slurm_without_sbatch_or_without_submitit_is_one_line(tmp_path):
     shadow = tmp_path / "shadow" / "submitit"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ImportError('No module named submitit')\n")
-    line = _error_line(_run(grid_file, tmp_path / "out", "--cluster", "slurm",
+    line = _error_line(run_grid(grid_file, tmp_path / "out", "--cluster", "slurm",
                             env={"PATH": f"{tools}:{os.environ['PATH']}",
                                  "PYTHONPATH": f"{shadow.parent}:{REPO}"}))
     assert "--cluster slurm needs submitit: pip install submitit" in line
@@ -321,16 +292,16 @@ def test_slurm_without_sbatch_or_without_submitit_is_one_line(tmp_path):
 def test_a_folder_holding_another_grids_cells_is_refused(tmp_path):
     grid_file = tmp_path / "g.json"
     grid_file.write_text(json.dumps(GRID))
-    grid = opsd_grid.load_grid(str(grid_file))
+    grid = research.grid.load_grid(str(grid_file))
     out = tmp_path / "out"
-    cell = opsd_grid.cells(grid, out)[1]  # entry/seed-1
+    cell = research.grid.cells(grid, out)[1]  # entry/seed-1
     cell.folder.mkdir(parents=True)
-    other = {**opsd_grid.cell_identity(grid, cell), "recipe": {"learning_rate": 1e-3}}
+    other = {**research.grid.cell_identity(grid, cell), "recipe": {"learning_rate": 1e-3}}
     (cell.folder / "cell.json").write_text(json.dumps(other))
-    line = _error_line(_run(grid_file, out))
+    line = _error_line(run_grid(grid_file, out))
     assert f"{cell.folder} holds the cell of another grid (recipe: {{'learning_rate': 0.001}} there, " in line
     assert "use another --out" in line
     assert sorted(p.name for p in cell.folder.iterdir()) == ["cell.json"]  # nothing ran or was written
     # The same cell (its identity unchanged) is accepted: a re-run, or a grid with more arms or seeds.
-    (cell.folder / "cell.json").write_text(json.dumps(opsd_grid.cell_identity(grid, cell)))
-    opsd_grid.check_cell_identity(grid, cell)
+    (cell.folder / "cell.json").write_text(json.dumps(research.grid.cell_identity(grid, cell)))
+    research.grid.check_cell_identity(grid, cell)

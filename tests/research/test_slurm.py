@@ -37,10 +37,10 @@ def _slurm_answers() -> str | None:
     return None
 
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("grid"),
+pytestmark = [pytest.mark.slurm, pytest.mark.slow,
               pytest.mark.skipif(_slurm_answers() is not None, reason=str(_slurm_answers()))]
 
-from test_grid import CELLS, GRID, local_grid  # noqa: E402,F401  (local_grid: the local executor's run of GRID)
+from grid_cases import CELLS, GRID  # noqa: E402  (conftest.py's local_grid: the local executor's run of GRID)
 
 
 def grid_run(grid: dict, folder: Path, *flags, env=None, wait=True):
@@ -73,37 +73,9 @@ def outcome(cell: Path) -> dict:
             if "loss" in row:
                 curve.append((row["step"], row["loss"], row.get("true_kl"), row.get("grad_norm")))
     return {"metrics": report["metrics"],
-            "samples": [[(s["completion"], s["correct"]) for s in problem["samples"]] for problem in report["problems"]],
+            "samples": [[(s["completion"], s["correct"]) for s in problem["samples"]]
+                        for problem in report["problems"]],
             "curve": sorted(set(curve))}
-
-
-@pytest.fixture(scope="module")
-def slurm_grid(tmp_path_factory):
-    """GRID on SLURM: one job array of its 4 cells, waited for."""
-    root = tmp_path_factory.mktemp("slurm-grid")
-    return root / "out", *grid_run(GRID, root, "--cluster", "slurm", "--gpus-per-cell", "0", "--poll", "2",
-                                   "--time", "30")
-
-
-def test_a_grid_on_slurm_gives_the_local_executors_results(local_grid, slurm_grid):
-    (_, local, local_run), (slurm, status, log) = local_grid, slurm_grid
-    assert local_run.returncode == 0 and status == 0, log[-3000:]
-    assert "submitted 4 cell(s) as job array" in log and "slurm: 4 of 4 cell(s) ended" in log
-    assert json.loads((slurm / "results.json").read_text()) == json.loads((local / "results.json").read_text())
-    for name in CELLS:
-        assert outcome(slurm / name) == outcome(local / name), name
-        assert json.loads((slurm / name / "cell.json").read_text()) == json.loads((local / name / "cell.json").read_text())
-    # Every cell is done: the same command again submits nothing.
-    again = subprocess.run([sys.executable, "-m", "research.grid", str(slurm.parent / "GRID.json"), "--out", str(slurm),
-                            "--cluster", "slurm", "--gpus-per-cell", "0", "--poll", "2"],
-                           cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0 and "4 cells, 4 already done, 0 to run" in again.stdout
-    assert "submitted" not in again.stdout
-
-
-def _one_cell(arm: str, seed: int) -> dict:
-    """A grid of one cell of GRID: the same cell (arm settings, seed, budget, eval set) as there."""
-    return {**GRID, "seeds": [seed], "arms": {arm: GRID["arms"][arm]}, "baseline": arm}
 
 
 def _wait_for(predicate, timeout_s: float, what: str):
@@ -112,7 +84,7 @@ def _wait_for(predicate, timeout_s: float, what: str):
         value = predicate()
         if value:
             return value
-        time.sleep(1)
+        time.sleep(0.5)
     raise AssertionError(f"timed out waiting for {what}")
 
 
@@ -124,56 +96,62 @@ def _squeue_state(job: str) -> str:
     return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
 
 
-def test_a_preempted_cell_checkpoints_is_requeued_and_resumes(tmp_path, local_grid):
-    local = local_grid[1]
-    status, log = grid_run(_one_cell("token", 0), tmp_path, "--cluster", "slurm", "--gpus-per-cell", "0", "--no-wait")
-    assert status == 0 and "not waiting (--no-wait)" in log, log
-    out = tmp_path / "out"
-    cell = out / "token" / "seed-0"
-    _wait_for(lambda: (cell / "run" / "checkpoint-1").is_dir(), 600, "the first checkpoint")
-    job = _job_of(out, "token/seed-0")
-    # What SLURM sends before a preemption or the time limit (submitit's own test does the same).
-    subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    _wait_for(lambda: _squeue_state(job) == "PENDING", 300, "the requeue")
-    subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], check=True)  # SLURM holds requeues ~2 min
-    status, log = grid_run(_one_cell("token", 0), tmp_path, "--cluster", "slurm", "--gpus-per-cell", "0",
-                           "--poll", "2")
-    assert status == 0, log[-3000:]
-    assert "1 cell(s) still queued from an earlier submission" in log and "submitted" not in log
-    job_log = "".join(p.read_text() for p in (out / "slurm").rglob("*_log.*"))
-    assert "Caught signal SIGUSR2" in job_log and "stopping at a step boundary with a checkpoint" in job_log
-    train_log = (cell / "train.log").read_text()
-    assert "[OPSD] resuming from" in train_log and train_log.count("$ ") == 2  # started twice, resumed once
-    assert outcome(cell) == outcome(local / "token" / "seed-0")
+def _trainer_pids(cell: Path) -> list[int]:
+    found = subprocess.run(["pgrep", "-f", "--", f"--output_dir {cell / 'run'}"], capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split()]
 
 
-def test_a_killed_cell_is_resubmitted_and_resumes_from_its_checkpoint(tmp_path, local_grid):
-    local = local_grid[1]
-    status, log = grid_run(_one_cell("entry", 1), tmp_path, "--cluster", "slurm", "--gpus-per-cell", "0", "--no-wait")
-    assert status == 0, log
+@pytest.mark.xdist_group("grid")
+def test_a_grid_on_slurm_gives_the_local_results_through_a_preemption_and_a_kill(tmp_path, local_grid):
+    """GRID as one job array while the grid waits: entry/seed-1's training process is killed after
+    its first checkpoint (the job fails; the grid resubmits it once; it resumes), and token/seed-0's
+    job gets SLURM's preemption notice (submitit's USR2: the cell checkpoints at a step boundary,
+    the job is requeued and resumes). Every cell still ends with the local executor's results."""
+    _, local, local_run = local_grid
+    assert local_run.returncode == 0, local_run.stdout[-3000:]
+    waiting = grid_run(GRID, tmp_path, "--cluster", "slurm", "--gpus-per-cell", "0", "--poll", "2", "--time", "30",
+                       wait=False)
     out = tmp_path / "out"
-    cell = out / "entry" / "seed-1"
-    _wait_for(lambda: (cell / "run" / "checkpoint-1").is_dir(), 600, "the first checkpoint")
-    trainer = subprocess.run(["pgrep", "-f", "--", f"--output_dir {cell / 'run'}"], capture_output=True, text=True)
-    pids = trainer.stdout.split()
-    assert pids, "the cell's training process"
+    killed, preempted = out / "entry" / "seed-1", out / "token" / "seed-0"  # the array's 2nd and 3rd cells
+    _wait_for(lambda: (killed / "run" / "checkpoint-1").is_dir(), 900, "entry/seed-1's first checkpoint")
+    pids = _trainer_pids(killed)
+    assert pids, "entry/seed-1's training process"
     for pid in pids:
-        os.kill(int(pid), signal.SIGKILL)
-    status, log = grid_run(_one_cell("entry", 1), tmp_path, "--cluster", "slurm", "--gpus-per-cell", "0",
-                           "--poll", "2")
+        os.kill(pid, signal.SIGKILL)
+    _wait_for(lambda: (preempted / "run" / "checkpoint-1").is_dir(), 900, "token/seed-0's first checkpoint")
+    job = _job_of(out, "token/seed-0")
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)  # what submitit's own tests send
+    _wait_for(lambda: _squeue_state(job) == "PENDING", 300, "the requeue")
+    subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], check=True)  # SLURM holds it ~2 min
+    status, log = finished(waiting)
     assert status == 0, log[-3000:]
-    assert "entry/seed-1: job" in log and "resubmitting it once" in log
-    assert "[OPSD] resuming from" in (cell / "train.log").read_text()
-    assert outcome(cell) == outcome(local / "entry" / "seed-1")
+    assert "submitted 4 cell(s) as job array" in log and "slurm: 4 of 4 cell(s) ended" in log
+    assert "entry/seed-1: job" in log and "resubmitting it once: it resumes from its last checkpoint" in log
+    job_logs = "".join(p.read_text() for p in (out / "slurm").rglob("*_log.*"))
+    assert "Caught signal SIGUSR2" in job_logs and "token/seed-0: stopping at a step boundary" in job_logs
+    for cell in (killed, preempted):
+        train_log = (cell / "train.log").read_text()
+        started = [line for line in train_log.splitlines() if line.startswith("$ ")]
+        assert len(started) == 2 and "[OPSD] resuming from" in train_log  # trained twice, the second time resumed
+    assert json.loads((out / "results.json").read_text()) == json.loads((local / "results.json").read_text())
+    for name in CELLS:
+        assert outcome(out / name) == outcome(local / name), name
+        assert (out / name / "cell.json").read_text() == (local / name / "cell.json").read_text()
 
 
-def test_a_cell_that_fails_twice_is_reported_with_its_log_and_missing_from_the_table(tmp_path):
+@pytest.mark.xdist_group("slurm-errors")
+def test_no_wait_then_the_same_command_collects_and_a_cell_failing_twice_is_reported(tmp_path):
     grid = {**GRID, "seeds": [0], "arms": {"entry": {}, "broken": {"flags": ["--learning_rate", "nope"]}},
             "budget": {"max_steps": 1, "global_batch": 2, "per_device_batch": 2}}
+    status, log = grid_run(grid, tmp_path, "--cluster", "slurm", "--gpus-per-cell", "0", "--no-wait")
+    assert status == 0 and "submitted 2 cell(s) as job array" in log and "not waiting (--no-wait)" in log, log
+    assert not (tmp_path / "out" / "results.json").exists()
     status, log = grid_run(grid, tmp_path, "--cluster", "slurm", "--gpus-per-cell", "0", "--poll", "2")
     assert status == 1, log[-3000:]
+    assert "still queued from an earlier submission" in log  # waited for, not submitted again
     failure = next(line for line in log.splitlines() if "broken/seed-0: failed twice" in line)
-    assert "train.log" in failure and str(tmp_path / "out" / "slurm") in failure  # the cell's and the job's logs
+    assert "failed: train exited 2 (see " in failure and "train.log" in failure  # the cell's own log
+    assert str(tmp_path / "out" / "slurm") in failure  # and the job's
     results = (tmp_path / "out" / "results.md").read_text()
     assert "Missing cells (no results yet, not in the table): broken/seed-0" in results
     assert json.loads((tmp_path / "out" / "results.json").read_text())["missing"] == ["broken/seed-0"]
@@ -186,9 +164,10 @@ def _srun_two_machines(command: str, env: dict, timeout: int = 900) -> subproces
                           cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.xdist_group("slurm-machines")
 def test_train_capped_runs_across_two_slurm_tasks_as_two_machines(tmp_path):
     out = tmp_path / "run"
-    two = _srun_two_machines(f"bash train_capped.sh recipe.env", {"OPSD_PRESET": "tiny", "OPSD_OUTPUT": str(out)})
+    two = _srun_two_machines("bash train_capped.sh recipe.env", {"OPSD_PRESET": "tiny", "OPSD_OUTPUT": str(out)})
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
     log = two.stdout + two.stderr
     for rank in (0, 1):
@@ -200,7 +179,8 @@ def test_train_capped_runs_across_two_slurm_tasks_as_two_machines(tmp_path):
     assert steps == list(range(1, 9))  # one writer: the main process of machine 0
 
 
-def test_two_slurm_machines_give_one_process_loss_and_gradients(tmp_path, one_process_step):
+@pytest.mark.xdist_group("slurm-machines")
+def test_two_slurm_machines_give_one_process_loss_and_gradients(tmp_path, one_process_step):  # noqa: F811
     """train_capped.sh's launch across machines (accelerate launch --num_machines 2 --machine_rank
     $SLURM_PROCID --main_process_ip <first node>) on test_ddp's deterministic step: the loss and
     LoRA gradients of one process with twice the accumulation."""
@@ -209,7 +189,8 @@ def test_two_slurm_machines_give_one_process_loss_and_gradients(tmp_path, one_pr
 
     out = tmp_path / "two.pt"
     launch = ("accelerate launch --config_file configs/ddp.yaml --num_processes 2 --num_machines 2 "
-              "--machine_rank $SLURM_PROCID --main_process_ip $(scontrol show hostnames $SLURM_STEP_NODELIST | head -n 1) "
+              "--machine_rank $SLURM_PROCID "
+              "--main_process_ip $(scontrol show hostnames $SLURM_STEP_NODELIST | head -n 1) "
               f"--main_process_port $((29500 + SLURM_JOB_ID % 2000)) {STEP} {out} {PER_DEVICE} {ACCUMULATION}")
     two = _srun_two_machines(launch, {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}, timeout=600)
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
