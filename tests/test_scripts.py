@@ -334,7 +334,7 @@ def test_bad_engine_is_one_line_before_anything_runs(fake_gpu_host, value, fragm
 
 def test_the_tracker_is_the_variables_not_the_scripts(fake_gpu_host):
     """train_capped.sh hard-codes no --report_to: OPSD_REPORT_TO reaches opsd_train.py
-    through the environment, where the check and the run read it (test_trainer.py)."""
+    through the environment, where the check and the run read it (test_cli.py)."""
     result, line = launch(fake_gpu_host, FAKE_GPUS="4", OPSD_REPORT_TO="wandb")
     assert result.returncode == 0, result.stderr
     assert line.startswith("launch ") and "--report_to" not in line and "--report_to" not in result.stdout
