@@ -833,9 +833,10 @@ class OPSDTrainer(DistillationTrainer):
         folder = output_dir if output_dir is not None else self.args.output_dir
         if self.args.should_save and self.base_model_name:
             name_adapter_base_model(folder, self.adapter_base)
-            staged = self._staging_root and os.path.dirname(os.path.abspath(folder)) == os.path.abspath(self._staging_root)
-            final = os.path.join(os.path.dirname(self._staging_root), os.path.basename(folder)) if staged else folder
-            model_card.write_card(self.card_data(final, checkpoint=bool(staged)), into=folder)
+            root = self._staging_root
+            staged = root is not None and os.path.dirname(os.path.abspath(folder)) == os.path.abspath(root)
+            final = os.path.join(os.path.dirname(root), os.path.basename(folder)) if staged else folder
+            model_card.write_card(self.card_data(final, checkpoint=staged), into=folder)
 
     @property
     def adapter_base(self) -> str:

@@ -104,7 +104,7 @@ def loading_snippet(data: CardData) -> str:
         "",
         f"adapter = {_py(data.folder)}  # where the run wrote this folder; its new path if you moved it",
         "tokenizer = AutoTokenizer.from_pretrained(adapter)  # saved with the adapter",
-        "model = AutoPeftModelForCausalLM.from_pretrained(adapter)  # base: adapter_config.json's base_model_name_or_path",
+        "model = AutoPeftModelForCausalLM.from_pretrained(adapter)  # and adapter_config.json's base model",
         "",
         f"# the student's training prompt (OPSD_STUDENT_PROMPT={style}) of the run's first training problem",
         f"messages = [{{\"role\": \"user\", \"content\": {_py(messages[0]['content'])}}}]",

@@ -47,7 +47,8 @@ def test_the_snippet_loads_by_the_absolute_path_with_the_students_training_promp
     messages = ast.literal_eval(assigned["messages"])
     assert messages == [{"role": "user", "content": f"Problem: What is $2 + 3$?\n\n{INSTRUCTION}"}]
     assert "enable_thinking=False" in code and "max_new_tokens=1024" in code  # paper prompt, released budget
-    assert "AutoPeftModelForCausalLM.from_pretrained(adapter)" in code and "AutoTokenizer.from_pretrained(adapter)" in code
+    assert "AutoPeftModelForCausalLM.from_pretrained(adapter)" in code
+    assert "AutoTokenizer.from_pretrained(adapter)" in code
     evaluation = model_card.loading_snippet(data(run_config={**CONFIG, "OPSD_STUDENT_PROMPT": "eval",
                                                              "max_completion_length": 64}))
     assert "enable_thinking=True" in evaluation and "max_new_tokens=64" in evaluation and "Problem:" not in evaluation
@@ -63,7 +64,8 @@ def test_an_embedded_or_local_base_model_is_not_a_hub_field(tmp_path):
     assert "base_model:" not in local.split("---")[1] and "the local folder `/models/q`" in local
     released = model_card.model_card(data(run_config={"OPSD_CLIP_MODE": "entry"}, checkpoint=False,
                                           folder="/runs/b"))
-    assert "No difference: every switch and recipe value is the released recipe's." in released and "None" not in released
+    assert "No difference: every switch and recipe value is the released recipe's." in released
+    assert "None" not in released
     assert "# OPSD adapter: b\n" in released and "(the run's final adapter)" in released
 
 
