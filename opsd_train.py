@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 
 from opsd import run_folder as run_folder
-
 from opsd.config import (
     DATA_SELECTS,
     REPORT_TO_VALUES,
@@ -534,7 +533,8 @@ def help_text() -> str:
             "Precedence, lowest to highest: defaults (and a YAML --config) < the tiny preset's values < "
             "the --recipe file < OPSD_* variables that are set < command-line flags; a flag that overrides a "
             "different recipe or variable value is reported. Budget knobs in a recipe are ignored (warned). "
-            "Everything is checked before a model loads: bad input is one `error:` line, exit 2.", width, break_on_hyphens=False),
+            "Everything is checked before a model loads: bad input is one `error:` line, exit 2.", width,
+            break_on_hyphens=False),
         "",
         "OPSD settings:",
     ]

@@ -40,11 +40,6 @@ from transformers.trainer_utils import rotate_checkpoints
 from trl import DistillationConfig, DistillationTrainer
 from trl.models.utils import unwrap_model_for_generation
 
-from opsd import run_log
-from opsd import model_card
-from opsd import run_folder as run_folder
-from opsd.adapter_layers import AdapterLayers
-from rollout.compiled_layers import CompiledLayers
 from data_collator import (
     OPSDCollator,
     ScoringBatch,
@@ -54,8 +49,9 @@ from data_collator import (
     one_forward,
     select_completion_tokens,
 )
-from opsd.ema_teacher import AdapterEMA
-from opsd.model_utils import causal_lm, checkpointing_is_on, model_device, peft_wrapping, set_checkpointing
+from opsd import model_card, run_log
+from opsd import run_folder as run_folder
+from opsd.adapter_layers import AdapterLayers
 from opsd.chunked_loss import chunked_divergence_loss, chunked_nll_loss, chunked_tinker_loss
 from opsd.config import (
     CLIP_MODES,
@@ -69,13 +65,16 @@ from opsd.config import (
     recipe_field,
     recipe_value_problem,
 )
-from opsd.run_log import append_metrics, kl_line
+from opsd.ema_teacher import AdapterEMA
 from opsd.loss import divergence_loss, nll_loss, tinker_loss
-from rollout import BackendUnavailable, TransformersBackend, kv_cache_options, vllm_environment
+from opsd.model_utils import causal_lm, checkpointing_is_on, model_device, peft_wrapping, set_checkpointing
+from opsd.run_log import append_metrics, kl_line
 from opsd.sampling import ROLLOUT_STREAMS, SamplingSettings, on_policy_step, rollout_seed, to_completion
+from rollout import BackendUnavailable, TransformersBackend, kv_cache_options, vllm_environment
+from rollout.compiled_layers import CompiledLayers
 from rollout.static_decode import GRAPH_LOOPS
-from tiny_default import TINY, TINY_RANDOM, resolve_model
 from rollout.vllm_weights import merged_named_parameters
+from tiny_default import TINY, TINY_RANDOM, resolve_model
 
 EMA_FILE = "ema_adapter.pt"
 STAGING_DIR = run_folder.STAGING_DIR  # checkpoints are written here, then renamed into place
@@ -133,8 +132,9 @@ class OPSDConfig(DistillationConfig):
     activation_checkpointing: bool | None = field(default=True)
 
     clip_mode: str = field(  # the values: opsd.config.CLIP_MODES; each one's clip: opsd.loss.CLIPS
-        default=CLIP_MODES[0], metadata={"help": f"The clip of the divergence (OPSD_CLIP_MODE): {', '.join(CLIP_MODES)}; "
-                                                 f"{CLIP_MODES[0]} is the released one."}
+        default=CLIP_MODES[0],
+        metadata={"help": f"The clip of the divergence (OPSD_CLIP_MODE): {', '.join(CLIP_MODES)}; "
+                          f"{CLIP_MODES[0]} is the released one."}
     )
     pad_side: str = field(default=PAD_SIDES[0], metadata={"help": "right (released, pad gap) or left (contiguous)."})
     student_prompt: str = field(default=STUDENT_PROMPTS[0], metadata={"help": "paper or eval."})
@@ -197,9 +197,9 @@ class OPSDConfig(DistillationConfig):
         metadata={
             "help": "transformers rollouts (when vLLM is off): auto (CUDA: graph_compiled, the compiled and "
             "recorded static-cache decode loop, measured fastest in BENCHMARKS.md; CPU: the dynamic cache), "
-            "graph_compiled, graph, static (generate + static cache), paged (transformers' continuous batching over a "
-            "bounded paged KV cache, rollout/paged_decode.py; meant for long evaluations) or dynamic / None (generate + "
-            "dynamic cache)."
+            "graph_compiled, graph, static (generate + static cache), paged (transformers' continuous batching over "
+            "a bounded paged KV cache, rollout/paged_decode.py; meant for long evaluations) or dynamic / None "
+            "(generate + dynamic cache)."
         },
     )
     rollout_merge_lora: bool = field(
@@ -229,10 +229,10 @@ class OPSDConfig(DistillationConfig):
     remove_unused_columns: bool | None = field(default=False, metadata={"help": "Rows keep their privileged columns."})
     vllm_kv_cache_gib: float | None = field(
         default=None,
-        metadata={"help": "vLLM colocate: a KV cache of this many GiB instead of vllm_gpu_memory_utilization's profiled "
-                          "share of the GPU (vLLM's kv_cache_memory_bytes). vLLM measures the device's free memory "
-                          "while it profiles at start, so other processes allocating or exiting meanwhile shrink its "
-                          "cache or fail its start: use this when several runs share one GPU."},
+        metadata={"help": "vLLM colocate: a KV cache of this many GiB instead of vllm_gpu_memory_utilization's "
+                          "profiled share of the GPU (vLLM's kv_cache_memory_bytes). vLLM measures the device's free "
+                          "memory while it profiles at start, so other processes allocating or exiting meanwhile "
+                          "shrink its cache or fail its start: use this when several runs share one GPU."},
     )
 
     def __post_init__(self):
@@ -704,7 +704,8 @@ class OPSDTrainer(DistillationTrainer):
         """Both roles' forwards of one micro-batch (per-row prompt and completion token lists),
         as the loss sees them, as one group. `pad_side` overrides the run's geometry (the probe
         scores one set of rollouts under several; research/probe.py)."""
-        return self.grouped_scoring_forwards(unwrapped, inputs, pad_side=pad_side, rows=len(inputs["completion_ids"]))[0]
+        rows = len(inputs["completion_ids"])
+        return self.grouped_scoring_forwards(unwrapped, inputs, pad_side=pad_side, rows=rows)[0]
 
     def grouped_scoring_forwards(self, unwrapped, inputs, pad_side: str | None = None,
                                  rows: int | None = None) -> list[ScoringForwards]:

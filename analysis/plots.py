@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Sequence
 
 from opsd.jsonl import read_jsonl
-from opsd.run_log import KL_LINE_FIELDS
 from opsd.run_folder import METRICS_FILE
+from opsd.run_log import KL_LINE_FIELDS
 
 CURVES_FILE = "curves.png"  # beside metrics.jsonl (opsd_train.py) and beside results.md (research/grid.py)
 DPI = 100
@@ -491,7 +491,8 @@ def draw_or_warn(what: str, draw, *args, **kwargs):
 # --------------------------------------------------------------------------
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m analysis.plots", description="PNG plots of training runs (metrics.jsonl).")
+    parser = argparse.ArgumentParser(prog="python -m analysis.plots",
+                                     description="PNG plots of training runs (metrics.jsonl).")
     commands = parser.add_subparsers(dest="command", required=True)
     metric = argparse.ArgumentParser(add_help=False)
     metric.add_argument("--metric", action="append", metavar="KEY",

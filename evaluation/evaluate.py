@@ -945,7 +945,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from rollout.paged_decode import DEFAULT_MAX_ROWS
 
     parser = argparse.ArgumentParser(
-        prog="python -m evaluation", description="Evaluate a LoRA checkpoint (or the base model) with the frozen OPSD protocol.")
+        prog="python -m evaluation",
+        description="Evaluate a LoRA checkpoint (or the base model) with the frozen OPSD protocol.")
     parser.add_argument("checkpoint", help="LoRA checkpoint folder (with adapter_config.json), 'base', or a run "
                                            "folder (holding checkpoint-N folders): every checkpoint in step order, "
                                            "then an accuracy-vs-step table and the best (evaluation/sweep.py)")

@@ -397,7 +397,8 @@ def _check_teacher_choice(path, recipe: Recipe, set_on: dict[str, int]) -> None:
     default = "" if "fixed_teacher" in set_on else " (fixed_teacher is true by default)"
     raise RecipeError(
         path, line,
-        f"fixed_teacher and use_ema_teacher are mutually exclusive{default}; set fixed_teacher=false for an EMA teacher",
+        f"fixed_teacher and use_ema_teacher are mutually exclusive{default}; "
+        "set fixed_teacher=false for an EMA teacher",
     )
 
 
@@ -565,7 +566,8 @@ def check_env(env: Mapping[str, str] = os.environ) -> None:
 # --------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m opsd.config", description="Validate OPSD configuration before anything loads.")
+    parser = argparse.ArgumentParser(prog="python -m opsd.config",
+                                     description="Validate OPSD configuration before anything loads.")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="parse a recipe file and print it as key=value lines")
     check.add_argument("recipe", help="path of the recipe file, e.g. recipe.env")

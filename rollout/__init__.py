@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 from opsd.model_utils import eval_mode, left_pad, model_device
-from rollout.paged_decode import PAGED, paged_generate
 from opsd.sampling import Completion, SamplingSettings, derive_seed, to_completion
+from rollout.paged_decode import PAGED, paged_generate
 from rollout.static_decode import (
     CACHE_IMPLEMENTATIONS,
     GRAPH_LOOPS,

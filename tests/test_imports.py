@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def packages() -> list[Path]:
     """Every package folder of the project (a folder with __init__.py; sub-packages too)."""
     return sorted(init.parent for init in ROOT.rglob("__init__.py")
-                  if not {"tests", "bench", ".git", ".cache"} & set(init.relative_to(ROOT).parts))
+                  if not {"tests", "bench", ".git", ".cache", "build"} & set(init.relative_to(ROOT).parts))
 
 
 def project_modules() -> dict[str, Path]:

@@ -215,7 +215,8 @@ def fake_gpu_host(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text(
-        '#!/usr/bin/env bash\nfor ((i = 0; i < ${FAKE_GPUS:-4}; i++)); do echo "GPU $i: NVIDIA H200 (UUID: GPU-$i)"; done\n')
+        '#!/usr/bin/env bash\n'
+        'for ((i = 0; i < ${FAKE_GPUS:-4}; i++)); do echo "GPU $i: NVIDIA H200 (UUID: GPU-$i)"; done\n')
     (bin_dir / "accelerate").write_text(
         '#!/usr/bin/env bash\necho "launch CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-unset} $*"\n')
     for tool in bin_dir.iterdir():
@@ -225,7 +226,8 @@ def fake_gpu_host(tmp_path):
     # A training run without the launcher (one process) is recorded like accelerate's.
     (bin_dir / "python").write_text(
         '#!/usr/bin/env bash\nif [[ " $* " == *" --check_only "* ]]; then echo "check $*"; exit 0; fi\n'
-        'if [[ " $* " == *"/opsd_train.py "* ]]; then echo "train CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-unset} $*"; '
+        'if [[ " $* " == *"/opsd_train.py "* ]]; then '
+        'echo "train CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-unset} $*"; '
         'exit 0; fi\n'
         f'exec {sys.executable} "$@"\n')
     (bin_dir / "python").chmod(0o755)
@@ -238,7 +240,7 @@ def launch(env, **extra):
     `train ...` for one process started without it)."""
     result = subprocess.run(["bash", "train_capped.sh"], cwd=ROOT, env={**env, **extra},
                             capture_output=True, text=True, timeout=120)
-    line = next((l for l in result.stdout.splitlines() if l.startswith(("launch ", "train "))), "")
+    line = next((out for out in result.stdout.splitlines() if out.startswith(("launch ", "train "))), "")
     return result, line
 
 
@@ -285,7 +287,8 @@ def test_colocate_and_remote_server_use_every_gpu(fake_gpu_host):
     ({"OPSD_NUM_PROCESSES": "1", "CUDA_VISIBLE_DEVICES": "2,3"}, "train CUDA_VISIBLE_DEVICES=2 "),
     ({"OPSD_PRESET": "tiny"}, "train CUDA_VISIBLE_DEVICES=0 "),
     # N processes below the visible GPUs: the first N.
-    ({"OPSD_NUM_PROCESSES": "2"}, f"launch CUDA_VISIBLE_DEVICES=0,1 launch --config_file {DDP_CONFIG} --num_processes 2 "),
+    ({"OPSD_NUM_PROCESSES": "2"},
+     f"launch CUDA_VISIBLE_DEVICES=0,1 launch --config_file {DDP_CONFIG} --num_processes 2 "),
     ({"OPSD_NUM_PROCESSES": "2", "CUDA_VISIBLE_DEVICES": "3,1,2"},
      f"launch CUDA_VISIBLE_DEVICES=3,1 launch --config_file {DDP_CONFIG} --num_processes 2 "),
 ], ids=["one", "one-of-visible", "tiny-preset", "two-of-four", "two-of-visible"])
@@ -341,7 +344,8 @@ def test_the_tracker_is_the_variables_not_the_scripts(fake_gpu_host):
 
 
 @pytest.mark.parametrize("extra, fragment", [
-    ({"CUDA_VISIBLE_DEVICES": "0"}, "no training GPU: 0 GPUs left once OPSD_VLLM_SERVER_GPU=0 is excluded (visible: 0)"),
+    ({"CUDA_VISIBLE_DEVICES": "0"},
+     "no training GPU: 0 GPUs left once OPSD_VLLM_SERVER_GPU=0 is excluded (visible: 0)"),
     ({"FAKE_GPUS": "4", "OPSD_NUM_PROCESSES": "4"},
      "OPSD_NUM_PROCESSES=4 but 3 GPUs left once OPSD_VLLM_SERVER_GPU=0 is excluded (visible: 0 1 2 3)"),
 ])

@@ -77,8 +77,8 @@ def two_checkpoints(tmp_path_factory):
 
 @pytest.mark.slow
 def test_sweep_evaluates_every_checkpoint_then_skips_them(two_checkpoints, tmp_path, capsys):
-    from evaluation import sweep as checkpoint_sweep
     from evaluation import evaluate
+    from evaluation import sweep as checkpoint_sweep
 
     run, evals = two_checkpoints, tmp_path / "evals"
     env = {**os.environ, "OPSD_PRESET": "tiny", "OPSD_MODEL": "tiny-random", "OPSD_EVAL_DATA": EVAL_SET,

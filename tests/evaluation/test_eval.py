@@ -16,8 +16,18 @@ from pathlib import Path
 import pytest
 
 from evaluation import evaluate
-from evaluation.evaluate import (TINY_SETTINGS, answers_match, extract_boxed, final_line, grade, is_correct,
-                       majority_vote, normalize_answer, pass_at_k, summarize)
+from evaluation.evaluate import (
+    TINY_SETTINGS,
+    answers_match,
+    extract_boxed,
+    final_line,
+    grade,
+    is_correct,
+    majority_vote,
+    normalize_answer,
+    pass_at_k,
+    summarize,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 FINAL_RE = re.compile(r"^FINAL avg@(\d+) accuracy: (\d+\.\d\d)% \((\d+)/(\d+) solutions correct on (\d+) problems\)$")
@@ -308,7 +318,6 @@ def make_lora_checkpoint(folder: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
     import tiny_default
-
     from opsd.model_utils import peft_wrapping
 
     model = AutoModelForCausalLM.from_pretrained(tiny_default.resolve_model("tiny"))  # the preset's model
@@ -440,7 +449,8 @@ def test_paged_engine_end_to_end(tmp_path, monkeypatch, capsys):
     calls = []
     real_chunk = evaluate._sample_chunk
     monkeypatch.setattr(evaluate, "_sample_chunk", lambda backend, request, prompts, chunk, **kw: calls.append(
-        (backend.cache_implementation, backend.batch_size, chunk)) or real_chunk(backend, request, prompts, chunk, **kw))
+        (backend.cache_implementation, backend.batch_size, chunk))
+        or real_chunk(backend, request, prompts, chunk, **kw))
     status, out, err = in_process(capsys, "base", "--engine", "paged", "--dataset", "tiny:7:4",
                                   "--output-dir", str(tmp_path))
     assert status == 0, err
@@ -628,7 +638,8 @@ def test_vllm_evaluation_env_logs_teardown_and_last_line(monkeypatch, tmp_path, 
     assert shutdown < next(i for i, line in enumerate(out) if re.match(r"\[ *1/", line))  # before any result
     assert "engine ready" not in captured.out and "[fake vllm] engine ready" in captured.err
     warnings = [line for line in captured.err.splitlines() if line.startswith("warning: ")]
-    assert len(warnings) == 1 and f"that the model's context of {context} leaves after max_new_tokens={context - 20}" in warnings[0]
+    assert len(warnings) == 1
+    assert f"that the model's context of {context} leaves after max_new_tokens={context - 20}" in warnings[0]
 
 
 def test_a_vllm_outside_the_supported_range_is_one_line_before_loading(monkeypatch, tmp_path, capsys):

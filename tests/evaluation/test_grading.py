@@ -175,8 +175,8 @@ def test_the_real_worker_speaks_json_lines():
     nothing else on stdout."""
     requests = [{"answer": r"\frac{1}{2}", "gold": "0.5"}, {"answer": "3", "gold": "4"},
                 {"answer": "é", "gold": "é"}]
-    proc = subprocess.run([sys.executable, "-P", str(ROOT / "opsd" / "grading_worker.py")], capture_output=True, timeout=300,
-                          input="".join(json.dumps(r) + "\n" for r in requests).encode())
+    proc = subprocess.run([sys.executable, "-P", str(ROOT / "opsd" / "grading_worker.py")], capture_output=True,
+                          timeout=300, input="".join(json.dumps(r) + "\n" for r in requests).encode())
     assert proc.returncode == 0, proc.stderr[-2000:]
     replies = [json.loads(line) for line in proc.stdout.decode("ascii").splitlines()]
     assert replies[0] == {"ready": True}

@@ -64,7 +64,8 @@ def _argmax_follows_reference(model, tok, fmt, n=40):
 def test_teacher_prompt_knows_far_more_than_the_student_prompt(model, tok):
     """The privileged gap OPSD distils, on held-out problems: with the reference in
     context the model follows it; from the problem alone it often does not."""
-    student, teacher = _argmax_follows_reference(model, tok, "student"), _argmax_follows_reference(model, tok, "teacher")
+    student = _argmax_follows_reference(model, tok, "student")
+    teacher = _argmax_follows_reference(model, tok, "teacher")
     assert teacher >= 0.7 and student <= 0.6 and teacher - student >= 0.3, (student, teacher)  # measured 0.80 vs 0.375
 
 
