@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 #   bash install.sh         the CPU-capable core (requirements.txt): what the tests run on
-#   bash install.sh --gpu   the GPU stack that ran on an H200 (requirements-gpu.txt): torch 2.11.0
-#                           CUDA 13.0, vLLM 0.26.0, transformers 5.17.0, TRL 1.16.0, ...
+#   bash install.sh --gpu   the GPU stack that ran on an H200 (requirements-gpu.txt, from PyPI): torch
+#                           2.11.0 (CUDA 13.0), vLLM 0.26.0, transformers 5.17.0, TRL 1.16.0, ...
 # CPU: torch goes first with an exact pin: a bare or ranged `torch` requirement would pull a
 # multi-GB CUDA build onto a CPU machine.
 set -euo pipefail
@@ -9,17 +9,14 @@ cd "$(dirname "$0")"
 case "${1:-}" in
   "") ;;
   --gpu)
-    # torch, torchvision, torchaudio (vLLM requires all three exactly) from PyTorch's CUDA 13.0
-    # index, the only one with the +cu130 builds; then the rest from PyPI, where the file's exact
-    # pins keep that torch (pip takes the installed 2.11.0+cu130, not PyPI's 2.11.0).
-    index=https://download.pytorch.org/whl/cu130
-    mapfile -t torch_pins < <(grep -oE '^torch(vision|audio)?==[^[:space:]#]+' requirements-gpu.txt)
-    echo "[install 1/3] ${torch_pins[*]} from $index (about 3 GB)"
-    python -m pip install -q --disable-pip-version-check --index-url "$index" "${torch_pins[@]}"
-    echo "[install 2/3] requirements-gpu.txt: vLLM, transformers, TRL, peft, datasets, ... as run"
+    # One file from PyPI: its exact pins are the stack that ran (PyPI's torch 2.11.0 for Linux
+    # x86-64 is the CUDA 13.0 build; vLLM requires torch, torchvision and torchaudio exactly).
+    echo "[install 1/3] requirements-gpu.txt: torch 2.11.0 (CUDA 13.0), vLLM 0.26.0, transformers 5.17.0, TRL, ... as run (several GB)"
     python -m pip install -q --disable-pip-version-check -r requirements-gpu.txt
-    echo "[install 3/3] pip check"
+    echo "[install 2/3] pip check"
     python -m pip check
+    echo "[install 3/3] the project's packages: pip install -e ."
+    python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
     echo "[install] done"
     exit 0 ;;
   -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;

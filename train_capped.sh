@@ -104,7 +104,7 @@ elif [[ -n "${OPSD_USE_VLLM:-}" ]]; then
   use_vllm=0; why="OPSD_USE_VLLM=0"
 elif (( ${#visible[@]} > 0 )); then
   use_vllm=0
-  why="default on GPUs: 4.2 s a step and 16 GiB against vLLM colocate's 5.4 s and 60 GiB at Qwen3-1.7B, BENCHMARKS.md; OPSD_USE_VLLM=1 for vLLM"
+  why="default on GPUs: 4.1 s a step and 16 GiB against vLLM colocate's 5.1 s and 51 GiB at Qwen3-1.7B, one call, BENCHMARKS.md; OPSD_USE_VLLM=1 for vLLM"
 else
   use_vllm=0; why="no GPU visible"
 fi

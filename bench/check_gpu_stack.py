@@ -4,7 +4,7 @@
 
 One line per requirement: the package, what the file asks for, what is installed, ok or
 MISMATCH / MISSING. An exact pin must be the installed version exactly, build label included
-(torch 2.11.0 from PyPI is not the pinned 2.11.0+cu130 of PyTorch's CUDA 13.0 index); a range
+(a pin of 2.11.0+cu130 would refuse 2.11.0+cpu; a pin of 2.11.0 takes any build of it); a range
 must contain it; an unpinned package must be installed. Exit status 0 when every line is ok,
 1 otherwise, 2 for an unreadable file. Reads package metadata only: nothing is imported, so
 it runs on a machine without a GPU too. `python -m pip check` checks the rest of the

