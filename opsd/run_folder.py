@@ -232,11 +232,30 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class RunLock:
-    """`.lock` in the run folder, holding `PID HOST` of the training process.
+def _slurm_job_running(job: str) -> bool | None:
+    """Whether SLURM still holds job `job` (pending, running, requeued); None where `squeue`
+    cannot tell (no SLURM here, or it fails)."""
+    import subprocess
 
-    Created with O_EXCL, so of two runs started at once exactly one gets it. A
-    lock whose process is gone (same host, PID not alive) is stale and taken over.
+    try:
+        listing = subprocess.run(["squeue", "--noheader", "--format=%i", "--jobs", job],
+                                 capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if listing.returncode != 0:
+        return False if "Invalid job id" in listing.stderr else None
+    return bool(listing.stdout.strip())
+
+
+class RunLock:
+    """`.lock` in the run folder, holding `PID HOST [SLURM_JOB_ID]` of the training process.
+
+    Created with O_EXCL, so of two runs started at once exactly one gets it. A lock is
+    stale, and taken over, when its process is gone: same host and PID not alive, or, for a
+    lock taken inside a SLURM job, that job has left the queue (a cell killed on one node and
+    resubmitted to another). A lock of this very SLURM job is not another run's: the job's
+    other machines check the folder while its first one trains, and a requeued job resumes
+    where it was killed.
     """
 
     def __init__(self, folder: str):
@@ -250,7 +269,7 @@ class RunLock:
         # fails if the lock exists, and a lock file is never seen half-written.
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".lock.", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            f.write(f"{os.getpid()} {socket.gethostname()}\n")
+            f.write(f"{os.getpid()} {socket.gethostname()} {os.environ.get('SLURM_JOB_ID', '-')}\n")
         try:
             for _ in range(2):
                 try:
@@ -271,19 +290,27 @@ class RunLock:
     def check(self) -> None:
         """Raise RunFolderError when another live process holds the lock (without taking it)."""
         owner = self._owner()
-        if owner is not None and owner[0] != os.getpid() and (
-                owner[1] != socket.gethostname() or _pid_alive(owner[0])):
+        if owner is None or owner[0] == os.getpid() and owner[1] == socket.gethostname():
+            return
+        pid, host, job = owner
+        if job != "-" and job == os.environ.get("SLURM_JOB_ID"):
+            return  # this SLURM job's own lock
+        if host == socket.gethostname():
+            live = _pid_alive(pid)
+        else:  # another host's process: only SLURM can say it is gone
+            live = job == "-" or _slurm_job_running(job) is not False
+        if live:
             folder = os.path.dirname(self.path)
             raise RunFolderError(
-                f"{folder} is in use by another run (PID {owner[0]} on {owner[1]}, lock file {self.path}); "
+                f"{folder} is in use by another run (PID {pid} on {host}, lock file {self.path}); "
                 "wait for it to end or choose another OPSD_OUTPUT"
             )
 
-    def _owner(self) -> tuple[int, str] | None:
+    def _owner(self) -> tuple[int, str, str] | None:
         try:
             with open(self.path, encoding="utf-8") as f:
-                pid, host = f.read().split()[:2]
-            return int(pid), host
+                pid, host, *job = f.read().split()
+            return int(pid), host, (job or ["-"])[0]
         except (OSError, ValueError):
             return None
 

@@ -501,7 +501,11 @@ class SlurmCell:
         grid = load_grid(self.grid_file)
         (cell,) = [c for c in cells(grid, Path(self.out)) if c.name == self.name]
         gpus = tuple(executors.visible_gpus()[:self.gpus_per_cell]) if self.gpus_per_cell else ()
-        outcome = run_cell(grid, cell, lambda message: print(message, flush=True), gpus=gpus, started=self._started)
+        if len(gpus) < self.gpus_per_cell:
+            raise RuntimeError(f"{self.name}: asked for {self.gpus_per_cell} GPU(s), the job sees {len(gpus)}")
+        port = 20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000  # cells of one node must not share one
+        outcome = run_cell(grid, cell, lambda message: print(message, flush=True), gpus=gpus, port=port,
+                           started=self._started)
         if outcome.startswith("failed"):
             raise RuntimeError(f"{self.name}: {outcome}")
         return outcome
@@ -549,14 +553,19 @@ def run_on_slurm(grid: Grid, grid_file: str, todo: list[Cell], out: Path, args, 
     def submit(names: list[str]) -> None:
         if not names:
             return
-        with executor.batch():
-            handles = {name: executor.submit(SlurmCell(str(copy), str(out), name, options.gpus_per_cell))
-                       for name in names}
+        try:
+            with executor.batch():
+                handles = {name: executor.submit(SlurmCell(str(copy), str(out), name, options.gpus_per_cell))
+                           for name in names}
+        except Exception as exc:  # submitit's FailedJobError, or sbatch missing: sbatch's own last word
+            said = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            raise executors.ExecutorError(f"sbatch refused the job array: {said[-1] if said else exc}") from None
         for name, job in handles.items():
             jobs[name] = job.job_id
             submitted[name] = job
         write_text_atomic(jobs_file, json.dumps(jobs, indent=1) + "\n")
-        log(f"submitted {len(names)} cell(s) as job array {next(iter(handles.values())).job_id.split('_')[0]}: "
+        kind = "job array" if len(names) > 1 else "job"
+        log(f"submitted {len(names)} cell(s) as {kind} {next(iter(handles.values())).job_id.split('_')[0]}: "
             + ", ".join(f"{name} {handles[name].job_id}" for name in names))
 
     submit([c.name for c in todo if c.name not in waiting])
@@ -568,8 +577,18 @@ def run_on_slurm(grid: Grid, grid_file: str, todo: list[Cell], out: Path, args, 
     tries = {name: 1 for name in jobs}
     pending = {c.name for c in todo}
     last = None
+    failures = 0
     while pending:
-        queued = watch.queued([jobs[name] for name in pending])
+        try:
+            queued = watch.queued([jobs[name] for name in pending])
+            failures = 0
+        except (executors.ExecutorError, OSError, subprocess.SubprocessError) as exc:
+            failures += 1  # a busy controller times out now and then: keep waiting, up to a point
+            if failures >= SQUEUE_FAILURES:
+                raise executors.ExecutorError(f"squeue failed {failures} times in a row: {exc}") from None
+            log(f"squeue failed ({exc}); asking again in {args.poll:.0f} s")
+            time.sleep(args.poll)
+            continue
         for name in sorted(pending):
             if jobs[name] in queued:
                 continue
@@ -577,6 +596,8 @@ def run_on_slurm(grid: Grid, grid_file: str, todo: list[Cell], out: Path, args, 
             if cell.report.is_file():
                 outcomes[name] = "done"
                 log(f"{name}: done (job {jobs[name]})")
+            elif _job_cancelled(out, jobs[name]):  # scancel: the user's word, not a failure to retry
+                outcomes[name] = f"failed: cancelled ({_job_failure(out, jobs[name])}); re-run the grid to resubmit it"
             elif tries[name] < 2:
                 log(f"{name}: job {jobs[name]} ended without results ({_job_failure(out, jobs[name])}); resubmitting "
                     "it once: it resumes from its last checkpoint")
@@ -595,6 +616,18 @@ def run_on_slurm(grid: Grid, grid_file: str, todo: list[Cell], out: Path, args, 
         if pending:
             time.sleep(args.poll)
     return outcomes
+
+
+SQUEUE_FAILURES = 10  # consecutive failed queue reads before the wait gives up
+
+
+def _job_cancelled(out: Path, job_id: str) -> bool:
+    """Whether scancel (or an admin) ended the job: SLURM's last 'CANCELLED AT' line in its error
+    log gives no other cause ('DUE TO JOB REQUEUE', 'DUE TO TIME LIMIT', ... are not cancels)."""
+    log_path = out / "slurm" / job_id / f"{job_id}_0_log.err"
+    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+    lines = [line for line in text.splitlines() if "CANCELLED AT" in line]
+    return bool(lines) and "DUE TO" not in lines[-1]
 
 
 def _job_failure(out: Path, job_id: str) -> str:
@@ -707,6 +740,7 @@ def _check_executor_options(args) -> None:
             raise executors.ExecutorError("--cells-per-gpu is for this machine's GPU pool; on SLURM each cell is "
                                           "a job with --gpus-per-cell GPUs")
         args.time = 240 if args.time is None else args.time
+        executors.parse_sbatch_options(args.sbatch)  # a malformed one stops here, before anything is written
         if args.time < 1 or (args.poll <= 0):
             raise executors.ExecutorError(f"--time must be >= 1 minute and --poll > 0, got {args.time} and {args.poll}")
     if args.parallel is not None and args.parallel < 1:

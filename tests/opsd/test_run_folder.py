@@ -33,6 +33,33 @@ def test_lock_of_another_host_is_respected(tmp_path):
         RunLock(str(tmp_path)).acquire()
 
 
+def test_a_slurm_jobs_lock_is_its_own_and_stale_once_the_job_left_the_queue(tmp_path, monkeypatch):
+    """A lock taken inside SLURM job 777 on another node: job 777's other machines pass it (they
+    check the folder while machine 0 trains); another job respects it while squeue lists 777,
+    and takes it over once 777 has left the queue (a cell resubmitted to another node)."""
+    lock = tmp_path / run_folder.LOCK_FILE
+    lock.write_text("4242 node-a 777\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    squeue = bin_dir / "squeue"
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    RunLock(str(tmp_path)).check()  # this job's own lock
+    monkeypatch.setenv("SLURM_JOB_ID", "778")
+    squeue.write_text("#!/bin/sh\necho 777\n")  # 777 still queued or running
+    squeue.chmod(0o755)
+    with pytest.raises(RunFolderError, match=r"in use by another run \(PID 4242 on node-a"):
+        RunLock(str(tmp_path)).check()
+    squeue.write_text("#!/bin/sh\nexit 0\n")  # 777 has left the queue: a stale lock
+    with RunLock(str(tmp_path)) as taken:
+        assert taken.held and lock.read_text().split() == [str(os.getpid()), os.uname().nodename, "778"]
+    squeue.unlink()  # no SLURM to ask: another host's lock stays respected
+    monkeypatch.setenv("PATH", str(bin_dir))
+    lock.write_text("4242 node-a 777\n")
+    with pytest.raises(RunFolderError):
+        RunLock(str(tmp_path)).check()
+
+
 def test_config_conflicts_ignore_the_budget_split_and_max_steps():
     recorded = {"model": "tiny", "OPSD_CLIP_MODE": "entry", "max_steps": 8, "num_processes": 1,
                 "gradient_accumulation_steps": 2, "output_dir": "/a", "beta": 0.5}

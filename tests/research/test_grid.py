@@ -191,8 +191,9 @@ def test_the_pool_runs_every_cell_and_never_more_than_k_on_a_gpu():
     outcomes = executors.run_pooled(list(range(20)), run, slots, None)
     assert [task for task, _ in outcomes] == list(range(20))  # every task, in order
     assert most == {"0": 2, "1": 2}  # both GPUs used, two cells each at most
+    most.clear()
     outcomes = executors.run_pooled(list(range(6)), run, slots, 1)  # --parallel 1: one at a time
-    assert max(most.values()) == 2 and len(outcomes) == 6
+    assert max(most.values()) == 1 and len(outcomes) == 6
     assert executors.run_pooled([1, 2], lambda task, index, slot: (index, slot), [], 2) == [(None, None)] * 2
 
 
@@ -305,3 +306,17 @@ def test_a_folder_holding_another_grids_cells_is_refused(tmp_path):
     # The same cell (its identity unchanged) is accepted: a re-run, or a grid with more arms or seeds.
     (cell.folder / "cell.json").write_text(json.dumps(research.grid.cell_identity(grid, cell)))
     research.grid.check_cell_identity(grid, cell)
+
+
+def test_a_cancelled_job_is_told_from_a_requeued_or_timed_out_one(tmp_path):
+    def log(job, text):
+        folder = tmp_path / "slurm" / job
+        folder.mkdir(parents=True)
+        (folder / f"{job}_0_log.err").write_text(text)
+
+    log("1_0", "slurmstepd: error: *** JOB 1 ON vm CANCELLED AT 2026-12-04T12:29:30 ***\n")
+    log("2_0", "*** JOB 2 ON vm CANCELLED AT 2026-12-04T12:29:30 DUE TO JOB REQUEUE ***\nlater output\n")
+    log("3", "*** JOB 3 ON vm CANCELLED AT 2026-12-04T12:29:30 DUE TO TIME LIMIT ***\n")
+    log("4", "RuntimeError: a/seed-0: failed: train exited 1 (see x/train.log)\n")
+    assert [research.grid._job_cancelled(tmp_path, job) for job in ("1_0", "2_0", "3", "4", "5")] == [
+        True, False, False, False, False]

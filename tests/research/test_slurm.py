@@ -29,16 +29,19 @@ from test_ddp import one_process_step  # noqa: E402,F401  (a fixture: one proces
 
 def _slurm_answers() -> str | None:
     """None when a SLURM cluster answers here, else why not."""
-    if shutil.which("sbatch") is None:
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
         return "no sbatch on PATH (`bash .ci/slurm.sh up` starts a single-node cluster, as root)"
-    state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
+    try:
+        state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"no SLURM controller answers: {exc}"
     if state.returncode != 0 or not state.stdout.strip():
         return f"no SLURM controller answers: {state.stderr.strip()[:200]}"
     return None
 
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow,
-              pytest.mark.skipif(_slurm_answers() is not None, reason=str(_slurm_answers()))]
+NO_SLURM = _slurm_answers()
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.skipif(NO_SLURM is not None, reason=str(NO_SLURM))]
 
 from grid_cases import CELLS, GRID  # noqa: E402  (conftest.py's local_grid: the local executor's run of GRID)
 
@@ -156,6 +159,15 @@ def test_no_wait_then_the_same_command_collects_and_a_cell_failing_twice_is_repo
     assert "Missing cells (no results yet, not in the table): broken/seed-0" in results
     assert json.loads((tmp_path / "out" / "results.json").read_text())["missing"] == ["broken/seed-0"]
     assert "| entry | 1 |" in results
+
+
+@pytest.mark.xdist_group("slurm-errors")
+def test_a_job_array_sbatch_refuses_is_one_line_before_anything_runs(tmp_path):
+    status, log = grid_run(GRID, tmp_path, "--cluster", "slurm", "--gpus-per-cell", "0", "--partition", "no-such")
+    assert status == 2, log
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("error: sbatch refused the job array: ") and "partition" in last.lower(), log
+    assert "Traceback" not in log and not any((tmp_path / "out").glob("*/seed-*/run"))
 
 
 def _srun_two_machines(command: str, env: dict, timeout: int = 900) -> subprocess.CompletedProcess:
