@@ -368,8 +368,8 @@ def test_the_own_engine_is_the_default_even_with_vllm_importable(fake_gpu_host, 
     assert result.returncode == 0, result.stderr
     assert line.startswith("train ") and "--use_vllm" not in line
     (engine,) = [out for out in result.stdout.splitlines() if out.startswith("[OPSD] rollouts:")]
-    assert engine.startswith("[OPSD] rollouts: own engine (default on GPUs: 4.2 s a step and 16 GiB against "
-                             "vLLM colocate's 5.4 s and 60 GiB at Qwen3-1.7B, BENCHMARKS.md; OPSD_USE_VLLM=1 for vLLM)")
+    assert engine == ("[OPSD] rollouts: own engine (default on GPUs: 4.1 s a step and 16 GiB against vLLM "
+                      "colocate's 5.1 s and 51 GiB at Qwen3-1.7B, one call, BENCHMARKS.md; OPSD_USE_VLLM=1 for vLLM)")
     result, line = launch(env, FAKE_GPUS="1", OPSD_USE_VLLM="1")
     assert result.returncode == 0, result.stderr
     assert line.endswith(" --use_vllm true --vllm_mode colocate"), line
