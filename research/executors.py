@@ -138,10 +138,9 @@ def slurm_executor(folder: Path, options: SlurmOptions, job_name: str, repo: Pat
     )
     if options.gpus_per_cell:
         parameters["gpus_per_node"] = options.gpus_per_cell
-    optional = {"partition": options.partition, "cpus_per_task": options.cpus_per_cell, "mem": None,
+    optional = {"partition": options.partition, "cpus_per_task": options.cpus_per_cell,
+                "mem": None if options.mem_gb is None else f"{int(options.mem_gb * 1024)}M",
                 "account": options.account, "qos": options.qos, "array_parallelism": options.array_parallelism}
-    if options.mem_gb is not None:
-        optional["mem"] = f"{int(options.mem_gb * 1024)}M"
     parameters.update({key: value for key, value in optional.items() if value is not None})
     extra = dict(options.sbatch)
     for key in list(extra):

@@ -548,7 +548,6 @@ def run_on_slurm(grid: Grid, grid_file: str, todo: list[Cell], out: Path, args, 
     if waiting:
         log(f"{len(waiting)} cell(s) still queued from an earlier submission: {', '.join(sorted(waiting))}")
     executor = executors.slurm_executor(out / "slurm", options, f"grid-{out.name}", REPO)
-    submitted = {}
 
     def submit(names: list[str]) -> None:
         if not names:
@@ -562,7 +561,6 @@ def run_on_slurm(grid: Grid, grid_file: str, todo: list[Cell], out: Path, args, 
             raise executors.ExecutorError(f"sbatch refused the job array: {said[-1] if said else exc}") from None
         for name, job in handles.items():
             jobs[name] = job.job_id
-            submitted[name] = job
         write_text_atomic(jobs_file, json.dumps(jobs, indent=1) + "\n")
         kind = "job array" if len(names) > 1 else "job"
         log(f"submitted {len(names)} cell(s) as {kind} {next(iter(handles.values())).job_id.split('_')[0]}: "
@@ -621,10 +619,15 @@ def run_on_slurm(grid: Grid, grid_file: str, todo: list[Cell], out: Path, args, 
 SQUEUE_FAILURES = 10  # consecutive failed queue reads before the wait gives up
 
 
+def _job_log(out: Path, job_id: str) -> Path:
+    """A job's error log, where submitit's sbatch script sends it (an array task's id is 'A_T')."""
+    return out / "slurm" / job_id / f"{job_id}_0_log.err"
+
+
 def _job_cancelled(out: Path, job_id: str) -> bool:
     """Whether scancel (or an admin) ended the job: SLURM's last 'CANCELLED AT' line in its error
     log gives no other cause ('DUE TO JOB REQUEUE', 'DUE TO TIME LIMIT', ... are not cancels)."""
-    log_path = out / "slurm" / job_id / f"{job_id}_0_log.err"
+    log_path = _job_log(out, job_id)
     text = log_path.read_text(errors="replace") if log_path.is_file() else ""
     lines = [line for line in text.splitlines() if "CANCELLED AT" in line]
     return bool(lines) and "DUE TO" not in lines[-1]
@@ -633,7 +636,7 @@ def _job_cancelled(out: Path, job_id: str) -> bool:
 def _job_failure(out: Path, job_id: str) -> str:
     """What a job left about its end, with its log's path: the cell's own failure line (it names the
     cell's train.log or eval.log) when it got that far, else the log's last line (killed, ...)."""
-    log_path = out / "slurm" / job_id / f"{job_id}_0_log.err"
+    log_path = _job_log(out, job_id)
     lines = [line.strip() for line in (log_path.read_text(errors="replace").splitlines() if log_path.is_file() else [])
              if line.strip()]
     ours = [line.split(": ", 2)[-1] for line in lines if line.startswith("RuntimeError: ")]
