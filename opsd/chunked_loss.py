@@ -290,6 +290,7 @@ def chunked_divergence_loss(
     clip: float | None = 0.05,
     clip_mode: str = "entry",
     top_k: int = 0,
+    config: DivergenceConfig | None = None,
     chunk_size: int = 1024,
     lm_head_bias: torch.Tensor | None = None,
     compile: bool = False,
@@ -302,6 +303,8 @@ def chunked_divergence_loss(
         teacher_hidden: [N, H], same tokens, no gradient.
         lm_head_weight: [V, H]; gets a gradient too if it requires grad (same for
             lm_head_bias [V]).
+        config: the divergence options as one DivergenceConfig; given, it replaces beta,
+            temperature, clip, clip_mode and top_k.
         chunk_size: tokens per chunk; memory scales with chunk_size * V.
         compile: run the per-chunk math through torch.compile (fixed-size chunks; the
             first call compiles). Same values to float rounding.
@@ -309,7 +312,8 @@ def chunked_divergence_loss(
         (loss, stats) with the same values and keys as `divergence_loss`; N = 0 gives
         a zero loss that still back-propagates.
     """
-    cfg = DivergenceConfig(beta=beta, temperature=temperature, clip=clip, clip_mode=clip_mode, top_k=top_k)
+    cfg = config or DivergenceConfig(beta=beta, temperature=temperature, clip=clip, clip_mode=clip_mode,
+                                     top_k=top_k)
     objective = DivergenceObjective(cfg, compile=compile)
     return _apply(objective, student_hidden, teacher_hidden, lm_head_weight, lm_head_bias, chunk_size)
 

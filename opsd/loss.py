@@ -351,6 +351,7 @@ def divergence_loss(
     clip: float | None = 0.05,
     clip_mode: str = "entry",
     top_k: int = 0,
+    config: DivergenceConfig | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """OPSD loss on full logits: mean over masked tokens of the clipped divergence D_n.
 
@@ -359,12 +360,15 @@ def divergence_loss(
             receives gradients.
         mask: [B, C], nonzero on real completion tokens.
         beta, temperature, clip, clip_mode, top_k: see the module docstring.
+        config: the same options as one DivergenceConfig (the trainer's, built once); given,
+            it replaces them.
     Returns:
         (loss, stats): scalar loss (float32, float64 for float64 inputs) and detached
         scalar diagnostics, keys DIVERGENCE_STAT_KEYS. An all-zero mask gives a zero
         loss that still back-propagates (zero gradients) and zero stats.
     """
-    cfg = DivergenceConfig(beta=beta, temperature=temperature, clip=clip, clip_mode=clip_mode, top_k=top_k)
+    cfg = config or DivergenceConfig(beta=beta, temperature=temperature, clip=clip, clip_mode=clip_mode,
+                                     top_k=top_k)
     student_rows, teacher_rows, _ = _masked_rows(student_logits, teacher_logits, mask)
     divergence, stats = rows_divergence(student_rows, teacher_rows, cfg)
     num_tokens = divergence.shape[0]
