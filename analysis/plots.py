@@ -14,7 +14,10 @@ a band from the lowest to the highest seed at each step (default output
 `GRID_DIR/curves.png`, which `research/grid.py` also draws). A metric is a `metrics.jsonl` key
 (`opsd/true_kl`) or its `[OPSD kl]` label (`true_kl`). `python -m analysis.stats ... --plot FILE.png`
 draws its arms with the intervals it prints, through `plot_intervals`; `plot_sweep` draws a
-run's accuracy per checkpoint (`dev_eval.sh RUN_FOLDER`, evaluation/sweep.py).
+run's accuracy per checkpoint (`dev_eval.sh RUN_FOLDER`, evaluation/sweep.py);
+`plot_accuracy_vs_tokens` a grid's accuracy against the tokens its arms sampled
+(`accuracy_vs_tokens.png`, which a grid with `sweep_every` draws; `python -m analysis.stats
+tokens GRID_DIR --plot FILE.png` by hand).
 
 Bad input (a missing folder or file, an unreadable `metrics.jsonl` line, a metric that no
 run logged, an output that is not a writable .png path) is one `error: ...` line on stderr
@@ -474,6 +477,88 @@ def plot_sweep(result: dict, out, title: str = "") -> list[int]:
                  f"{result['samples_per_problem']} samples", fontsize=10)
     _save(fig, out)
     return steps
+
+
+ACCURACY_VS_TOKENS_FILE = "accuracy_vs_tokens.png"  # beside results.md of a grid with sweep_every
+
+
+def accuracy_vs_tokens_figure(table: dict):
+    """The figure of `plot_accuracy_vs_tokens` (not saved), and the labels of the arms drawn.
+    `table`: an `analysis.tokens.grid_table`. A trained arm that samples tokens: its points
+    (mean sampled tokens, mean accuracy over its seeds) joined in step order, with a band from
+    the lowest to the highest seed's accuracy; an arm that samples nothing (SFT) and the
+    untrained arm: horizontal lines at their (last) accuracy, dashed and dotted. Points whose
+    sampled tokens a seed did not record are left out (the title names such arms)."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    from analysis.tokens import format_tokens, samples_nothing
+
+    metric = table["metric"]
+    fig = Figure(figsize=(7.4, 4.6), dpi=DPI, layout="constrained")
+    ax = fig.subplots()
+    drawn, lines, missing = [], [], []
+    for index, (name, arm) in enumerate(table["arms"].items()):
+        color = f"C{index % 10}"
+        if not arm["trained"]:
+            lines.append((name, f"{name} (untrained): {arm['points'][-1]['accuracy']:.2f}",
+                          arm["points"][-1]["accuracy"], ":", "0.35"))
+            continue
+        if samples_nothing(arm):
+            last = arm["points"][-1]
+            lines.append((name, f"{name}: samples no tokens, last checkpoint {last['accuracy']:.2f} "
+                          f"(mean of {len(arm['seeds'])} seeds)", last["accuracy"], "--", color))
+            continue
+        points = [p for p in arm["points"] if p["sampled_tokens"] is not None]
+        if not points:
+            missing.append(name)
+            continue
+        x = [p["sampled_tokens"] for p in points]
+        ax.plot(x, [p["accuracy"] for p in points], marker="o", markersize=4, color=color, linewidth=1.4,
+                label=f"{name} ({len(arm['seeds'])} seed{'s' if len(arm['seeds']) != 1 else ''})")
+        if len(arm["seeds"]) > 1:
+            ax.fill_between(x, [min(p["accuracy_per_seed"]) for p in points],
+                            [max(p["accuracy_per_seed"]) for p in points], color=color, alpha=0.15, linewidth=0)
+        drawn.append(name)
+    if not drawn and not any(style == "--" for *_, style, _ in lines):  # only the untrained line: no axis
+        raise PlotError(f"grid {table['grid']}: no trained arm recorded its sampled tokens (tokens/sampled in "
+                        f"metrics.jsonl; runs from before it do not have it)")
+    for name, label, accuracy, style, color in lines:
+        ax.axhline(accuracy, linestyle=style, color=color, linewidth=1.3, label=label)
+        drawn.append(name)
+    ax.set_xlabel("sampled tokens (cumulative, mean over seeds)", fontsize=9)
+    ax.set_ylabel(f"{metric} (%)", fontsize=9)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _pos: "0" if value == 0 else format_tokens(value)))
+    ax.set_xlim(left=0)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    title = (f"{metric} against sampled tokens, grid {table['grid']}: each arm's mean over its seeds at each "
+             f"{'swept' if table['swept'] else 'last'} checkpoint, band from the lowest to the highest seed")
+    if missing:
+        title += f"; not drawn (sampled tokens not recorded): {', '.join(missing)}"
+    ax.set_title(textwrap.fill(title, 95), fontsize=9)
+    return fig, drawn
+
+
+def plot_accuracy_vs_tokens(table, out=None) -> list[str]:
+    """Accuracy against sampled tokens of a grid (`table`: an `analysis.tokens.grid_table`, or a
+    grid folder; default output GRID_DIR/accuracy_vs_tokens.png). Returns the arms drawn."""
+    from analysis import tokens as run_tokens
+
+    if not isinstance(table, dict):
+        grid_dir = table
+        try:
+            table = run_tokens.grid_table(grid_dir)
+        except run_tokens.TokensError as exc:
+            raise PlotError(str(exc)) from None
+        out = out if out is not None else Path(grid_dir) / ACCURACY_VS_TOKENS_FILE
+    if out is None:
+        raise PlotError("plot_accuracy_vs_tokens: an output .png is needed with a table")
+    out = check_output(out)
+    fig, drawn = accuracy_vs_tokens_figure(table)
+    _save(fig, out)
+    return drawn
 
 
 def draw_or_warn(what: str, draw, *args, **kwargs):

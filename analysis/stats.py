@@ -4,6 +4,13 @@
                                                                     [--plot FILE.png]
     python -m analysis.stats compare --a A1.json [A2.json ...] --b B1.json [B2.json ...]
                                 [--bootstrap N] [--seed S] [--run-sd SD] [--json OUT] [--plot FILE.png]
+    python -m analysis.stats tokens GRID_DIR [--json OUT] [--plot FILE.png]
+
+`tokens` puts a grid's arms (an research/grid.py folder) on the sampled-tokens axis
+(analysis.tokens): per arm, step | sampled tokens | accuracy, the means over its seeds at each
+swept checkpoint (or the last one without `sweep_every`); sampled tokens are the runs' cumulative
+`tokens/sampled` (metrics.jsonl) at the checkpoint's step, "not recorded" for a run that did not
+log it. `--plot` draws accuracy against sampled tokens (analysis.plots.plot_accuracy_vs_tokens).
 
 `sweep_checkpoints` (with `format_sweep_markdown`, `sweep_final_line`) tabulates the
 checkpoints of one run against its last one, for `dev_eval.sh RUN_FOLDER` (evaluation/sweep.py).
@@ -809,7 +816,8 @@ def _pair(ci) -> tuple[float, float] | None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m analysis.stats",
                                      description="Statistics over evaluation reports: one arm's spread "
-                                                 "(summary) or arm B against arm A (compare).")
+                                                 "(summary), arm B against arm A (compare), or a grid's "
+                                                 "accuracy against sampled tokens (tokens).")
     commands = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--bootstrap", type=int, default=DEFAULT_BOOTSTRAP, metavar="N",
@@ -825,12 +833,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     compare.add_argument("--run-sd", type=float, metavar="SD",
                          help="assumed per-run sd in points (e.g. 1.48, the anchor's); shown as an extra "
                               "interval, and used by the verdict when no run-level test is possible (1 vs 1)")
+    tokens = commands.add_parser(
+        "tokens", help="a grid's accuracy against sampled tokens: per arm, step | sampled tokens | accuracy",
+        description="Per arm of an research/grid.py folder: step | sampled tokens | accuracy, means over the arm's "
+                    "seeds, at each swept checkpoint (sweep.json; grids with sweep_every) or else the last one. "
+                    "Sampled tokens: the cumulative tokens/sampled of the run's metrics.jsonl at the checkpoint's "
+                    "step ('not recorded' for a run that did not log it); the untrained arm samples none.")
+    tokens.add_argument("grid", metavar="GRID_DIR", help="an research/grid.py folder (ARM/seed-N/...)")
+    tokens.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
+    tokens.add_argument("--plot", metavar="FILE.png", help="also draw accuracy against sampled tokens (PNG)")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line; returns the exit status (0, or 2 for bad inputs)."""
     args = parse_args(argv)
+    if args.command == "tokens":
+        return _tokens_main(args)
     try:
         if args.bootstrap < MIN_BOOTSTRAP:
             raise InputError(f"--bootstrap must be at least {MIN_BOOTSTRAP}, got {args.bootstrap}")
@@ -859,6 +878,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     print(text)
+    return 0
+
+
+def _tokens_main(args: argparse.Namespace) -> int:
+    """`tokens GRID_DIR`: the grid's accuracy against sampled tokens (analysis.tokens)."""
+    from analysis import tokens as run_tokens
+
+    try:
+        if args.plot:
+            _plot_output(args.plot)
+        table = run_tokens.grid_table(args.grid)
+        if args.json:
+            try:
+                Path(args.json).write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
+            except OSError as exc:
+                raise ReportError(args.json, f"cannot write: {exc.strerror or exc}") from None
+        if args.plot:
+            from analysis import plots as run_plots
+
+            try:
+                run_plots.plot_accuracy_vs_tokens(table, args.plot)
+            except run_plots.PlotError as exc:
+                raise InputError(str(exc)) from None
+    except (InputError, run_tokens.TokensError) as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    print(run_tokens.format_grid_table(table), end="")
     return 0
 
 

@@ -1,0 +1,220 @@
+"""Sampled tokens as an axis: how many completion tokens a run's student sampled, read from its
+`metrics.jsonl`, and a grid's accuracy against them.
+
+The trainer writes `tokens/sampled` into every `metrics.jsonl` record: the cumulative number
+of completion tokens the student sampled so far in the run (all processes; 0 for a step on
+reference solutions, so an SFT run stays at 0; GRPO counts all G completions of a prompt;
+continued across a resume). A checkpoint at step s has sampled the value logged at step s.
+
+A run that does not record it (a run from before the key, or one resumed across it: its first
+logged step lacks the key, so later values would miss the earlier steps' tokens) reads as
+None, "not recorded", never as 0. `grid_table` puts an `research/grid.py` folder's arms on
+this axis (each swept checkpoint, or the last one without a sweep), for
+`python -m analysis.stats tokens` and `analysis.plots.plot_accuracy_vs_tokens`.
+
+Standard library only at import (eval reports are read through analysis.stats when needed).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from opsd.jsonl import read_jsonl
+from opsd.run_folder import METRICS_FILE
+
+SAMPLED_TOKENS_KEY = "tokens/sampled"
+NOT_RECORDED = "not recorded"
+
+
+class TokensError(Exception):
+    """A malformed metrics.jsonl or grid file; one line (`error: ...`, exit 2)."""
+
+
+def read_sampled_tokens(run_dir) -> dict[int, int] | None:
+    """{step: cumulative sampled tokens logged at that step} of a run folder, or None when the run
+    did not record them: no metrics.jsonl, or its first logged step has no `tokens/sampled`
+    (an older run). A later step without the key is left out. A malformed line or value is a
+    TokensError naming the file and line."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return None
+    records = read_jsonl(path, TokensError)
+    by_step: dict[int, int] = {}
+    first_step = None
+    for number, record in records:
+        step = record.get("step")
+        if type(step) is not int:
+            raise TokensError(f"{path}:{number}: expected a JSON object with an integer 'step'")
+        first_step = step if first_step is None else min(first_step, step)
+        if SAMPLED_TOKENS_KEY not in record:
+            continue
+        value = record[SAMPLED_TOKENS_KEY]
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or value < 0 or value != int(value)):
+            raise TokensError(f"{path}:{number}: {SAMPLED_TOKENS_KEY} must be a whole number >= 0, got {value!r}")
+        by_step[step] = int(value)  # a step logged twice (should not happen: resume cuts the file back): the last
+    if first_step is None or first_step not in by_step:
+        return None
+    return dict(sorted(by_step.items()))
+
+
+def tokens_at(by_step: dict[int, int] | None, step: int) -> int | None:
+    """The value logged at `step` (a checkpoint's), None when not recorded there."""
+    return None if by_step is None else by_step.get(int(step))
+
+
+def format_tokens(value) -> str:
+    """1.23 M, 340 k, 12.3 k, 980, 0; None is "not recorded"."""
+    if value is None:
+        return NOT_RECORDED
+    value = float(value)
+    if abs(value) < 1000:
+        return f"{value:.0f}" if value == int(value) else f"{value:.3g}"
+    for scale, unit in ((1e3, "k"), (1e6, "M"), (1e9, "B"), (1e12, "T")):
+        text = f"{value / scale:.3g}"
+        if "e" not in text and abs(float(text)) < 1000:  # 999.6 k rounds to 1e+03: the next unit says 1 M
+            return f"{text} {unit}"
+    return f"{value:.3g}"
+
+
+def mean_or_none(values) -> float | None:
+    """The mean, or None when a value is None (a mean over some seeds only would mislead)."""
+    values = list(values)
+    if not values or any(v is None for v in values):
+        return None
+    return sum(values) / len(values)
+
+
+# --------------------------------------------------------------------------
+# A grid's arms on the tokens axis
+# --------------------------------------------------------------------------
+
+def _seed_number(folder: Path) -> int:
+    tail = folder.name.removeprefix("seed-")
+    return int(tail) if tail.isdigit() else -1
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TokensError(f"{path}: cannot read it ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise TokensError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    if not isinstance(data, dict):
+        raise TokensError(f"{path}: expected a JSON object")
+    return data
+
+
+def _arm_names(grid: Path) -> list[str]:
+    """The grid's arms in its own order (results.json keeps the grid file's), else by name."""
+    results = grid / "results.json"
+    named = []
+    if results.is_file():
+        arms = _read_json(results).get("arms")
+        named = list(arms) if isinstance(arms, dict) else []
+    others = sorted(p.name for p in grid.iterdir() if p.is_dir() and p.name not in named)
+    return [name for name in [*named, *others]
+            if (grid / name / "eval.json").is_file() or any((grid / name).glob("seed-*/eval.json"))]
+
+
+def _accuracy(report: Path) -> tuple[float, str]:
+    from analysis import stats as run_stats  # numpy: only when a grid is read
+
+    try:
+        run = run_stats.load_run(report)
+    except run_stats.InputError as exc:
+        raise TokensError(str(exc)) from None
+    return run.avg, f"avg@{run.k}"
+
+
+def grid_table(grid_dir) -> dict:
+    """Each arm of an research/grid.py folder as points (step, sampled tokens, accuracy), means
+    over the arm's finished seeds with each seed's value:
+
+        {"grid": NAME, "metric": "avg@8", "swept": bool,
+         "arms": {arm: {"trained": bool, "seeds": [0, 1], "points": [
+             {"step": 4, "sampled_tokens": 1234.5 | None, "sampled_tokens_per_seed": [..],
+              "accuracy": 41.2, "accuracy_per_seed": [..]}, ...]}}}
+
+    A trained arm's points are its cells' swept checkpoints (`sweep.json`; the steps every seed
+    has), else the last checkpoint (`eval.json`, the step of the last record of
+    `metrics.jsonl`); an untrained arm is one point at step 0 with 0 tokens. A point's sampled
+    tokens are None ("not recorded") when a seed did not record them at that step."""
+    grid = Path(grid_dir)
+    if not grid.is_dir():
+        raise TokensError(f"{grid_dir}: no such folder")
+    names = _arm_names(grid)
+    if not names:
+        raise TokensError(f"{grid_dir}: no ARM/eval.json or ARM/seed-N/eval.json in it (not an research/grid.py "
+                          "folder, or no cell has finished yet)")
+    table = {"grid": grid.resolve().name, "metric": None, "swept": False, "arms": {}}
+    for name in names:
+        folder = grid / name
+        if (folder / "eval.json").is_file() and not any(folder.glob("seed-*/eval.json")):
+            avg, metric = _accuracy(folder / "eval.json")
+            table["metric"] = table["metric"] or metric
+            table["arms"][name] = {"trained": False, "seeds": [], "points": [
+                {"step": 0, "sampled_tokens": 0, "sampled_tokens_per_seed": [], "accuracy": avg,
+                 "accuracy_per_seed": [avg]}]}
+            continue
+        cells = sorted((p.parent for p in folder.glob("seed-*/eval.json")), key=_seed_number)
+        per_seed = []  # ({step: accuracy}, {step: tokens} | None) per seed
+        for cell in cells:
+            tokens = read_sampled_tokens(cell / "run")
+            if (cell / "sweep.json").is_file():
+                sweep = _read_json(cell / "sweep.json")
+                rows = sweep.get("checkpoints")
+                if not isinstance(rows, list) or not all(isinstance(r, dict) and "step" in r and "avg" in r
+                                                         for r in rows):
+                    raise TokensError(f"{cell / 'sweep.json'}: no 'checkpoints' list of step / avg rows")
+                accuracy = {int(r["step"]): float(r["avg"]) for r in rows}
+                table["metric"] = table["metric"] or sweep.get("metric")
+                table["swept"] = True
+            else:
+                avg, metric = _accuracy(cell / "eval.json")
+                table["metric"] = table["metric"] or metric
+                accuracy = {_last_step(cell / "run"): avg}
+            per_seed.append((accuracy, tokens))
+        steps = sorted(set.intersection(*(set(acc) for acc, _ in per_seed)))
+        points = []
+        for step in steps:
+            tokens = [tokens_at(t, step) for _, t in per_seed]
+            accuracy = [acc[step] for acc, _ in per_seed]
+            points.append({"step": step, "sampled_tokens": mean_or_none(tokens), "sampled_tokens_per_seed": tokens,
+                           "accuracy": sum(accuracy) / len(accuracy), "accuracy_per_seed": accuracy})
+        table["arms"][name] = {"trained": True, "seeds": [_seed_number(c) for c in cells], "points": points}
+    table["metric"] = table["metric"] or "avg@k"
+    return table
+
+
+def _last_step(run_dir: Path) -> int:
+    """The last logged step of a run (its last checkpoint's, as the grid trains it); -1 without metrics."""
+    path = run_dir / METRICS_FILE
+    steps = [r.get("step") for _, r in read_jsonl(path, TokensError)] if path.is_file() else []
+    steps = [s for s in steps if type(s) is int]
+    return max(steps) if steps else -1
+
+
+def samples_nothing(arm: dict) -> bool:
+    """A trained arm whose every point recorded 0 sampled tokens (SFT: reference solutions only)."""
+    return arm["trained"] and bool(arm["points"]) and all(
+        p["sampled_tokens_per_seed"] and all(t == 0 for t in p["sampled_tokens_per_seed"]) for p in arm["points"])
+
+
+def format_grid_table(table: dict) -> str:
+    """Per arm: step | sampled tokens | accuracy (markdown), means over the arm's seeds."""
+    metric = table["metric"]
+    where = "each swept checkpoint" if table["swept"] else "the last checkpoint"
+    lines = [f"# {metric} against sampled tokens: grid {table['grid']}", "",
+             f"{where} of each arm; sampled tokens: the cumulative `{SAMPLED_TOKENS_KEY}` of the run's "
+             f"metrics.jsonl at the checkpoint's step, mean over the arm's seeds ({NOT_RECORDED}: a seed's run did "
+             "not log it, e.g. a run from before the key); the untrained arm samples nothing."]
+    for name, arm in table["arms"].items():
+        seeds = f"{len(arm['seeds'])} seed{'s' if len(arm['seeds']) != 1 else ''}" if arm["trained"] else "untrained"
+        lines += ["", f"## {name} ({seeds})", "", f"| step | sampled tokens | {metric} |", "|---|---|---|"]
+        for p in arm["points"]:
+            tokens = "-" if not arm["trained"] else format_tokens(p["sampled_tokens"])
+            lines.append(f"| {p['step'] if arm['trained'] else '-'} | {tokens} | {p['accuracy']:.2f} |")
+    return "\n".join(lines) + "\n"
