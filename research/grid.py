@@ -31,12 +31,16 @@ so re-running the same command after an interruption finishes the grid. At the
 end: `results.md` (one table, the verdict of `analysis.stats` compare of each arm
 against the baseline) and `results.json` (every number) in the grid folder, and
 `curves.png` beside them: each trained arm's training curves, the mean over its
-seeds with the lowest-to-highest band (`python -m analysis.plots overlay --grid`).
+seeds with the lowest-to-highest band (`python -m analysis.plots overlay --grid`). Each arm's
+sampled tokens (the mean over its seeds of `tokens/sampled` at the last checkpoint, analysis.tokens)
+stand next to its accuracy.
 
 With `sweep_every: N`, trained cells save a checkpoint every N steps and evaluate every one
 (`python -m evaluation RUN_FOLDER`, evaluation/sweep.py: one report per checkpoint, the cell's
 `sweep.json` with accuracy against step, best against last); the arms' table still compares
-the last checkpoints, and `results.md` / `results.json` add each arm's mean accuracy per step.
+the last checkpoints, and `results.md` / `results.json` add each arm's mean accuracy per step
+(`results.json` also its mean sampled tokens per step), and `accuracy_vs_tokens.png` draws each
+arm's accuracy against the tokens it sampled (`python -m analysis.stats tokens GRID_DIR`: the table).
 """
 from __future__ import annotations
 
@@ -367,7 +371,8 @@ def results(grid: Grid, out: Path, all_cells: list[Cell]) -> dict:
     base_runs = runs[grid.baseline]
     for arm in grid.arms:
         arm_runs = runs[arm.name]
-        entry = {"recipe": arm.recipe, "env": arm.env, "flags": list(arm.flags), "runs": len(arm_runs)}
+        entry = {"trained": arm.train, "recipe": arm.recipe, "env": arm.env, "flags": list(arm.flags),
+                 "runs": len(arm_runs)}
         if arm_runs:
             summary = run_stats.summarize_runs(arm_runs, run_stats.check_comparable(arm_runs), 2000, 0)
             entry["per_run"] = [r["avg"] for r in summary["runs"]]
@@ -381,6 +386,8 @@ def results(grid: Grid, out: Path, all_cells: list[Cell]) -> dict:
             entry["verdict"] = compare["verdict"]
         if grid.sweep_every and arm.train:
             entry["per_step"] = _mean_per_step([c for c in all_cells if c.arm is arm])
+        entry.update(_sampled_tokens(grid, [c for c in all_cells if c.arm is arm and c.report.is_file()],
+                                     entry.get("per_step")))
         table["arms"][arm.name] = entry
     table["missing"] = [c.name for c in all_cells if not c.report.is_file()]
     return table
@@ -401,19 +408,45 @@ def _mean_per_step(cells: list[Cell]) -> dict[str, float]:
     return {str(step): sum(s[step] for s in per_seed) / len(per_seed) for step in steps}
 
 
+def _sampled_tokens(grid: Grid, done: list[Cell], per_step: dict | None) -> dict:
+    """An arm's sampled tokens (analysis.tokens): each finished seed's cumulative `tokens/sampled`
+    at its last checkpoint (None: its run did not record it) and their mean (None unless every seed
+    recorded it), and with a sweep the mean at each swept step; an untrained arm samples none."""
+    from analysis import tokens as run_tokens
+
+    if not done:
+        return {}
+    if not done[0].arm.train:
+        return {"sampled_tokens": 0, "sampled_tokens_per_run": [0]}
+    by_seed = []
+    for cell in done:
+        try:
+            by_seed.append(run_tokens.read_sampled_tokens(cell.folder / "run"))
+        except run_tokens.TokensError as exc:  # the results stand without this column
+            print(f"warning: sampled tokens of {cell.name} not read: {exc}", file=sys.stderr)
+            by_seed.append(None)
+    last = [run_tokens.tokens_at(t, grid.budget["max_steps"]) for t in by_seed]
+    entry = {"sampled_tokens": run_tokens.mean_or_none(last), "sampled_tokens_per_run": last}
+    if per_step is not None:
+        entry["per_step_sampled_tokens"] = {
+            step: run_tokens.mean_or_none(run_tokens.tokens_at(t, int(step)) for t in by_seed) for step in per_step}
+    return entry
+
+
 def markdown(table: dict) -> str:
     g = table["grid"]
     metric = next((a["metric"] for a in table["arms"].values() if "metric" in a), "avg@k")
     lines = [f"Eval set `{g['eval_data'] or 'default'}`, {metric}; budget {g['budget']}; seeds {g['seeds']}; "
              f"baseline `{g['baseline']}`.", "",
-             f"| arm | runs | {metric} per run | mean | vs {g['baseline']} (95% CI) | verdict |",
-             "|---|---|---|---|---|---|"]
+             f"| arm | runs | {metric} per run | mean | sampled tokens | vs {g['baseline']} (95% CI) | verdict |",
+             "|---|---|---|---|---|---|---|"]
     for name, a in table["arms"].items():
         per_run = ", ".join(f"{v:.2f}" for v in a.get("per_run", [])) or "-"
         mean = f"{a['mean']:.2f}" if "mean" in a else "-"
         diff = f"{a['difference']:+.2f} [{a['ci'][0]:+.2f}, {a['ci'][1]:+.2f}]" if "difference" in a else "-"
         verdict = a.get("verdict", "-").split(": ", 1)[-1]
-        lines.append(f"| {name} | {a['runs']} | {per_run} | {mean} | {diff} | {verdict} |")
+        tokens = _tokens_cell(a)
+        lines.append(f"| {name} | {a['runs']} | {per_run} | {mean} | {tokens} | {diff} | {verdict} |")
     swept = {name: a["per_step"] for name, a in table["arms"].items() if a.get("per_step")}
     if swept:
         steps = sorted({int(step) for per_step in swept.values() for step in per_step})
@@ -423,10 +456,23 @@ def markdown(table: dict) -> str:
         for step in steps:
             cells = [f"{per_step[str(step)]:.2f}" if str(step) in per_step else "-" for per_step in swept.values()]
             lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    if any("sampled_tokens" in a for a in table["arms"].values()):
+        lines += ["", "sampled tokens: completion tokens the student sampled up to the last checkpoint "
+                      "(`tokens/sampled` of each seed's metrics.jsonl), mean over the seeds; 0 for an arm trained "
+                      "on reference solutions (SFT), - for the untrained arm, not recorded for runs that did not "
+                      "log it. Accuracy against them: `python -m analysis.stats tokens GRID_DIR`."]
     if table.get("missing"):
         lines += ["", f"Missing cells (no results yet, not in the table): {', '.join(table['missing'])}; "
                       "re-run the same command to run them."]
     return "\n".join(lines) + "\n"
+
+
+def _tokens_cell(arm: dict) -> str:
+    from analysis.tokens import format_tokens
+
+    if "sampled_tokens" not in arm or not arm.get("trained", True):
+        return "-"  # no finished cell, or the untrained model
+    return format_tokens(arm["sampled_tokens"])
 
 
 def draw_curves(grid: Grid, out: Path) -> Path | None:
@@ -437,6 +483,18 @@ def draw_curves(grid: Grid, out: Path) -> Path | None:
     arms = [arm.name for arm in grid.arms if arm.train]
     drawn = run_plots.draw_or_warn("grid curves", run_plots.overlay_grid, out, arms=arms)
     return None if drawn is None else out / run_plots.CURVES_FILE
+
+
+def draw_accuracy_vs_tokens(grid: Grid, out: Path) -> Path | None:
+    """With `sweep_every`: accuracy_vs_tokens.png beside results.md, each arm's accuracy against
+    the tokens it sampled (analysis.plots.plot_accuracy_vs_tokens); None without a sweep, or
+    (one warning line) when it cannot be drawn."""
+    from analysis import plots as run_plots
+
+    if not grid.sweep_every:
+        return None
+    drawn = run_plots.draw_or_warn("accuracy-vs-tokens plot", run_plots.plot_accuracy_vs_tokens, out)
+    return None if drawn is None else out / run_plots.ACCURACY_VS_TOKENS_FILE
 
 
 # --------------------------------------------------------------------------
@@ -725,7 +783,9 @@ def main(argv=None) -> int:
     write_text_atomic(out / "results.md", markdown(table))
     print(markdown(table), end="")
     curves = draw_curves(grid, out)
-    log(f"results: {out / 'results.md'}" + (f"; curves: {curves}" if curves else ""))
+    tokens_plot = draw_accuracy_vs_tokens(grid, out)
+    log(f"results: {out / 'results.md'}" + (f"; curves: {curves}" if curves else "")
+        + (f"; accuracy against sampled tokens: {tokens_plot}" if tokens_plot else ""))
     return 1 if failed else 0
 
 

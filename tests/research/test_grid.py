@@ -148,6 +148,44 @@ def test_a_swept_grid_evaluates_every_checkpoint_and_tables_accuracy_per_step(tm
     assert "| step | token |" in text and f"| 2 | {per_step['2']:.2f} |" in text
 
 
+def _token_grid():
+    """tests/analysis/token_grid.py (the hand-built grid folder the analysis tests share)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("token_grid", REPO / "tests" / "analysis" / "token_grid.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_results_give_each_arms_sampled_tokens_next_to_its_accuracy(tmp_path, capsys):
+    """results.json / results.md: each arm's mean sampled tokens at the last checkpoint (per run and per
+    swept step in results.json), - for the untrained arm, 0 for SFT, not recorded for an older run; a
+    swept grid draws accuracy_vs_tokens.png."""
+    token_grid = _token_grid()
+    arms = tuple(research.grid.Arm(name, train=name != "base") for name in ("base", "opsd", "sft", "old"))
+    grid = research.grid.Grid(arms=arms, seeds=(0, 1), eval_data=None, preset="tiny", baseline="base",
+                              budget={**research.grid.BUDGET_DEFAULT, "max_steps": 4}, recipe={}, sweep_every=2)
+    out = token_grid.write_grid(tmp_path / "grid", arms=("opsd", "sft", "old"))
+    table = research.grid.results(grid, out, research.grid.cells(grid, out))
+    a = table["arms"]
+    assert a["opsd"]["sampled_tokens_per_run"] == [4000, 12000] and a["opsd"]["sampled_tokens"] == 8000
+    assert a["opsd"]["per_step_sampled_tokens"] == {"2": 4000, "4": 8000}
+    assert a["sft"]["sampled_tokens"] == 0 and a["sft"]["sampled_tokens_per_run"] == [0, 0]
+    assert a["old"]["sampled_tokens"] is None and a["old"]["sampled_tokens_per_run"] == [None]
+    assert a["base"]["sampled_tokens"] == 0 and not a["base"]["trained"]
+    text = research.grid.markdown(table)
+    assert "| mean | sampled tokens | vs base (95% CI) |" in text
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
+    assert rows["| opsd"][4] == "8 k" and rows["| opsd"][3] == f"{a['opsd']['mean']:.2f}"
+    assert rows["| sft"][4] == "0" and rows["| old"][4] == "not recorded" and rows["| base"][4] == "-"
+    assert research.grid.draw_accuracy_vs_tokens(grid, out) == out / "accuracy_vs_tokens.png"
+    assert (out / "accuracy_vs_tokens.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert research.grid.draw_accuracy_vs_tokens(research.grid.Grid(**{**grid.__dict__, "sweep_every": None}),
+                                                 out) is None
+    assert capsys.readouterr().err == ""
+
+
 # --------------------------------------------------------------------------
 # Where the cells run: the pool, the executors' options, their errors
 # --------------------------------------------------------------------------
