@@ -9,7 +9,9 @@ each chunk's logits and turns d(sum_n D_n)/d(logits) into gradients for the
 student hidden states (and the LM head weight / bias when they require grad).
 
 Inputs are the masked completion positions only, already flattened to [N, H];
-the reduction is the token mean over N, exactly as `opsd.loss.divergence_loss`.
+the reduction is the token mean over N, exactly as `opsd.loss.divergence_loss` (GRPO,
+`chunked_grpo_loss`: the sum of per-token values that carry their loss type's weights,
+exactly as `opsd.grpo.grpo_loss`; it has no teacher).
 Peak extra memory is a few [chunk_size, V] float32 buffers plus [N, H] for the
 hidden-state gradient.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from opsd.grpo import grpo_stat_keys, rows_grpo
 from opsd.loss import (
     DIVERGENCE_STAT_KEYS,
     NLL_STAT_KEYS,
@@ -192,6 +195,37 @@ class NLLObjective:
         )
 
 
+class GRPOObjective:
+    """GRPO's weighted clipped policy loss per token (`opsd.grpo.rows_grpo`), for `_ChunkedLoss`.
+
+    The per-token values already carry the loss type's weights w_n (`opsd.grpo.token_weights`),
+    so the loss is their plain sum (`sum_reduction`), not a token mean. GRPO has no teacher:
+    `_ChunkedLoss` gets teacher_hidden None and passes teacher_logits None.
+    """
+
+    fixed_chunks = False
+    sum_reduction = True
+
+    def __init__(self, target_ids, advantages, weights, *, old_logp=None, ref_logp=None, **options):
+        self.target_ids, self.advantages, self.weights = target_ids, advantages, weights
+        self.old_logp, self.ref_logp, self.options = old_logp, ref_logp, options
+        self.stat_keys = grpo_stat_keys(options.get("beta", 0.0))
+
+    def per_token(self, student_logits, teacher_logits, rows: slice, with_stats: bool = True):
+        def part(values):
+            return None if values is None else values[rows]
+
+        return rows_grpo(
+            student_logits, self.target_ids[rows], self.advantages[rows], self.weights[rows],
+            old_logp=part(self.old_logp), ref_logp=part(self.ref_logp), with_stats=with_stats, **self.options,
+        )  # fmt: skip
+
+    def logit_grad(self, student_logits, teacher_logits, rows: slice) -> torch.Tensor:
+        return autograd_logit_grad(
+            lambda s, t: self.per_token(s, t, rows, with_stats=False), student_logits, teacher_logits
+        )
+
+
 # --------------------------------------------------------------------------- autograd
 
 
@@ -200,19 +234,22 @@ class _ChunkedLoss(torch.autograd.Function):
 
     Returns (loss, stats) where stats is a detached vector ordered as
     `objective.stat_keys`. Gradients: student hidden, weight, bias; never the teacher.
+    An objective with `sum_reduction` True (GRPO: its per-token values carry their own
+    weights) gets the sum over n instead of the mean; its stats are still token means.
+    teacher_hidden may be None (no teacher projection; the objective gets None).
     """
 
     @staticmethod
     def forward(ctx, student_hidden, teacher_hidden, weight, bias, objective, chunk_size):
         num_tokens = student_hidden.shape[0]
-        dtype = compute_dtype(student_hidden, teacher_hidden, weight)
+        dtype = compute_dtype(*(t for t in (student_hidden, teacher_hidden, weight) if t is not None))
         loss_sum = torch.zeros((), dtype=dtype, device=student_hidden.device)
         stat_sums = torch.zeros(len(objective.stat_keys), dtype=dtype, device=student_hidden.device)
         pad_to = chunk_size if objective.fixed_chunks else None
         for rows in _chunks(num_tokens, chunk_size):
             real = rows.stop - rows.start  # rows past `real` are padding
             student_logits = _logits(_chunk_rows(student_hidden, rows, pad_to), weight, bias, dtype)
-            teacher_logits = _logits(_chunk_rows(teacher_hidden, rows, pad_to), weight, bias, dtype)
+            teacher_logits = _teacher_logits(teacher_hidden, rows, pad_to, weight, bias, dtype)
             per_token, stats = objective.per_token(student_logits, teacher_logits, rows)
             loss_sum += per_token[:real].sum()
             stat_sums += torch.stack([stats[key][:real].sum() for key in objective.stat_keys])
@@ -221,15 +258,15 @@ class _ChunkedLoss(torch.autograd.Function):
         ctx.objective, ctx.chunk_size, ctx.dtype = objective, chunk_size, dtype
         stats = mean_over_tokens(stat_sums, num_tokens)
         ctx.mark_non_differentiable(stats)
-        return mean_over_tokens(loss_sum, num_tokens), stats
+        return (loss_sum if _sums(objective) else mean_over_tokens(loss_sum, num_tokens)), stats
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_stats):
         student_hidden, teacher_hidden, weight, bias = ctx.saved_tensors
         need_hidden, _, need_weight, need_bias = ctx.needs_input_grad[:4]
         dtype, num_tokens = ctx.dtype, student_hidden.shape[0]
-        # d loss / d D_n: the token mean times the incoming gradient.
-        scale = grad_loss.to(dtype) / max(num_tokens, 1)
+        # d loss / d D_n: the token mean (or sum) times the incoming gradient.
+        scale = grad_loss.to(dtype) / (1 if _sums(ctx.objective) else max(num_tokens, 1))
 
         def buffer(like):  # accumulate in float32 (float64) whatever the parameter dtype
             return torch.zeros(like.shape, dtype=dtype, device=like.device)
@@ -242,7 +279,7 @@ class _ChunkedLoss(torch.autograd.Function):
             real = rows.stop - rows.start
             hidden = student_hidden[rows]
             student_logits = _logits(_chunk_rows(student_hidden, rows, pad_to), weight, bias, dtype)
-            teacher_logits = _logits(_chunk_rows(teacher_hidden, rows, pad_to), weight, bias, dtype)
+            teacher_logits = _teacher_logits(teacher_hidden, rows, pad_to, weight, bias, dtype)
             grad_logits = ctx.objective.logit_grad(student_logits, teacher_logits, rows)[:real] * scale
             if need_hidden:
                 grad_hidden[rows] = _matmul(grad_logits, weight, dtype)
@@ -257,8 +294,20 @@ class _ChunkedLoss(torch.autograd.Function):
         return cast(grad_hidden, student_hidden), None, cast(grad_weight, weight), cast(grad_bias, bias), None, None
 
 
+def _sums(objective) -> bool:
+    return getattr(objective, "sum_reduction", False)
+
+
+def _teacher_logits(teacher_hidden, rows, pad_to, weight, bias, dtype):
+    if teacher_hidden is None:
+        return None
+    return _logits(_chunk_rows(teacher_hidden, rows, pad_to), weight, bias, dtype)
+
+
 def _check_inputs(student_hidden, teacher_hidden, lm_head_weight, lm_head_bias, chunk_size):
-    if student_hidden.dim() != 2 or student_hidden.shape != teacher_hidden.shape:
+    if teacher_hidden is None and student_hidden.dim() != 2:
+        raise ValueError(f"student hidden states must be [N, H], got {tuple(student_hidden.shape)}")
+    if teacher_hidden is not None and (student_hidden.dim() != 2 or student_hidden.shape != teacher_hidden.shape):
         raise ValueError(
             f"hidden states must both be [N, H], got {tuple(student_hidden.shape)} and {tuple(teacher_hidden.shape)}"
         )
@@ -273,7 +322,8 @@ def _check_inputs(student_hidden, teacher_hidden, lm_head_weight, lm_head_bias, 
 def _apply(objective, student_hidden, teacher_hidden, weight, bias, chunk_size):
     _check_inputs(student_hidden, teacher_hidden, weight, bias, chunk_size)
     # The teacher is a constant: detaching here also keeps it out of the saved graph.
-    loss, stats = _ChunkedLoss.apply(student_hidden, teacher_hidden.detach(), weight, bias, objective, chunk_size)
+    teacher_hidden = None if teacher_hidden is None else teacher_hidden.detach()
+    loss, stats = _ChunkedLoss.apply(student_hidden, teacher_hidden, weight, bias, objective, chunk_size)
     return loss, dict(zip(objective.stat_keys, stats.unbind()))
 
 
@@ -350,3 +400,43 @@ def chunked_nll_loss(
     if target_ids.shape != student_hidden.shape[:1]:
         raise ValueError(f"target_ids {tuple(target_ids.shape)} is not [{student_hidden.shape[0]}]")
     return _apply(NLLObjective(target_ids), student_hidden, teacher_hidden, lm_head_weight, lm_head_bias, chunk_size)
+
+
+def chunked_grpo_loss(
+    student_hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    completion_ids: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    old_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+    chunk_size: int = 1024,
+    lm_head_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`opsd.grpo.grpo_loss` on hidden states, chunked over tokens (no teacher).
+
+    All per-token inputs are [N] over the real completion tokens, in the order of
+    student_hidden [N, H]: completion_ids (the sampled tokens), advantages (each token its
+    sequence's), weights (`opsd.grpo.token_weights(mask, loss_type, ...)[mask]`: they fix
+    the loss type), optional old_logp / ref_logp. Same loss and stats as `grpo_loss` on
+    the full logits.
+    """
+    if student_hidden.dim() != 2:
+        raise ValueError(f"student_hidden must be [N, H], got {tuple(student_hidden.shape)}")
+    n = student_hidden.shape[:1]
+    for name, values in (("completion_ids", completion_ids), ("advantages", advantages), ("weights", weights),
+                         ("old_logp", old_logp), ("ref_logp", ref_logp)):
+        if values is not None and values.shape != n:
+            raise ValueError(f"{name} {tuple(values.shape)} is not [{n[0]}]")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    objective = GRPOObjective(
+        completion_ids, advantages, weights, old_logp=old_logp, ref_logp=ref_logp, temperature=temperature,
+        epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta,
+    )  # fmt: skip
+    return _apply(objective, student_hidden, None, lm_head_weight, lm_head_bias, chunk_size)
