@@ -246,7 +246,7 @@ def grpo_loss(
     mask: torch.Tensor,
     advantages: torch.Tensor,
     *,
-    loss_type: str = "grpo",
+    loss_type: str,
     temperature: float = 1.0,
     epsilon_low: float = 0.2,
     epsilon_high: float | None = None,
@@ -259,8 +259,9 @@ def grpo_loss(
     """GRPO loss on full logits [B, C, V] (the reference for `chunked_grpo_loss`).
 
     completion_ids, mask [B, C]; advantages [B] (or [B, C]); old_logp / ref_logp [B, C]
-    optional. Returns (scalar loss, detached scalar stats: token means over the real tokens,
-    keys `grpo_stat_keys(beta)`). Reward stats come from `reward_stats` at generation time.
+    optional; loss_type has no default on purpose (TRL 1.16's default is "dapo"). Returns
+    (scalar loss, detached scalar stats: token means over the real tokens, keys
+    `grpo_stat_keys(beta)`). Reward stats come from `reward_stats` at generation time.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")

@@ -303,7 +303,7 @@ def test_token_weights():
         token_weights(mask, "cispo")
     with pytest.raises(ValueError, match="beta > 0 needs ref_logp"):
         logits, ids, mask, adv, _ = make_batch()
-        grpo_loss(logits, ids, mask, adv, beta=0.1)
+        grpo_loss(logits, ids, mask, adv, loss_type="grpo", beta=0.1)
 
 
 # --------------------------------------------------------------------------- TRL itself
