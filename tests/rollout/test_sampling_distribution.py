@@ -6,7 +6,7 @@ Why: the two rollout engines sample in different ways, and a subtle error (the
 filters in another order, an off-by-one in the top-p rule, the temperature applied
 twice or not at all) still gives plausible tokens: equality and determinism tests
 on a few samples cannot see it, a distribution test with enough draws can. This
-file found one: the NucleusFilter that rollout/__init__.py gave `model.generate` on its own
+file found one: the NucleusFilter that the transformers backend gave `model.generate` on its own
 ran *before* generate's temperature and top-k (generate runs the processors it is
 given before the warpers it builds), so the recipe's settings kept tokens that the
 tempered top-20 nucleus drops (3-4% of the draws here). rollout.sampling_processors
