@@ -1,7 +1,8 @@
-# Sourced by the GPU-machine scripts of bench/: `gpu_env OUT_DIR` creates OUT_DIR, moves to
-# the repository root, installs the wheels carried in .whl/ into /tmp/site when the machine
-# lacks the project's packages (BENCHMARKS.md says how to fetch them), sets the environment
-# the benchmarks run in and writes OUT_DIR/machine.txt. Returns non-zero if the install fails.
+# Sourced by the GPU-machine scripts of bench/ and by research/learned_default_gpu.sh:
+# `gpu_env OUT_DIR` creates OUT_DIR, moves to the repository root, installs the wheels carried
+# in .whl/ into /tmp/site when the machine lacks the project's packages (BENCHMARKS.md says how
+# to fetch them), sets the environment the benchmarks run in and writes OUT_DIR/machine.txt.
+# Returns non-zero if the install fails.
 gpu_env() {
   local out_dir=$1
   mkdir -p "$out_dir"

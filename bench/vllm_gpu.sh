@@ -2,7 +2,7 @@
 # vLLM on one GPU machine, in one call (OPSD_EXPERIMENTS.md "vLLM, verified"; BENCHMARKS.md):
 #   bash bench/vllm_gpu.sh OUT_DIR
 # needs vLLM (0.26.0 with torch 2.11 was run) and the project's packages importable.
-# 1. bench/vllm_sync_check.py twice, in the background: as shipped (must pass) and with every
+# 1. checks/vllm_sync_check.py twice, in the background: as shipped (must pass) and with every
 #    weight sync after the first skipped (must fail);
 # 2. grids/tiny_engines.json with research/grid.py into runs/tiny_engines (resumable): the learned
 #    tiny default trained 100 x 32 by the own engine and by vLLM colocate (token clip + left
@@ -22,9 +22,9 @@ work=runs/vllm_gpu
 mkdir -p "$work"
 python3 -c "import vllm, torch, transformers, trl; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)" | tee -a "$OUT_DIR/machine.txt"
 
-python3 bench/vllm_sync_check.py --json "$OUT_DIR/sync.json" > "$work/sync.log" 2>&1 &
+python3 checks/vllm_sync_check.py --json "$OUT_DIR/sync.json" > "$work/sync.log" 2>&1 &
 sync_pid=$!
-python3 bench/vllm_sync_check.py --skip-sync --json "$OUT_DIR/sync_skipped.json" > "$work/sync_skipped.log" 2>&1 &
+python3 checks/vllm_sync_check.py --skip-sync --json "$OUT_DIR/sync_skipped.json" > "$work/sync_skipped.log" 2>&1 &
 stale_pid=$!
 
 grid=runs/tiny_engines

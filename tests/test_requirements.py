@@ -252,7 +252,7 @@ def test_install_refuses_an_unknown_option_in_one_line(tmp_path):
 def load_check_gpu_stack():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("check_gpu_stack", ROOT / "bench" / "check_gpu_stack.py")
+    spec = importlib.util.spec_from_file_location("check_gpu_stack", ROOT / "checks" / "check_gpu_stack.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -288,12 +288,12 @@ def test_check_gpu_stack_accepts_any_build_of_an_unlabelled_pin(tmp_path):
 def test_check_gpu_stack_command_exits_non_zero_on_this_cpu_machine(tmp_path):
     """Here (the CPU stack: torch 2.13.0+cpu, no vLLM) the command reports the differences
     and exits 1; a missing file is one error line, exit 2."""
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "check_gpu_stack.py")], capture_output=True,
+    result = subprocess.run([sys.executable, str(ROOT / "checks" / "check_gpu_stack.py")], capture_output=True,
                             text=True)
     assert result.returncode == 1, result.stderr
     assert result.stdout.splitlines()[-1].endswith("not as pinned")
     assert any(line.startswith("vllm ") and line.endswith("MISSING") for line in result.stdout.splitlines())
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "check_gpu_stack.py"), str(tmp_path / "no.txt")],
+    result = subprocess.run([sys.executable, str(ROOT / "checks" / "check_gpu_stack.py"), str(tmp_path / "no.txt")],
                             capture_output=True, text=True)
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
     assert result.stderr.startswith("error: ") and "no.txt" in result.stderr

@@ -504,11 +504,12 @@ def run_folder_last(out):
     return max(steps) if steps else None
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("*.sh")), ids=str)
+@pytest.mark.parametrize("script", sorted(str(p.relative_to(ROOT)) for folder in ("bench", "checks", "research")
+                                           for p in (ROOT / folder).glob("*.sh")), ids=str)
 def test_the_gpu_scripts_parse(script):
-    """bench/*.sh run only on the GPU machine, where a syntax error costs a whole call: `bash -n`
-    here (usage is in each script's header)."""
-    result = subprocess.run(["bash", "-n", str(ROOT / "bench" / script)], capture_output=True, text=True)
+    """bench/*.sh, checks/*.sh and research/*.sh run mostly on the GPU machine, where a syntax error
+    costs a whole call: `bash -n` here (usage is in each script's header)."""
+    result = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    text = (ROOT / "bench" / script).read_text()
+    text = (ROOT / script).read_text()
     assert text.startswith(("#!/usr/bin/env bash\n# ", "# Sourced by")), text[:60]

@@ -1,7 +1,7 @@
 """Does vLLM sample from the student the trainer holds? (GPU machine with vLLM)
 
-    python bench/vllm_sync_check.py --json $OUT/sync.json                 # must pass (exit 0)
-    python bench/vllm_sync_check.py --skip-sync --json $OUT/stale.json    # must fail (exit 1): the check's own test
+    python checks/vllm_sync_check.py --json $OUT/sync.json                 # must pass (exit 0)
+    python checks/vllm_sync_check.py --skip-sync --json $OUT/stale.json    # must fail (exit 1): the check's own test
 
 Runs `OPSDTrainer` with vLLM colocate (TRL's `VLLMGeneration`, with the project's out-of-place
 LoRA merge, `rollout/vllm_weights.py`) on the learned tiny default at the arm that learns there
@@ -33,8 +33,12 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-import common  # noqa: E402  (sets the offline environment and the import path)
+# bench/common.py (the offline environment, the report writer) is no package module: the benchmarks
+# import it from their own folder, and so does this check, which puts that folder on the path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import common  # noqa: E402  (sets the offline environment before torch loads)
 import torch  # noqa: E402
 
 ARM_ENV = {"OPSD_CLIP_MODE": "token", "OPSD_PAD_SIDE": "left"}

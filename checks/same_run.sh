@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Does a refactoring change a run? The tiny preset's CPU run (OPSD_PRESET=tiny bash train_capped.sh:
 # 8 steps x batch 4) of another commit and of this checkout, compared step by step:
-#   bash bench/same_run.sh BASE_COMMIT [OUT_DIR]
+#   bash checks/same_run.sh BASE_COMMIT [OUT_DIR]
 # BASE_COMMIT is checked out into a temporary git worktree; both runs share one embedded-default
 # cache; the losses, true KL and grad norms of every step in metrics.jsonl must be equal (exit 1
 # otherwise, with the first difference). Minutes on a 2-core CPU.

@@ -1,6 +1,6 @@
 """Is this machine's GPU stack the one requirements-gpu.txt pins (the one that ran)?
 
-    python bench/check_gpu_stack.py [REQUIREMENTS]     # default: requirements-gpu.txt
+    python checks/check_gpu_stack.py [REQUIREMENTS]     # default: requirements-gpu.txt
 
 One line per requirement: the package, what the file asks for, what is installed, ok or
 MISMATCH / MISSING. An exact pin must be the installed version exactly, build label included
@@ -87,7 +87,7 @@ def check(requirements: list[Requirement], installed: Callable[[str], str | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python bench/check_gpu_stack.py",
+    parser = argparse.ArgumentParser(prog="python checks/check_gpu_stack.py",
                                      description="Compare the installed packages with requirements-gpu.txt.")
     parser.add_argument("requirements", nargs="?", default=str(ROOT / "requirements-gpu.txt"))
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""bench/vllm_sync_check.py without vLLM: its processed log-probabilities against a float64
+"""checks/vllm_sync_check.py without vLLM: its processed log-probabilities against a float64
 reference, and its verdicts on a fake engine that follows the trainer's student, that keeps the
 step-0 weights (a skipped sync), and that perturbs the teacher."""
 import math
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "checks"))
 import vllm_sync_check  # noqa: E402
 
 SETTINGS = (1.1, 20, 0.95)
