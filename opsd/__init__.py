@@ -6,7 +6,8 @@
   final answers;
 - `loss`, `chunked_loss`: the divergence as pure functions (reference and chunked; one per-token
   function shared), `ema_teacher`, `adapter_layers`: the teacher's weights;
-- `grading_worker`: math-verify in a subprocess (evaluation's grading);
+- `grading`, `grading_worker`: one completion graded against a gold answer (the evaluation's and
+  research code's), math-verify in a subprocess;
 - `run_folder`, `run_log`, `jsonl`: run folders, the `[OPSD kl]` line and `metrics.jsonl`;
 - `sampling`, `model_utils`: shared leaves (sampling settings and seeds; peft / device helpers).
 

@@ -1,6 +1,6 @@
 """Final answers (stdlib only): the last `\\boxed{...}` of a text and a row's reference answer.
 
-Shared by grading (`evaluation.evaluate`), data validation (`opsd.data`), the answer-only teacher
+Shared by grading (`opsd.grading`), data validation (`opsd.data`), the answer-only teacher
 context (`prompts`, OPSD_TEACHER_CONTEXT=answer) and the probe's answer-leak measure, so
 they all read an answer the same way. A leaf module: it imports nothing of the project.
 """

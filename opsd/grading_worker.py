@@ -1,8 +1,8 @@
-"""The answer-check worker: math-verify in a process of its own (evaluation.evaluate's grading).
+"""The answer-check worker: math-verify in a process of its own (opsd.grading's).
 
-    python -P opsd/grading_worker.py   (started by evaluation.evaluate._AnswerWorker, not by hand)
+    python -P opsd/grading_worker.py   (started by opsd.grading._AnswerWorker, not by hand)
 
-evaluation.evaluate starts this file as a plain subprocess, never by re-importing the caller's
+opsd.grading starts this file as a plain subprocess, never by re-importing the caller's
 `__main__` (as multiprocessing's spawn does), so grading works the same from a script
 with or without an `if __name__ == "__main__":` guard, `python -`, `python -c` or a
 notebook. The parent kills it when a check overruns its time limit: a thread cannot

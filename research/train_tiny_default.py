@@ -218,7 +218,7 @@ def sample_compact(model, prompts: list[list[int]], n_zero_rows: int, temperatur
 
 
 def dev_accuracy(model, renderer, to_compact, from_compact, items, fmt, n_zero_rows, gen, temperature=1.0) -> float:
-    from evaluation.evaluate import is_correct
+    from opsd.grading import is_correct
 
     prompts = [[to_compact[t] for t in renderer.prompt(item, fmt)] for item in items]
     longest = max(len(renderer.response(item, fmt)) for item in items)
@@ -318,7 +318,8 @@ def measure(model_path: str, problems: int, samples: int, seed: int = MEASURE_SE
     student's wrong samples go wrong."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from evaluation.evaluate import extract_boxed, is_correct
+    from opsd.answers import extract_boxed
+    from opsd.grading import is_correct
     from opsd.sampling import SamplingSettings
     from rollout import TransformersBackend
 

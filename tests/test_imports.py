@@ -117,7 +117,8 @@ def test_the_rollout_engine_and_the_method_library_import_without_trl():
     import sys
 
     code = ("import sys, rollout, rollout.static_decode, rollout.paged_decode, rollout.merged_student, "
-            "rollout.vllm_weights, opsd.loss, opsd.chunked_loss, opsd.data, opsd.config, evaluation.evaluate; "
+            "rollout.vllm_weights, opsd.loss, opsd.chunked_loss, opsd.data, opsd.config, opsd.grading, "
+            "evaluation.evaluate; "
             "print(sorted(m for m in ('trl', 'vllm') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr[-2000:]

@@ -3,9 +3,9 @@ integration; descriptive statistics and tests against hand-computed values;
 bootstrap reproducibility and coverage on synthetic arms with a known effect;
 input validation; the command line end to end on synthetic eval reports.
 
-The synthetic reports are built with evaluation.evaluate's own pieces (frozen settings,
-problem_summary, summarize, write_json_atomic) and the same top-level fields
-that evaluation.evaluate.evaluate() writes, so they follow the real report schema."""
+The synthetic reports are built with the evaluation's own pieces (evaluation.evaluate's frozen
+settings and write_json_atomic, evaluation.metrics' problem_summary and summarize) and the same
+top-level fields that evaluation.evaluate.evaluate() writes, so they follow the real report schema."""
 import json
 import math
 import subprocess
@@ -34,7 +34,8 @@ from analysis.stats import (
     verdict,
     welch_t,
 )
-from evaluation.evaluate import FROZEN_SETTINGS, TINY_SETTINGS, problem_summary, summarize, write_json_atomic
+from evaluation.evaluate import FROZEN_SETTINGS, TINY_SETTINGS, write_json_atomic
+from evaluation.metrics import problem_summary, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 DATASET = "HuggingFaceH4/aime_2024"

@@ -5,7 +5,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from analysis import stats as run_stats
-from evaluation.evaluate import TINY_SETTINGS, problem_summary, summarize, write_json_atomic
+from evaluation.evaluate import TINY_SETTINGS, write_json_atomic
+from evaluation.metrics import problem_summary, summarize
 from opsd.run_log import append_metrics
 
 K = TINY_SETTINGS.n_samples

@@ -1,5 +1,6 @@
-"""Evaluation (evaluation/evaluate.py, dev_eval.sh): grading, metrics, the FINAL line, and
-end-to-end runs of the tiny preset.
+"""Evaluation (evaluation/evaluate.py, dev_eval.sh): report names, the frozen settings, inputs, and
+end-to-end runs of the tiny preset (grading: tests/opsd/test_grading.py; metrics and the FINAL
+line: tests/evaluation/test_metrics.py).
 
 The end-to-end part runs `OPSD_PRESET=tiny bash dev_eval.sh base` once as a
 subprocess and reuses it; the determinism and LoRA checks run the same entry
@@ -8,195 +9,22 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 import types
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from answer_workers import installed_workers
 
 from evaluation import evaluate
-from evaluation.evaluate import (
-    TINY_SETTINGS,
-    answers_match,
-    extract_boxed,
-    final_line,
-    grade,
-    is_correct,
-    majority_vote,
-    normalize_answer,
-    pass_at_k,
-    summarize,
-)
+from evaluation.evaluate import TINY_SETTINGS
 
 ROOT = Path(__file__).resolve().parents[2]
 FINAL_RE = re.compile(r"^FINAL avg@(\d+) accuracy: (\d+\.\d\d)% \((\d+)/(\d+) solutions correct on (\d+) problems\)$")
 
 
-# ---------------------------------------------------------------- extraction
-
-@pytest.mark.parametrize("text, expected", [
-    (r"so the answer is \boxed{204}.", "204"),
-    (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),                   # nested braces
-    (r"\boxed{\sqrt{\frac{a}{b}}} and more text", r"\sqrt{\frac{a}{b}}"),
-    (r"\boxed {42}", "42"),                                      # space before the brace
-    (r"\fbox{17}", "17"),
-    (r"first \boxed{7} \boxed{204}", "204"),                     # two boxes close together: the last
-    (r"\boxed{7}\boxed{204}", "204"),
-    (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),                          # escaped set braces are literal
-    (r"\boxed{ 12 }", "12"),
-    (r"\[ \boxed{\text{(B)}} \] Therefore B.", r"\text{(B)}"),
-    ("no box at all", None),
-    (r"\boxed{12", None),                                        # never closed (truncated)
-    (r"\boxed{5} then \boxed{\frac{1}{2}", None),                # the last box is unbalanced
-    (r"put your answer within \boxed{}", None),                  # empty box
-])
-def test_extract_boxed(text, expected):
-    assert extract_boxed(text) == expected
-
-
-# ---------------------------------------------------------------- answer comparison
-
-@pytest.mark.parametrize("completion, gold, expected", [
-    (r"\boxed{204}", "204", True),
-    (r"\boxed{033}", "33", True),                                # leading zeros
-    (r"\boxed{33}", "033", True),
-    (r"\boxed{\frac{1}{2}}", "0.5", True),
-    (r"\boxed{\dfrac{1}{2}}", r"\frac{1}{2}", True),
-    (r"\boxed{\tfrac12}", "1/2", True),
-    (r"\boxed{-7}", "-7", True),
-    (r"\boxed{-7}", "7", False),
-    (r"\boxed{7} \boxed{204}", "204", True),
-    (r"\boxed{7} \boxed{204}", "7204", False),                   # not joined into 7204
-    (r"\boxed{\text{(B)}}", "(B)", True),
-    (r"\boxed{10 \text{ cm}}", "10", True),
-    (r"\boxed{\left( 1, 2 \right)}", "(1,2)", True),             # tuples
-    (r"\boxed{\{1,2\}}", r"\{2,1\}", True),                      # sets
-    (r"\boxed{x = 5}", "5", True),
-    (r"\boxed{5.}", "5", True),
-    (r"\boxed{2\sqrt{3}}", r"\sqrt{12}", True),
-    (r"\boxed{3}", "4", False),
-    ("The answer is 204.", "204", False),                        # no box, no credit
-    (r"\boxed{204", "204", False),
-    (r"\boxed{204}", r"\boxed{204}", True),                      # boxed gold
-])
-def test_is_correct(completion, gold, expected):
-    assert is_correct(completion, gold) is expected
-
-
-@pytest.mark.parametrize("raw, normal", [
-    ("$033$", "33"), (r"\left(1,\ 2\right)", r"(1,\2)"), (r"\dfrac{1}{2}", r"\frac{1}{2}"),
-    (r"\text{ yes }", "yes"), ("-0012", "-12"), (r"5\!000.", "5000"), ("  x + 1 ", "x+1"),
-])
-def test_normalize_answer(raw, normal):
-    assert normalize_answer(raw) == normal
-
-
-def test_grade_reasons():
-    assert grade(r"... \boxed{12}", "12", truncated=False) == ("12", True, "correct")
-    assert grade(r"... \boxed{13}", "12", truncated=False) == ("13", False, "wrong_answer")
-    assert grade("thinking that never ends", "12", truncated=True) == (None, False, "truncated")
-    assert grade("I give up.", "12", truncated=False) == (None, False, "no_answer")
-    # a truncated completion that did box an answer is graded on it
-    assert grade(r"\boxed{12} wait, let me re", "12", truncated=True) == ("12", True, "correct")
-
-
-def test_is_correct_in_worker_threads():
-    """math-verify's own signal timeout fails outside the main thread; ours must not."""
-    cases = [(rf"\boxed{{\frac{{{i}}}{{2}}}}", str(i / 2), True) for i in range(1, 25)]
-    cases += [(rf"\boxed{{{i + 1}}}", str(i), False) for i in range(24)]
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        results = list(pool.map(lambda case: is_correct(case[0], case[1]), cases))
-    assert results == [expected for _, _, expected in cases]
-
-
-def test_answer_check_time_limit(monkeypatch):
-    """The documented case: a power tower that math-verify evaluates as a big integer
-    (holding the GIL, so no thread can stop it) costs the time limit and is wrong."""
-    is_correct("\\boxed{1}", "2")  # the worker is up (its start is not part of the limit)
-    started = time.monotonic()
-    assert is_correct(r"\boxed{9^{9^{9^{9}}}}", "5") is False
-    assert time.monotonic() - started < evaluate.MATH_VERIFY_TIMEOUT_S + 2
-    assert answers_match("033", "33") is True                 # the string fallback still decides
-    assert is_correct(r"\boxed{\frac{1}{2}}", "0.5") is True   # the restarted worker grades again
-
-
-PATHOLOGICAL = [
-    r"\boxed{9^{9^{9^{9}}}}",
-    r"\boxed{10^{10^{10^{10}}}}",
-    r"\boxed{2^{2^{2^{2^{2^{2}}}}}}",
-    r"\boxed{(10^{10^{10}})!}",
-    r"\boxed{" + "1" * 5000 + "}",                             # more digits than int() accepts
-]
-
-
-def test_pathological_answers_are_wrong_within_a_bounded_time(monkeypatch):
-    monkeypatch.setattr(evaluate, "MATH_VERIFY_TIMEOUT_S", 1.0)
-    is_correct("\\boxed{1}", "2")
-    started = time.monotonic()
-    results = [grade(text, "5", truncated=False) for text in PATHOLOGICAL]
-    elapsed = time.monotonic() - started
-    assert [r.correct for r in results] == [False] * len(PATHOLOGICAL)
-    assert all(r.reason == "wrong_answer" for r in results)
-    # each costs at most the limit plus a worker restart (importing math-verify)
-    assert elapsed < len(PATHOLOGICAL) * 8, elapsed
-    assert is_correct(r"\boxed{204}", "204") and not is_correct(r"\boxed{7}", "8")
-
-
-# ---------------------------------------------------------------- metrics and the FINAL line
-
-@pytest.mark.parametrize("n, c, k, expected", [
-    (4, 0, 1, 0.0), (4, 4, 1, 1.0), (4, 1, 1, 0.25), (4, 1, 2, 0.5), (4, 2, 2, 5 / 6),
-    (12, 3, 12, 1.0), (12, 0, 12, 0.0), (12, 6, 1, 0.5), (5, 2, 3, 0.9),
-])
-def test_pass_at_k(n, c, k, expected):
-    assert pass_at_k(n, c, k) == pytest.approx(expected)
-
-
-@pytest.mark.parametrize("answers, winner", [
-    (["5", "7", "7", None], 1),
-    (["7", "5", "5", "7"], 0),            # tie: the answer seen first wins
-    (["5", None, "7", "7", "5"], 0),
-    ([None, None], None),
-    (["033", "5", "33", "5 "], 0),        # equal answers vote together after normalising (033 == 33)
-    ([None, r"\dfrac12", r"\frac12", "1"], 1),
-])
-def test_majority_vote(answers, winner):
-    assert majority_vote(answers) == winner
-
-
-def graded(*rows):
-    """Problems from rows of answers; gold is "1". '1' correct, others wrong, None no answer."""
-    problems = []
-    for answers in rows:
-        samples = [{"answer": a, "correct": a == "1", "truncated": a is None, "num_tokens": 10}
-                   for a in answers]
-        problems.append({"samples": samples, **evaluate.problem_summary(samples)})
-    return problems
-
-
-def test_summary_metrics_on_a_hand_made_table():
-    problems = graded(["1", "1", "2", None],     # 2/4, majority 1 (right)
-                      ["2", "2", "1", "3"],      # 1/4, majority 2 (wrong)
-                      [None, None, None, None])  # 0/4, no majority
-    metrics = summarize(problems, k=4)
-    assert (metrics["num_correct"], metrics["num_samples"], metrics["num_problems"]) == (3, 12, 3)
-    assert metrics["avg@4"] == pytest.approx(25.0)
-    assert metrics["pass@1"] == pytest.approx(25.0)                     # pass@1 is avg@k
-    assert metrics["pass@2"] == pytest.approx(100 * (5 / 6 + 1 / 2 + 0) / 3)
-    assert metrics["pass@4"] == pytest.approx(100 * 2 / 3)
-    assert metrics["maj@4"] == pytest.approx(100 / 3)
-    assert metrics["truncated_rate"] == pytest.approx(100 * 5 / 12)
-    assert metrics["no_answer_rate"] == pytest.approx(100 * 5 / 12)
-    assert final_line(3, 12, 3, 4) == "FINAL avg@4 accuracy: 25.00% (3/12 solutions correct on 3 problems)"
-
-
-def test_final_line_format():
-    line = final_line(193, 360, 30, 12)
-    assert line == "FINAL avg@12 accuracy: 53.61% (193/360 solutions correct on 30 problems)"
-    assert FINAL_RE.match(line)
-    assert final_line(2, 3, 1, 3).startswith("FINAL avg@3 accuracy: 66.67% ")
-
+# ---------------------------------------------------------------- report names and settings
 
 def test_names_of_reports():
     assert evaluate.run_name(None) == "base"
@@ -415,6 +243,23 @@ def test_dev_eval_bad_checkpoint_and_usage(tmp_path):
     usage = dev_eval()
     assert usage.returncode == 2 and usage.stderr.startswith("usage: dev_eval.sh")
     assert dev_eval("-h").returncode == 0
+
+
+@pytest.fixture
+def use_worker(monkeypatch):
+    """Install an answer checker running `command` for the test; closed after it."""
+    yield from installed_workers(monkeypatch)
+
+
+def test_the_command_line_stops_on_a_failing_checker(use_worker, tmp_path, capsys):
+    use_worker([sys.executable, "-m", "no_such_grading_worker_module"])
+    status = evaluate.main(["base", "--preset", "tiny", "--backend", "transformers",
+                            "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2
+    assert len(err) == 1 and err[0].startswith("error: the answer-check worker"), err
+    assert "No module named" in err[0]
+    assert not (tmp_path / "out").exists()  # stopped before sampling: nothing written
 
 
 def test_paged_calls_hold_at_least_its_rows_per_forward():
