@@ -484,7 +484,7 @@ ACCURACY_VS_TOKENS_FILE = "accuracy_vs_tokens.png"  # beside results.md of a gri
 
 def accuracy_vs_tokens_figure(table: dict):
     """The figure of `plot_accuracy_vs_tokens` (not saved), and the labels of the arms drawn.
-    `table`: an `analysis.tokens.grid_table`. A trained arm that samples tokens: its points
+    `table`: an `analysis.stats.grid_table`. A trained arm that samples tokens: its points
     (mean sampled tokens, mean accuracy over its seeds) joined in step order, with a band from
     the lowest to the highest seed's accuracy; an arm that samples nothing (SFT) and the
     untrained arm: horizontal lines at their (last) accuracy, dashed and dotted. Points whose
@@ -541,20 +541,10 @@ def accuracy_vs_tokens_figure(table: dict):
     return fig, drawn
 
 
-def plot_accuracy_vs_tokens(table, out=None) -> list[str]:
-    """Accuracy against sampled tokens of a grid (`table`: an `analysis.tokens.grid_table`, or a
-    grid folder; default output GRID_DIR/accuracy_vs_tokens.png). Returns the arms drawn."""
-    from analysis import tokens as run_tokens
-
-    if not isinstance(table, dict):
-        grid_dir = table
-        try:
-            table = run_tokens.grid_table(grid_dir)
-        except run_tokens.TokensError as exc:
-            raise PlotError(str(exc)) from None
-        out = out if out is not None else Path(grid_dir) / ACCURACY_VS_TOKENS_FILE
-    if out is None:
-        raise PlotError("plot_accuracy_vs_tokens: an output .png is needed with a table")
+def plot_accuracy_vs_tokens(table: dict, out) -> list[str]:
+    """Accuracy against sampled tokens of a grid (`table`: `analysis.stats.grid_table` of the
+    grid folder) into the PNG `out` (a grid's is GRID_DIR/accuracy_vs_tokens.png). Returns the
+    arms drawn."""
     out = check_output(out)
     fig, drawn = accuracy_vs_tokens_figure(table)
     _save(fig, out)

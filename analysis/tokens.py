@@ -16,7 +16,6 @@ Standard library only at import (eval reports are read through analysis.stats wh
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -89,113 +88,6 @@ def mean_or_none(values) -> float | None:
 # --------------------------------------------------------------------------
 # A grid's arms on the tokens axis
 # --------------------------------------------------------------------------
-
-def _seed_number(folder: Path) -> int:
-    tail = folder.name.removeprefix("seed-")
-    return int(tail) if tail.isdigit() else -1
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TokensError(f"{path}: cannot read it ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise TokensError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
-    if not isinstance(data, dict):
-        raise TokensError(f"{path}: expected a JSON object")
-    return data
-
-
-def _arm_names(grid: Path) -> list[str]:
-    """The grid's arms in its own order (results.json keeps the grid file's), else by name."""
-    results = grid / "results.json"
-    named = []
-    if results.is_file():
-        arms = _read_json(results).get("arms")
-        named = list(arms) if isinstance(arms, dict) else []
-    others = sorted(p.name for p in grid.iterdir() if p.is_dir() and p.name not in named)
-    return [name for name in [*named, *others]
-            if (grid / name / "eval.json").is_file() or any((grid / name).glob("seed-*/eval.json"))]
-
-
-def _accuracy(report: Path) -> tuple[float, str]:
-    from analysis import stats as run_stats  # numpy: only when a grid is read
-
-    try:
-        run = run_stats.load_run(report)
-    except run_stats.InputError as exc:
-        raise TokensError(str(exc)) from None
-    return run.avg, f"avg@{run.k}"
-
-
-def grid_table(grid_dir) -> dict:
-    """Each arm of an research/grid.py folder as points (step, sampled tokens, accuracy), means
-    over the arm's finished seeds with each seed's value:
-
-        {"grid": NAME, "metric": "avg@8", "swept": bool,
-         "arms": {arm: {"trained": bool, "seeds": [0, 1], "points": [
-             {"step": 4, "sampled_tokens": 1234.5 | None, "sampled_tokens_per_seed": [..],
-              "accuracy": 41.2, "accuracy_per_seed": [..]}, ...]}}}
-
-    A trained arm's points are its cells' swept checkpoints (`sweep.json`; the steps every seed
-    has), else the last checkpoint (`eval.json`, the step of the last record of
-    `metrics.jsonl`); an untrained arm is one point at step 0 with 0 tokens. A point's sampled
-    tokens are None ("not recorded") when a seed did not record them at that step."""
-    grid = Path(grid_dir)
-    if not grid.is_dir():
-        raise TokensError(f"{grid_dir}: no such folder")
-    names = _arm_names(grid)
-    if not names:
-        raise TokensError(f"{grid_dir}: no ARM/eval.json or ARM/seed-N/eval.json in it (not an research/grid.py "
-                          "folder, or no cell has finished yet)")
-    table = {"grid": grid.resolve().name, "metric": None, "swept": False, "arms": {}}
-    for name in names:
-        folder = grid / name
-        if (folder / "eval.json").is_file() and not any(folder.glob("seed-*/eval.json")):
-            avg, metric = _accuracy(folder / "eval.json")
-            table["metric"] = table["metric"] or metric
-            table["arms"][name] = {"trained": False, "seeds": [], "points": [
-                {"step": 0, "sampled_tokens": 0, "sampled_tokens_per_seed": [], "accuracy": avg,
-                 "accuracy_per_seed": [avg]}]}
-            continue
-        cells = sorted((p.parent for p in folder.glob("seed-*/eval.json")), key=_seed_number)
-        per_seed = []  # ({step: accuracy}, {step: tokens} | None) per seed
-        for cell in cells:
-            tokens = read_sampled_tokens(cell / "run")
-            if (cell / "sweep.json").is_file():
-                sweep = _read_json(cell / "sweep.json")
-                rows = sweep.get("checkpoints")
-                if not isinstance(rows, list) or not all(isinstance(r, dict) and "step" in r and "avg" in r
-                                                         for r in rows):
-                    raise TokensError(f"{cell / 'sweep.json'}: no 'checkpoints' list of step / avg rows")
-                accuracy = {int(r["step"]): float(r["avg"]) for r in rows}
-                table["metric"] = table["metric"] or sweep.get("metric")
-                table["swept"] = True
-            else:
-                avg, metric = _accuracy(cell / "eval.json")
-                table["metric"] = table["metric"] or metric
-                accuracy = {_last_step(cell / "run"): avg}
-            per_seed.append((accuracy, tokens))
-        steps = sorted(set.intersection(*(set(acc) for acc, _ in per_seed)))
-        points = []
-        for step in steps:
-            tokens = [tokens_at(t, step) for _, t in per_seed]
-            accuracy = [acc[step] for acc, _ in per_seed]
-            points.append({"step": step, "sampled_tokens": mean_or_none(tokens), "sampled_tokens_per_seed": tokens,
-                           "accuracy": sum(accuracy) / len(accuracy), "accuracy_per_seed": accuracy})
-        table["arms"][name] = {"trained": True, "seeds": [_seed_number(c) for c in cells], "points": points}
-    table["metric"] = table["metric"] or "avg@k"
-    return table
-
-
-def _last_step(run_dir: Path) -> int:
-    """The last logged step of a run (its last checkpoint's, as the grid trains it); -1 without metrics."""
-    path = run_dir / METRICS_FILE
-    steps = [r.get("step") for _, r in read_jsonl(path, TokensError)] if path.is_file() else []
-    steps = [s for s in steps if type(s) is int]
-    return max(steps) if steps else -1
-
 
 def samples_nothing(arm: dict) -> bool:
     """A trained arm whose every point recorded 0 sampled tokens (SFT: reference solutions only)."""

@@ -490,11 +490,14 @@ def draw_accuracy_vs_tokens(grid: Grid, out: Path) -> Path | None:
     the tokens it sampled (analysis.plots.plot_accuracy_vs_tokens); None without a sweep, or
     (one warning line) when it cannot be drawn."""
     from analysis import plots as run_plots
+    from analysis import stats as run_stats
 
     if not grid.sweep_every:
         return None
-    drawn = run_plots.draw_or_warn("accuracy-vs-tokens plot", run_plots.plot_accuracy_vs_tokens, out)
-    return None if drawn is None else out / run_plots.ACCURACY_VS_TOKENS_FILE
+    path = out / run_plots.ACCURACY_VS_TOKENS_FILE
+    drawn = run_plots.draw_or_warn("accuracy-vs-tokens plot",
+                                   lambda: run_plots.plot_accuracy_vs_tokens(run_stats.grid_table(out), path))
+    return None if drawn is None else path
 
 
 # --------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def test_token_counts_read_as_k_m_b(value, text):
 
 
 def test_the_grid_table_means_tokens_and_accuracy_over_seeds_per_swept_step(tmp_path):
-    table = run_tokens.grid_table(write_grid(tmp_path / "grid", arms=("opsd", "sft", "old")))
+    table = run_stats.grid_table(write_grid(tmp_path / "grid", arms=("opsd", "sft", "old")))
     assert table["metric"] == "avg@8" and table["swept"]
     assert list(table["arms"]) == ["base", "old", "opsd", "sft"]  # no results.json: by name
     base = table["arms"]["base"]
@@ -71,7 +71,7 @@ def test_the_grid_table_means_tokens_and_accuracy_over_seeds_per_swept_step(tmp_
 
 
 def test_without_a_sweep_the_grid_table_has_the_last_checkpoint(tmp_path):
-    table = run_tokens.grid_table(write_grid(tmp_path / "grid", sweep=False))
+    table = run_stats.grid_table(write_grid(tmp_path / "grid", sweep=False))
     assert not table["swept"]
     points = table["arms"]["opsd"]["points"]
     assert [(p["step"], p["sampled_tokens"]) for p in points] == [(4, 8000)]
@@ -101,7 +101,7 @@ def test_stats_tokens_of_a_missing_grid_is_one_error_line(tmp_path, capsys):
 
 
 def test_the_plot_draws_curves_on_a_tokens_axis_with_reference_lines(tmp_path):
-    table = run_tokens.grid_table(write_grid(tmp_path / "grid", arms=("opsd", "sft", "old")))
+    table = run_stats.grid_table(write_grid(tmp_path / "grid", arms=("opsd", "sft", "old")))
     fig, drawn = run_plots.accuracy_vs_tokens_figure(table)
     (ax,) = fig.axes
     assert ax.get_xlabel().startswith("sampled tokens") and ax.get_ylabel() == "avg@8 (%)"
@@ -118,12 +118,13 @@ def test_the_plot_draws_curves_on_a_tokens_axis_with_reference_lines(tmp_path):
     assert any(label.startswith("sft: samples no tokens") for label in labels)
     assert ax.xaxis.get_major_formatter()(8000, 0) == "8 k"
     out = tmp_path / "grid" / run_plots.ACCURACY_VS_TOKENS_FILE
-    assert run_plots.plot_accuracy_vs_tokens(tmp_path / "grid") == drawn
+    assert run_plots.plot_accuracy_vs_tokens(run_stats.grid_table(tmp_path / "grid"), out) == drawn
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_grid_whose_runs_recorded_no_tokens_is_not_drawn(tmp_path):
     write_grid(tmp_path / "grid", arms=("old",))
     with pytest.raises(run_plots.PlotError, match="no trained arm recorded its sampled tokens"):
-        run_plots.plot_accuracy_vs_tokens(tmp_path / "grid")
+        run_plots.plot_accuracy_vs_tokens(run_stats.grid_table(tmp_path / "grid"),
+                                          tmp_path / "grid" / run_plots.ACCURACY_VS_TOKENS_FILE)
     assert not (tmp_path / "grid" / run_plots.ACCURACY_VS_TOKENS_FILE).exists()
