@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 from opsd import run_folder as run_folder
 from opsd.config import (
-    DATA_SELECTS,
     REPORT_TO_VALUES,
     REPORT_TO_VARIABLE,
     SWITCH_VARIABLES,
@@ -40,6 +39,7 @@ from opsd.config import (
     read_report_to,
     recipe_field,
     recipe_value_problem,
+    switch_field,
     switch_values_text,
 )
 from opsd.data import DataError, load_train_dataset
@@ -75,11 +75,7 @@ class ScriptArguments:
     dtype: str = field(default="auto", metadata={"help": "auto: bfloat16 on GPU, float32 on CPU."})
     attn_implementation: str | None = field(default=None, metadata={"help": "e.g. sdpa, flash_attention_2."})
     resume: bool = field(default=True, metadata={"help": "Resume from the newest checkpoint in output_dir."})
-    data_select: str = field(
-        default=DATA_SELECTS[0],
-        metadata={"help": f"Training rows: {', '.join(DATA_SELECTS)}, or a combination such as nomath,hard "
-                          "(OPSD_DATA_SELECT)."}
-    )
+    data_select: str = switch_field("data_select")
 
     def __post_init__(self):
         for name in ("lora_r", "lora_alpha"):
@@ -119,14 +115,15 @@ def _same(a: str, b: str) -> bool:
 
 
 def layered_defaults(preset: str | None, recipe: Recipe | None, max_steps: int, report_to: str | None = None,
-                     given: dict[str, str] | None = None) -> dict[str, object]:
+                     given: dict[str, str] | None = None, switches: dict[str, str] | None = None) -> dict[str, object]:
     """The typed values that replace the dataclasses' defaults, in rising precedence: the tiny
-    preset < the recipe < OPSD_REPORT_TO. The parser applies them as its defaults (after a YAML
-    `--config`, `_LayeredParser`), so the command line still wins and nothing is rendered into
-    flag text and parsed again; the OPSD_* switches come between them and the command line
-    (`apply_switches`). The preset's values are defaults: a recipe key the recipe leaves at its
-    released value does not undo them, one it changes wins. A command-line flag that overrides a
-    different recipe or OPSD_REPORT_TO value is reported."""
+    preset < the recipe < the OPSD_* switches set in the environment (`switches`: field ->
+    value, from `set_switches`) < OPSD_REPORT_TO. The parser applies them as its defaults
+    (after a YAML `--config`, `_LayeredParser`), so the command line still wins, nothing is
+    rendered into flag text and parsed again, and the config's __post_init__ validates every
+    value once. The preset's values are defaults: a recipe key the recipe leaves at its
+    released value does not undo them, one it changes wins. A command-line flag that overrides
+    a different recipe, switch or OPSD_REPORT_TO value is reported."""
     given = given or {}
     values: dict[str, object] = {}
     if preset == "tiny":
@@ -145,6 +142,11 @@ def layered_defaults(preset: str | None, recipe: Recipe | None, max_steps: int, 
             if key in given and not _same(given[key], _text(chosen[key])):
                 print(f"note: --{key} {given[key]} (command line) wins over {key}={_text(chosen[key])} from the recipe",
                       file=sys.stderr)
+    for name, value in (switches or {}).items():
+        values[name] = value
+        if name in given and not _same(given[name], value):
+            print(f"note: --{name} {given[name]} (command line) wins over {SWITCH_VARIABLES[name]}={value}",
+                  file=sys.stderr)
     if report_to is not None:
         values["report_to"] = report_to  # transformers normalises it (`all`, `none`) as it does a flag's
         if "report_to" in given and not _same(given["report_to"], report_to):
@@ -159,7 +161,7 @@ def _layered_parser(layers: dict[str, object]):
     YAML config < `layered_defaults` < command line, each value typed where it was read."""
     from trl import TrlParser
 
-    from opsd_trainer import OPSDConfig
+    from opsd.train_config import OPSDConfig
 
     class _LayeredParser(TrlParser):
         def parse_args_into_dataclasses(self, *args, **kwargs):
@@ -169,21 +171,11 @@ def _layered_parser(layers: dict[str, object]):
     return _LayeredParser((ScriptArguments, OPSDConfig))
 
 
-def apply_switches(switches: Switches, env, given: dict[str, str], script_args, config, quiet=False) -> None:
-    """Set the OPSD_* switches that are set in the environment on the parsed config
-    (data_select on the script arguments), unless the command line gave the flag. Their one
-    check is where they are read (`Switches.from_env`, whose error names the variable); set
-    after the config is built, they are not checked a second time by its __post_init__, which
-    checks the same fields when they come as flags."""
-    for name, var in SWITCH_VARIABLES.items():
-        if not env.get(var, "").strip():
-            continue
-        value = getattr(switches, name)
-        if name in given:
-            if not quiet and not _same(given[name], _text(value)):
-                print(f"note: --{name} {given[name]} (command line) wins over {var}={value}", file=sys.stderr)
-            continue
-        setattr(script_args if name == "data_select" else config, name, value)
+def set_switches(env) -> dict[str, str]:
+    """{Switches field: value} of the OPSD_* switches set (non-empty) in `env`, each read and
+    checked once where it is read (`Switches.from_env`, whose error names the variable)."""
+    switches = Switches.from_env(env)
+    return {name: getattr(switches, name) for name, var in SWITCH_VARIABLES.items() if env.get(var, "").strip()}
 
 
 def _early_flags(argv: list[str]) -> argparse.Namespace:
@@ -217,7 +209,7 @@ def parse(argv=None, env=os.environ, quiet: bool = False):
     if early.preset not in (None, "", "tiny"):
         raise ConfigError(f"--preset {early.preset!r}: expected tiny")
     check_env(env)  # a misspelled OPSD_* name would otherwise be ignored
-    switches = Switches.from_env(env)
+    switches = set_switches(env)
     report_to = read_report_to(env)
     recipe = None
     if early.recipe:
@@ -226,10 +218,8 @@ def parse(argv=None, env=os.environ, quiet: bool = False):
             print(f"warning: {w}", file=sys.stderr)
 
     given = _given_flags(argv)
-    layers = layered_defaults(early.preset, recipe, early.max_steps, report_to, given if not quiet else {})
+    layers = layered_defaults(early.preset, recipe, early.max_steps, report_to, given if not quiet else {}, switches)
     script_args, config = _layered_parser(layers).parse_args_and_config(argv)
-    apply_switches(switches, env, given, script_args, config, quiet)
-    config.check_combinations()
     check_trackers(config.report_to)
     if config.use_vllm:
         from rollout import BackendUnavailable, check_vllm_version
@@ -511,7 +501,7 @@ def help_text() -> str:
     then the flags inherited from TRL / transformers; every line wrapped to the terminal."""
     from trl import DistillationConfig, TrlParser
 
-    from opsd_trainer import OPSDConfig
+    from opsd.train_config import OPSDConfig
 
     recipe_keys = {f.name for f in dataclasses.fields(Recipe)}
     width = _help_width()
@@ -584,7 +574,8 @@ def main(argv=None) -> int:
         return 0
     if check_only:
         return 0
-    from opsd_trainer import CheckpointWriteError, NonFiniteLossError
+    from opsd.run_folder import CheckpointWriteError
+    from opsd_trainer import NonFiniteLossError
 
     main_process = int(os.environ.get("RANK", "0")) == 0
     if main_process:

@@ -37,11 +37,12 @@ from pathlib import Path
 import common
 import torch
 
-import opsd_trainer
-from data_collator import build_scoring_batch, gather_completion_positions
 from opsd.chunked_loss import chunked_divergence_loss
 from opsd.loss import divergence_loss
-from opsd_trainer import OPSDConfig, OPSDTrainer
+from opsd.objective import make_objective
+from opsd.scoring import build_scoring_batch, gather_completion_positions
+from opsd.train_config import OPSDConfig, default_scoring_pad_multiple
+from opsd_trainer import OPSDTrainer
 from rollout.compiled_layers import CompiledLayers
 
 PAD_ID = 151643
@@ -52,13 +53,15 @@ def trainer_defaults(**overrides) -> types.SimpleNamespace:
     """OPSDConfig's own field defaults (the released recipe), without building a TrainingArguments."""
     values = {f.name: f.default for f in dataclasses.fields(OPSDConfig) if f.default is not dataclasses.MISSING}
     # bf16 is resolved in __post_init__ (None -> bf16 on CUDA, fp32 on CPU); do the same here,
-    # since the step's mixed precision (opsd_trainer.bf16_autocast) follows it.
+    # since the step's mixed precision (opsd.scoring.bf16_autocast) follows it.
     # The same for the compile switches (None -> on with CUDA) and the scoring pad multiple.
     for name in ("bf16", "compile_loss", "compile_layers"):
         if values.get(name) is None:
             values[name] = torch.cuda.is_available()
     if values.get("pad_to_multiple_of") is None:
-        values["pad_to_multiple_of"] = opsd_trainer.default_scoring_pad_multiple()
+        values["pad_to_multiple_of"] = default_scoring_pad_multiple()
+    if values.get("loss_implementation") == "auto":  # what resolve_engine_defaults picks without ZeRO-3
+        values["loss_implementation"] = "chunked"
     values.update(overrides)
     return types.SimpleNamespace(**values)
 
@@ -76,7 +79,7 @@ def trainer_stand_in(args, dev, compiled_layers=None) -> types.SimpleNamespace:
         _alignment_checked=False,
         _compiled_layers=compiled_layers,
         _adapter_layers=None,
-        objective=opsd_trainer.make_objective(args),
+        objective=make_objective(args),
     )
     for method in ("scoring_forwards", "grouped_scoring_forwards", "_teacher_weights", "_report_alignment",
                    "_scoring_layers", "_adapters"):

@@ -113,7 +113,8 @@ class Switches:
 
 
 # Switches field -> (environment variable, allowed values), from the fields' metadata.
-_SWITCHES = {f.name: (f.metadata["variable"], f.metadata["allowed"]) for f in dataclasses.fields(Switches)}
+_SWITCH_FIELDS = {f.name: f for f in dataclasses.fields(Switches)}
+_SWITCHES = {name: (f.metadata["variable"], f.metadata["allowed"]) for name, f in _SWITCH_FIELDS.items()}
 
 
 # Where the run's logs also go: transformers' `report_to`, from OPSD_REPORT_TO; the first value
@@ -127,6 +128,15 @@ REPORT_TO_VALUES = ("none", *TRACKERS, "all")  # all: every tracker whose packag
 SWITCH_VARIABLES = {name: var for name, (var, _) in _SWITCHES.items()}
 # Switches field -> allowed values, the default first (derived; for help texts).
 SWITCH_VALUES = {name: allowed for name, (_, allowed) in _SWITCHES.items()}
+
+
+def switch_field(name: str):
+    """A config dataclass field for switch `name` (a Switches field): its default and its help,
+    with the values and the variable, from the one declaration in Switches."""
+    declared = _SWITCH_FIELDS[name]
+    var = declared.metadata["variable"]
+    help = f"{_plain(switch_values_text(name))} ({var}; the first is the default): {declared.metadata['changes']}."
+    return dataclasses.field(default=declared.default, metadata={"help": help})
 
 
 def read_report_to(env: Mapping[str, str] = os.environ) -> str | None:

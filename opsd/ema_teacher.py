@@ -13,6 +13,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+EMA_FILE = "ema_adapter.pt"  # the EMA teacher's state in each checkpoint
+
 
 class AdapterEMA:
     """EMA of a model's trainable parameters: ema <- decay * ema + (1 - decay) * live."""

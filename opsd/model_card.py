@@ -23,6 +23,7 @@ from opsd.config import SWITCH_VALUES, SWITCH_VARIABLES, Recipe
 from opsd.prompts import student_enable_thinking, student_messages
 from opsd.run_folder import write_text_atomic
 from opsd.run_log import KL_LINE_FIELDS
+from tiny_default import resolve_model
 
 CARD_FILE = "README.md"
 EMBEDDED_MODELS = ("tiny", "tiny-random")  # tiny_default's models: a folder in its cache
@@ -182,3 +183,25 @@ def write_card(data: CardData, into: str | None = None) -> str:
     path = os.path.join(into or data.folder, CARD_FILE)
     write_text_atomic(path, model_card(data))
     return path
+
+
+def adapter_base(base_model: str) -> str:
+    """The base model as a checkpoint's adapter_config.json names it: what `from_pretrained`
+    loads from anywhere (`tiny` / `tiny-random`: their folder in the cache, absolute)."""
+    if base_model in EMBEDDED_MODELS:
+        return os.path.abspath(resolve_model(base_model))
+    return base_model
+
+
+def name_adapter_base_model(folder: str, base_model: str) -> None:
+    """`base_model_name_or_path` of the adapter in `folder` set to `base_model` (peft records
+    the folder the weights were loaded from, relative when they were given so)."""
+    path = os.path.join(folder, "adapter_config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    if config.get("base_model_name_or_path") != base_model:
+        config["base_model_name_or_path"] = base_model
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(config, indent=2, sort_keys=True))  # as peft writes it

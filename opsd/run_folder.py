@@ -26,12 +26,17 @@ import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
+import time
 import zipfile
 
 CONFIG_FILE = "run_config.json"
 LOCK_FILE = ".lock"
 STAGING_DIR = ".staging"  # checkpoints are written here, then renamed into place
+# Fault injection for the tests: seconds to sleep inside each checkpoint save, after the
+# staged files are written and before the rename, so a test can kill -9 the run there.
+SAVE_PAUSE_VARIABLE = "OPSD_TEST_PAUSE_IN_SAVE"
 METRICS_FILE = "metrics.jsonl"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -42,6 +47,10 @@ NOT_COMPARED = (
     "output_dir", "max_steps", "num_processes", "per_device_train_batch_size", "gradient_accumulation_steps",
     "token_mean_rows", "report_to",
 )
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, folder not writable); earlier ones are intact."""
 
 
 class RunFolderError(RuntimeError):
@@ -329,3 +338,20 @@ class RunLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+def remove_if_empty(path: str) -> None:
+    """Remove the folder `path` if it is empty (the staging folder after a save)."""
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass  # absent, or still holds another rank's or another save's files
+
+
+def pause_in_save(name: str) -> None:
+    """The tests' fault injection (SAVE_PAUSE_VARIABLE): a pause inside a checkpoint save."""
+    seconds = float(os.environ.get(SAVE_PAUSE_VARIABLE) or 0)
+    if seconds > 0:
+        print(f"[OPSD test] pausing {seconds:g} s inside the save of {name}", flush=True)
+        sys.stdout.flush()
+        time.sleep(seconds)

@@ -3,7 +3,7 @@
 Both receive exactly the dict that goes to `report_to`, so the console, the file
 and wandb/tensorboard never disagree. Also the collapse warning's signature
 (`CollapseSignature`, `CollapseDetector`: pure, no model), which the trainer checks
-at every logged step (opsd_trainer._CollapseWatch).
+at every logged step (opsd.callbacks.CollapseWatch).
 """
 
 from __future__ import annotations

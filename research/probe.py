@@ -415,14 +415,15 @@ class Scorer:
     def score(self, config) -> tuple[list[RowScores], dict]:
         import torch
 
-        from opsd.loss import DivergenceConfig
-        from opsd_trainer import divergence_settings, lm_head, make_collator
+        from opsd.objective import objective_settings
+        from opsd.scoring import lm_head
+        from opsd_trainer import prompt_builder
 
-        collator = make_collator(self.tokenizer, config)
+        prompts = prompt_builder(self.tokenizer, config)
         rows = self.rows_by_context[config.teacher_context]
-        student_ids = [collator.student_prompt_ids(row) for row in rows]
-        teacher_ids = [collator.teacher_prompt_ids(row) for row in rows]
-        divergence = DivergenceConfig(**divergence_settings(config))
+        student_ids = [prompts.student_prompt_ids(row) for row in rows]
+        teacher_ids = [prompts.teacher_prompt_ids(row) for row in rows]
+        divergence = objective_settings(config).divergence
         head = lm_head(self.model)
         answers = [_first_token(self.tokenizer, reference_answer(row)) for row in rows]
         results, gaps = [], {"student": [], "teacher": []}
@@ -563,8 +564,7 @@ def run(plan: Plan) -> tuple[str, dict, list[dict]]:
     rows_by_context = {ctx: [data[i] for i in plan.indices] for ctx, data in plan.datasets.items()}
     baseline_rows = rows_by_context[config.teacher_context]
     if plan.rollouts is None:
-        collator = trainer.collator
-        prompts = [collator.student_prompt_ids(row) for row in baseline_rows]
+        prompts = [trainer.prompts.student_prompt_ids(row) for row in baseline_rows]
         trainer.sampling = dataclasses.replace(trainer.sampling, seed=config.seed)
         with torch.no_grad():
             completions, truncated = trainer._sample(prompts)  # the trainer's own rollout code, seeded

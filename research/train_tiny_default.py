@@ -65,13 +65,13 @@ FORMATS = {"student": 0.3, "eval": 0.3, "teacher": 0.25, "teacher_cot": 0.1, "te
 
 class Renderer:
     """Prompt + response token ids of a problem in one format, built with the
-    project's own collator, so prompts are byte-identical to training and eval."""
+    project's own prompt builder, so prompts are byte-identical to training and eval."""
 
     def __init__(self, tokenizer):
-        from data_collator import OPSDCollator
+        from opsd.prompts import PromptBuilder
 
         self.tokenizer = tokenizer
-        self.collators = {ctx: OPSDCollator(tokenizer, teacher_context=ctx) for ctx in ("solution", "cot", "both")}
+        self.builders = {ctx: PromptBuilder(tokenizer, teacher_context=ctx) for ctx in ("solution", "cot", "both")}
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -79,11 +79,11 @@ class Renderer:
     def prompt(self, item: tasks.Problem, fmt: str) -> list[int]:
         row = tasks.train_row(item)
         if fmt == "student":
-            return self.collators["solution"].student_prompt_ids(row)
+            return self.builders["solution"].student_prompt_ids(row)
         if fmt == "eval":
-            return self.collators["solution"].eval_prompt_ids(item.problem)
+            return self.builders["solution"].eval_prompt_ids(item.problem)
         context = {"teacher": "solution", "teacher_cot": "cot", "teacher_both": "both"}[fmt]
-        return self.collators[context].teacher_prompt_ids(row)
+        return self.builders[context].teacher_prompt_ids(row)
 
     def response(self, item: tasks.Problem, fmt: str) -> list[int]:
         text = (EMPTY_THINK if fmt == "eval" else "") + item.solution

@@ -41,7 +41,7 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from opsd.model_utils import causal_lm, eval_mode, import_inductor_quietly, kv_geometry, model_device
-from opsd.sampling import SamplingSettings
+from opsd.sampling import CACHE_IMPLEMENTATIONS, GRAPH_LOOPS, SamplingSettings  # noqa: F401 (re-read by the backends)
 from rollout.compiled_layers import CompiledLayers, decoder_layers
 from rollout.kernels import attention as decode_attention
 from rollout.kernels import matmul as decode_matmul
@@ -49,9 +49,6 @@ from rollout.kernels import qkv as decode_qkv
 from rollout.kernels import sampler as decode_sampler
 from rollout.merged_student import MergedStudent, MergeUnsupported, has_enabled_adapters
 
-# The engines of rollout.TransformersBackend (None = "dynamic"); "paged" is rollout/paged_decode.py.
-CACHE_IMPLEMENTATIONS = (None, "dynamic", "static", "graph", "graph_compiled", "paged", "auto")
-GRAPH_LOOPS = ("graph", "graph_compiled")
 # What "auto" picks on CUDA: the fastest correct engine measured on an H200
 # (BENCHMARKS.md section 2); it pays a compilation (under a minute) per new shape.
 AUTO_CUDA = "graph_compiled"

@@ -5,8 +5,8 @@ import pytest
 from test_trainer import _fake_tracker, _without_report_to, tiny_argv
 
 import opsd_train
-import opsd_trainer
-from opsd_trainer import make_collator
+from opsd import train_config
+from opsd_trainer import prompt_builder
 from tiny_default import build_qwen3_tokenizer
 
 SWITCHES = [
@@ -42,10 +42,10 @@ def test_prompt_switches_change_only_their_role(default_parse, tmp_path):
     _, base_cfg, data = default_parse
     tok = build_qwen3_tokenizer()
     row = data[0]
-    base = make_collator(tok, base_cfg)
+    base = prompt_builder(tok, base_cfg)
     _, eval_cfg, _ = opsd_train.parse(tiny_argv(tmp_path, 1), env={"OPSD_STUDENT_PROMPT": "eval"})
     _, cot_cfg, _ = opsd_train.parse(tiny_argv(tmp_path, 1), env={"OPSD_TEACHER_CONTEXT": "cot"})
-    student_eval, teacher_cot = make_collator(tok, eval_cfg), make_collator(tok, cot_cfg)
+    student_eval, teacher_cot = prompt_builder(tok, eval_cfg), prompt_builder(tok, cot_cfg)
     assert student_eval.student_prompt_ids(row) != base.student_prompt_ids(row)
     assert student_eval.teacher_prompt_ids(row) == base.teacher_prompt_ids(row)
     assert teacher_cot.teacher_prompt_ids(row) != base.teacher_prompt_ids(row)
@@ -242,7 +242,7 @@ def test_bad_recipe_fails_before_loading(tmp_path, capsys):
 def test_one_process_seeing_several_gpus_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     """Started without a launcher on a multi-GPU host (simulated), transformers would wrap the
     model in nn.DataParallel: refused before any model loads, also in train_capped.sh's check."""
-    monkeypatch.setattr(opsd_trainer.OPSDConfig, "n_gpu", property(lambda self: 4))
+    monkeypatch.setattr(train_config.OPSDConfig, "n_gpu", property(lambda self: 4))
     for extra in ([], ["--check_only", "--world_size", "1"]):
         assert opsd_train.main(tiny_argv(tmp_path / "out", 1) + extra) == 2
         (err,) = capsys.readouterr().err.strip().splitlines()

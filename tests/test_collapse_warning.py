@@ -1,5 +1,5 @@
 """The collapse warning: opsd.run_log's signature on recorded runs, and the trainer's one
-`[OPSD warn]` line and `opsd/collapse_warning` record (opsd_trainer._CollapseWatch).
+`[OPSD warn]` line and `opsd/collapse_warning` record (opsd.callbacks.CollapseWatch).
 
 No per-step metrics of the recorded runs are committed (grids/results/*.json hold the
 accuracies only), so the sequences below are CONSTRUCTED from the start -> end values of
@@ -123,9 +123,9 @@ def test_evidence_and_line():
 
 
 def test_a_resumed_run_replays_its_history_and_does_not_warn_twice():
-    """_CollapseWatch on a resumed state: the early level comes from the log history, and a
+    """CollapseWatch on a resumed state: the early level comes from the log history, and a
     history that already holds the warning silences it."""
-    import opsd_trainer
+    from opsd.callbacks import CollapseWatch
 
     trainer = types.SimpleNamespace(collapse_warning=None)
     low = CollapseSignature(early_steps=2, window=1)
@@ -133,14 +133,14 @@ def test_a_resumed_run_replays_its_history_and_does_not_warn_twice():
     state = types.SimpleNamespace(log_history=[dict(r) for r in history], global_step=2, is_world_process_zero=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(run_log, "COLLAPSE_SIGNATURE", low)
-        watch = opsd_trainer._CollapseWatch(trainer, "entry")
+        watch = CollapseWatch(trainer, "entry")
         watch.on_train_begin(None, state, None)
         logs = {KL_KEY: 0.9, ENTROPY_KEY: 0.5, ARGMAX: 0.3}
         state.global_step = 3
         watch.on_log(None, state, None, logs=logs)
         assert logs[COLLAPSE_FIELD] == 1 and trainer.collapse_warning["early_steps"] == [1, 2]
         state.log_history.append({**logs, "step": 3})
-        again = opsd_trainer._CollapseWatch(trainer, "entry")
+        again = CollapseWatch(trainer, "entry")
         state.global_step = 3
         again.on_train_begin(None, state, None)
         later = {KL_KEY: 0.9, ENTROPY_KEY: 0.5, ARGMAX: 0.3}

@@ -77,11 +77,11 @@ def test_shared_helpers_live_in_leaf_modules():
 
 
 # The layers, bottom up (README "Layout"): a module imports only from a lower layer or from
-# inside its own package. The root's research-fork files (the trainer, its collator, the CLI)
+# inside its own package. The root's research-fork files (the trainer and the CLI)
 # are one layer: the research tools build and drive the trainer.
 LAYERS = (("tiny_default",), ("opsd",), ("rollout", "analysis"), ("evaluation",),
-          ("data_collator", "opsd_trainer", "opsd_train"), ("research",))
-ROOT_FILES = {"data_collator", "opsd_trainer", "opsd_train"}
+          ("opsd_trainer", "opsd_train"), ("research",))
+ROOT_FILES = {"opsd_trainer", "opsd_train"}
 
 
 def layer_of(name: str) -> int:
@@ -117,8 +117,8 @@ def test_the_rollout_engine_and_the_method_library_import_without_trl():
     import sys
 
     code = ("import sys, rollout, rollout.static_decode, rollout.paged_decode, rollout.merged_student, "
-            "rollout.vllm_weights, opsd.loss, opsd.chunked_loss, opsd.data, opsd.config, opsd.grading, "
-            "evaluation.evaluate; "
+            "rollout.vllm_weights, rollout.trl_patches, opsd.loss, opsd.chunked_loss, opsd.objective, "
+            "opsd.scoring, opsd.prompts, opsd.data, opsd.config, opsd.grading, evaluation.evaluate; "
             "print(sorted(m for m in ('trl', 'vllm') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr[-2000:]

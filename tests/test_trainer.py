@@ -15,9 +15,13 @@ from transformers import AutoModelForCausalLM
 
 import opsd_train
 import opsd_trainer
-from data_collator import OPSDCollator, build_scoring_batch
+from opsd import run_folder, scoring
 from opsd.model_utils import peft_wrapping
-from opsd_trainer import SCORING_PAD_MULTIPLE, OPSDTrainer, completion_hidden_states
+from opsd.objective import make_objective
+from opsd.prompts import PromptBuilder
+from opsd.scoring import build_scoring_batch, completion_hidden_states
+from opsd.train_config import SCORING_PAD_MULTIPLE
+from opsd_trainer import OPSDTrainer
 from tiny_default import build_qwen3_tokenizer, resolve_model
 
 # The sharp random tiny model: large divergences and clips that fire, so the numerical
@@ -90,7 +94,7 @@ def test_checkpoint_reloads_and_changes_logits(trained_run):
     ckpt = trained_run / "checkpoint-2"
     assert (ckpt / "adapter_model.safetensors").is_file()
     assert (trained_run / "checkpoint-1" / "adapter_model.safetensors").is_file()
-    assert not (trained_run / opsd_trainer.STAGING_DIR).exists()  # every staged save was moved into place
+    assert not (trained_run / run_folder.STAGING_DIR).exists()  # every staged save was moved into place
     with torch.no_grad():
         base_logits = base_model()(PROBE).logits
         with peft_wrapping():
@@ -221,13 +225,13 @@ def test_full_disk_stops_with_a_clear_error_and_keeps_earlier_checkpoints(tmp_pa
         if name == "checkpoint-2":
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(opsd_trainer, "_test_pause_in_save", full_at_second_save)
+    monkeypatch.setattr(opsd_trainer, "pause_in_save", full_at_second_save)
     assert opsd_train.main(tiny_argv(tmp_path, 2, "--save_steps", "1")) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
     assert err.startswith("error:") and "cannot write checkpoint-2" in err and "no space left on device" in err
     assert f"last: {tmp_path / 'checkpoint-1'}" in err
     assert (tmp_path / "checkpoint-1" / "adapter_model.safetensors").is_file()
-    assert not (tmp_path / "checkpoint-2").exists() and not (tmp_path / opsd_trainer.STAGING_DIR).exists()
+    assert not (tmp_path / "checkpoint-2").exists() and not (tmp_path / run_folder.STAGING_DIR).exists()
     assert not (tmp_path / ".lock").exists()
 
 
@@ -235,11 +239,11 @@ def test_resume_continues_at_the_right_step(trained_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
     # A save interrupted mid-way leaves only a staging folder: resume must ignore it.
-    (run / opsd_trainer.STAGING_DIR / "checkpoint-9").mkdir(parents=True)
+    (run / run_folder.STAGING_DIR / "checkpoint-9").mkdir(parents=True)
     assert opsd_train.main(tiny_argv(run, 3, "--save_steps", "1")) == 0
     out = capsys.readouterr().out
     assert f"resuming from {run / 'checkpoint-2'}" in out and "removed the partial checkpoint" in out
-    assert not (run / opsd_trainer.STAGING_DIR).exists()
+    assert not (run / run_folder.STAGING_DIR).exists()
     state = json.loads((run / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
     assert [r["step"] for r in read_metrics(run) if "opsd/true_kl" in r] == [1, 2, 3]
@@ -371,7 +375,7 @@ def test_none_context_is_a_zero_loss_at_initialisation(tmp_path):
         assert loss.item() == 0.0
         assert stats["true_kl"].item() == 0.0 and stats["loss_unclipped"].item() == 0.0
         # the zero comes from the context: the reference solution's teacher on the same rollouts is not 0
-        with_solution = dict(inputs, teacher_prompt_ids=[OPSDCollator(trainer._tokenizer).teacher_prompt_ids(row)
+        with_solution = dict(inputs, teacher_prompt_ids=[PromptBuilder(trainer._tokenizer).teacher_prompt_ids(row)
                                                          for row in rows])
         assert trainer._opsd_loss(trainer.model, with_solution)[1]["true_kl"].item() > 1e-3
 
@@ -428,14 +432,16 @@ def test_non_finite_loss_stops_with_step_and_checkpoint(tmp_path, monkeypatch, c
 
 def _poison_micro_batch(monkeypatch, which: int, calls: list):
     """Make the loss of micro-batch number `which` (0-based, over the run) NaN; record every stats dict."""
-    real = opsd_trainer.chunked_divergence_loss
+    from opsd import objective
+
+    real = objective.chunked_divergence_loss
 
     def poisoned(*args, **kwargs):
         loss, stats = real(*args, **kwargs)
         calls.append({k: float(v) for k, v in stats.items()})
         return (loss * float("nan") if len(calls) - 1 == which else loss), stats
 
-    monkeypatch.setattr(opsd_trainer, "chunked_divergence_loss", poisoned)
+    monkeypatch.setattr(objective, "chunked_divergence_loss", poisoned)
 
 
 def test_a_non_finite_first_micro_batch_stops_the_step_before_any_update(tmp_path, monkeypatch):
@@ -487,7 +493,7 @@ def test_batches_go_to_the_gpu_from_pinned_memory_without_blocking(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
     monkeypatch.setattr(torch.Tensor, "to", to)
-    moved = opsd_trainer._to_device(batch, torch.device("cuda"))
+    moved = scoring.to_device(batch, torch.device("cuda"))
     monkeypatch.undo()
     tensors = [v for v in vars(batch).values() if isinstance(v, torch.Tensor)]
     assert len(tensors) == 8 and moves == [m for t in tensors for m in (("pin", id(t)), ("cuda", True, id(t)))]
@@ -537,7 +543,8 @@ def test_a_micro_batch_reads_no_value_back_from_its_tensors(tmp_path, monkeypatc
         def read(self, *args, **kwargs):
             caller = inspect.stack()[1]
             path = Path(caller.filename).resolve()
-            if path.parent == root and caller.function != "build_scoring_batch":
+            project = path.parent == root or path.parent.parent == root  # the root files and the packages
+            if project and "tests" not in path.parts and caller.function != "build_scoring_batch":
                 reads.append(f"{name} in {path.name}:{caller.lineno} ({caller.function})")
             return original(self, *args, **kwargs)
         return read
@@ -633,7 +640,7 @@ def test_each_rank_samples_with_its_own_reproducible_seed(tmp_path, monkeypatch)
     completions on another rank or at another step, and the same ones again on the same rank
     and step (a resumed run samples what the uninterrupted one did)."""
     trainer = make_trainer(tmp_path, 1, "--max_completion_length", "8")
-    prompts = [trainer.collator.student_prompt_ids(row) for row in _rows(trainer)]
+    prompts = [trainer.prompts.student_prompt_ids(row) for row in _rows(trainer)]
 
     def sample(rank, step, global_seed=0):
         monkeypatch.setattr(type(trainer.accelerator), "process_index", property(lambda self: rank))
@@ -698,7 +705,7 @@ def test_chunked_and_full_logit_paths_agree_in_the_trainer(tmp_path, objective):
     results = {}
     for impl in ("chunked", "logits"):
         trainer.args.loss_implementation = impl
-        trainer.objective = opsd_trainer.make_objective(trainer.args)  # the loss is chosen once, at start
+        trainer.objective = make_objective(trainer.args)  # the loss is chosen once, at start
         model.zero_grad()
         loss, stats = trainer._opsd_loss(model, inputs)
         loss.backward()
@@ -740,110 +747,6 @@ def test_gpu_speed_switches_default_to_cuda_availability(tmp_path):
     assert config.compile_loss is torch.cuda.is_available()
     assert config.compile_layers is torch.cuda.is_available()
     assert config.pad_to_multiple_of == (SCORING_PAD_MULTIPLE if torch.cuda.is_available() else None)
-
-
-@pytest.mark.parametrize(
-    "extra, layers",
-    [({}, True), ({"torch_compile": True}, False), ({"torch_compile_mode": "default"}, False), ({"fsdp": True}, False)],
-    ids=["plain", "torch_compile", "torch_compile_mode", "fsdp"],
-)
-def test_gpu_defaults_with_cuda(tmp_path, monkeypatch, extra, layers):
-    """What None resolves to on a CUDA machine (simulated): all on, except layer compilation
-    next to parameter sharding or a whole-model torch_compile, never tried together."""
-    monkeypatch.setattr(opsd_trainer.torch.cuda, "is_available", lambda: True)
-    config = opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, **extra)
-    assert config.compile_loss is True
-    assert config.compile_layers is layers
-    assert config.pad_to_multiple_of == SCORING_PAD_MULTIPLE
-    explicit = opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, compile_layers=False,
-                                       compile_loss=False, pad_to_multiple_of=0)
-    assert (explicit.compile_layers, explicit.compile_loss, explicit.pad_to_multiple_of) == (False, False, None)
-
-
-@pytest.mark.parametrize("sharded, zero_stage, expected", [
-    (False, None, (True, "auto", "chunked")),     # DDP / one process: the GPU defaults
-    (True, None, (False, "dynamic", "chunked")),  # FSDP
-    (True, 2, (False, "dynamic", "chunked")),
-    (True, 3, (False, "dynamic", "logits")),
-], ids=["ddp", "fsdp", "zero2", "zero3"])
-def test_engine_defaults(tmp_path, monkeypatch, sharded, zero_stage, expected):
-    """What the trainer makes of its defaults once it sees the engine accelerate's config chose
-    (on a simulated CUDA machine); explicit choices are kept, an impossible one is refused."""
-    monkeypatch.setattr(opsd_trainer.torch.cuda, "is_available", lambda: True)
-
-    def config(**explicit):
-        args = opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, **explicit)
-        opsd_trainer.apply_engine_defaults(args, sharded, zero_stage)
-        return args.compile_layers, args.rollout_cache_implementation, args.loss_implementation
-
-    assert config() == expected
-    if sharded and zero_stage is None:  # FSDP: the decode loop would bypass its gathers (tests/test_ddp.py)
-        for loop in ("graph", "graph_compiled"):
-            with pytest.raises(ValueError, match=f"rollout_cache_implementation={loop} cannot run under FSDP"):
-                config(rollout_cache_implementation=loop)
-        assert config(compile_layers=True, rollout_cache_implementation="static", loss_implementation="logits") == (
-            True, "static", "logits")
-    else:
-        assert config(compile_layers=True, rollout_cache_implementation="graph", loss_implementation="logits") == (
-            True, "graph", "logits")
-    if zero_stage == 3:
-        with pytest.raises(ValueError, match="loss_implementation=chunked cannot run under DeepSpeed ZeRO-3"):
-            config(loss_implementation="chunked")
-    else:
-        assert config(loss_implementation="chunked")[2] == "chunked"
-    ema = {"fixed_teacher": False, "use_ema_teacher": True}
-    if sharded and zero_stage != 2:  # parameters sharded: FSDP, ZeRO-3
-        with pytest.raises(ValueError, match="use_ema_teacher is not supported with sharded parameters"):
-            config(**ema)
-    else:
-        assert config(**ema) == expected
-
-
-def test_chunked_loss_takes_an_fsdp2_sharded_lm_head(tmp_path):
-    """Under FSDP2 the LM head's weight can be a DTensor; the chunked loss gathers it and gives
-    the loss and gradients of an ordinary head (a one-rank gloo group stands in for the GPUs)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-
-    objective = opsd_trainer.make_objective(opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False))
-    gen = torch.Generator().manual_seed(0)
-    hidden, vocab = 8, 40
-    plain = torch.nn.Linear(hidden, vocab, bias=False).double()
-    student = torch.randn(2, 4, hidden, dtype=torch.float64, generator=gen, requires_grad=True)
-    teacher = torch.randn(2, 4, hidden, dtype=torch.float64, generator=gen)
-    ids = torch.randint(vocab, (7,), generator=gen).tolist()
-    batch = build_scoring_batch([[1], [2]], [ids[:4], ids[4:]], pad_id=0, pad_side="right")  # 4 + 3 tokens
-    results = []
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    try:
-        sharded = torch.nn.Linear(hidden, vocab, bias=False)
-        sharded.weight = torch.nn.Parameter(
-            distribute_tensor(plain.weight.detach(), init_device_mesh("cpu", (1,)), [Shard(0)]), requires_grad=False)
-        assert isinstance(sharded.weight, DTensor)
-        for head in (plain, sharded):
-            student.grad = None
-            loss, _ = objective(student, teacher, batch, head)
-            loss.backward()
-            results.append((loss.detach(), student.grad.clone()))
-    finally:
-        dist.destroy_process_group()
-    (loss_plain, grad_plain), (loss_sharded, grad_sharded) = results
-    torch.testing.assert_close(loss_sharded, loss_plain, rtol=1e-12, atol=0)
-    torch.testing.assert_close(grad_sharded, grad_plain, rtol=1e-12, atol=0)
-
-
-@pytest.mark.parametrize("value, expected", [("auto", 16), (None, 16), ("none", None), (0, None), ("32", 32), (8, 8)])
-def test_pad_to_multiple_of_spellings(tmp_path, monkeypatch, value, expected):
-    """TRL's spellings of the field keep working; "auto" is the OPSD default (16 with CUDA)."""
-    monkeypatch.setattr(opsd_trainer.torch.cuda, "is_available", lambda: True)
-    config = opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, pad_to_multiple_of=value)
-    assert config.pad_to_multiple_of == expected
-
-
-def test_negative_pad_to_multiple_of_is_rejected(tmp_path):
-    with pytest.raises(ValueError, match="pad_to_multiple_of must be >= 0"):
-        opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False, pad_to_multiple_of=-8)
 
 
 def test_tail_padding_leaves_the_step_unchanged(tmp_path):
@@ -909,21 +812,6 @@ def test_activation_checkpointing_is_what_the_config_says(tmp_path, flag, on):
     assert checkpointing_is_on(trainer.model) is on
 
 
-def test_old_transformers_read_the_checkpointing_setting_under_its_old_name(tmp_path, monkeypatch):
-    monkeypatch.setattr(opsd_trainer, "TRAINER_READS_ACTIVATION_CHECKPOINTING", False)
-    for value in (True, False):
-        config = opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True,
-                                         activation_checkpointing=value)
-        assert config.gradient_checkpointing is value
-
-
-def test_token_mean_rows_must_divide_the_micro_batch(tmp_path):
-    with pytest.raises(ValueError,
-                       match="token_mean_rows=3: must be a positive divisor of per_device_train_batch_size=4"):
-        opsd_trainer.OPSDConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True,
-                                per_device_train_batch_size=4, token_mean_rows=3)
-
-
 @pytest.mark.slow
 def test_grouped_run_trains_like_the_micro_batches_it_groups(tmp_path):
     """End to end on the tiny preset: 2 x 2 micro-batches against one forward of 4 rows in
@@ -958,7 +846,7 @@ def _step_results(trainer, inputs, settings):
     results = []
     for layers, loss_math, checkpointing in settings:
         trainer.args.compile_layers, trainer.args.compile_loss = layers, loss_math
-        trainer.objective = opsd_trainer.make_objective(trainer.args)
+        trainer.objective = make_objective(trainer.args)
         set_checkpointing(model, checkpointing)  # under either transformers name (5.17, 5.24)
         model.zero_grad()
         graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]

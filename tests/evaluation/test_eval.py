@@ -458,9 +458,9 @@ def test_vllm_evaluation_env_logs_teardown_and_last_line(monkeypatch, tmp_path, 
     modules, logger = fake_vllm_modules(events)
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
-    import rollout
+    from rollout import vllm_backend
 
-    monkeypatch.setattr(rollout, "check_vllm_version", lambda: "0.26.0")  # the fake has no package metadata
+    monkeypatch.setattr(vllm_backend, "check_vllm_version", lambda: "0.26.0")  # the fake has no package metadata
     # A budget that leaves the tiny prompts too little of the context: the warning case.
     context = evaluate.model_context(evaluate.resolve_model_path("tiny"))  # the learned tiny model's: 4096
     monkeypatch.setattr(evaluate, "TINY_SETTINGS", evaluate.replace(TINY_SETTINGS, max_new_tokens=context - 20))
@@ -490,9 +490,9 @@ def test_vllm_evaluation_env_logs_teardown_and_last_line(monkeypatch, tmp_path, 
 def test_a_vllm_outside_the_supported_range_is_one_line_before_loading(monkeypatch, tmp_path, capsys):
     from importlib import metadata
 
-    import rollout
+    from rollout import vllm_backend
 
-    monkeypatch.setattr(rollout, "_import_vllm", lambda: None)  # "installed"
+    monkeypatch.setattr(vllm_backend, "import_vllm", lambda: None)  # "installed"
     monkeypatch.setattr(metadata, "version", lambda name: "0.40.0" if name == "vllm" else "0")
     status = evaluate.main(["base", "--preset", "tiny", "--backend", "vllm", "--output-dir", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()

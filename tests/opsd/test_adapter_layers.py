@@ -11,8 +11,8 @@ from module_walks import record_module_walks
 from peft.helpers import disable_input_dtype_casting
 from peft.tuners.tuners_utils import BaseTunerLayer
 
-import opsd_trainer
 import tiny_default
+from opsd import scoring
 from opsd.adapter_layers import AdapterLayers
 
 IDS = torch.tensor([[3, 17, 42, 9, 5, 77]])
@@ -79,11 +79,11 @@ def test_a_model_without_adapters_cannot_be_switched_off(base):
 
 
 def test_the_trainers_autocast_keeps_the_dtype_without_walking_the_model(lora, monkeypatch):
-    """opsd_trainer.bf16_autocast (every micro-batch on a GPU) switches input casting off through
+    """opsd.scoring.bf16_autocast (every micro-batch on a GPU) switches input casting off through
     the listed layers: no module walk started by the project or peft (peft's helper walks twice)."""
     layers = AdapterLayers(lora)
-    walks = record_module_walks(monkeypatch, [Path(opsd_trainer.__file__).parent, Path(peft.__file__).parent])
-    with opsd_trainer.bf16_autocast(layers, enabled=True):
+    walks = record_module_walks(monkeypatch, [Path(scoring.__file__).parents[1], Path(peft.__file__).parent])
+    with scoring.bf16_autocast(layers, enabled=True):
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
         assert not any(m.cast_input_dtype_enabled for m in layers.tuner_layers)
     monkeypatch.undo()

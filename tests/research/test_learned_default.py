@@ -95,14 +95,14 @@ def test_compact_loss_equals_the_full_vocabulary_loss():
 
 
 def test_training_examples_use_the_project_prompts(tok):
-    from data_collator import OPSDCollator
+    from opsd.prompts import PromptBuilder
 
     renderer = train_learned.Renderer(tok)
     item = tasks.draw(1, "train", 1)[0]
     row = tasks.train_row(item)
-    assert renderer.prompt(item, "student") == OPSDCollator(tok).student_prompt_ids(row)
-    assert renderer.prompt(item, "teacher_cot") == OPSDCollator(tok, teacher_context="cot").teacher_prompt_ids(row)
-    assert renderer.prompt(item, "eval") == OPSDCollator(tok).eval_prompt_ids(item.problem)
+    assert renderer.prompt(item, "student") == PromptBuilder(tok).student_prompt_ids(row)
+    assert renderer.prompt(item, "teacher_cot") == PromptBuilder(tok, teacher_context="cot").teacher_prompt_ids(row)
+    assert renderer.prompt(item, "eval") == PromptBuilder(tok).eval_prompt_ids(item.problem)
     assert tok.decode(renderer.response(item, "eval")).startswith("<think>\n\n</think>\n\n")
 
 

@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import opsd_train
-from data_collator import OPSDCollator
 from opsd.data import load_train_dataset
+from opsd.prompts import PromptBuilder
 from opsd_trainer import OPSDTrainer
 from research import attribution, probe
 from tiny_default import build_qwen3_tokenizer, resolve_model
@@ -56,8 +56,8 @@ def trainer_step_loss(tmp, env, rollouts, adapter_seed=None, save_adapter_to=Non
                     param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
         trainer.model.save_pretrained(save_adapter_to)
     rows = [data[r["index"]] for r in rollouts]
-    inputs = {"student_prompt_ids": [trainer.collator.student_prompt_ids(row) for row in rows],
-              "teacher_prompt_ids": [trainer.collator.teacher_prompt_ids(row) for row in rows],
+    inputs = {"student_prompt_ids": [trainer.prompts.student_prompt_ids(row) for row in rows],
+              "teacher_prompt_ids": [trainer.prompts.teacher_prompt_ids(row) for row in rows],
               "completion_ids": [r["completion_ids"] for r in rollouts]}
     with torch.no_grad():
         loss, stats = trainer._opsd_loss(trainer.model, inputs)
@@ -152,14 +152,14 @@ def test_attribution_dump_and_summary_against_a_direct_recomputation(probed):
     # (the fresh adapter adds exactly zero, so student and fixed teacher are both the base weights)
     tok = build_qwen3_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(resolve_model("tiny"), dtype=torch.float32).eval()
-    collator = OPSDCollator(tok)
+    builder = PromptBuilder(tok)
     data = load_train_dataset("tiny")
     data_rows = [data[r["index"]] for r in rollouts]
     completions = [r["completion_ids"] for r in rollouts]
     temperature = rows["baseline"]["settings"]["temperature"]
-    student = _full_logit_kl(model, [collator.student_prompt_ids(r) for r in data_rows], completions,
+    student = _full_logit_kl(model, [builder.student_prompt_ids(r) for r in data_rows], completions,
                              tok.pad_token_id, temperature)
-    teacher = _full_logit_kl(model, [collator.teacher_prompt_ids(r) for r in data_rows], completions,
+    teacher = _full_logit_kl(model, [builder.teacher_prompt_ids(r) for r in data_rows], completions,
                              tok.pad_token_id, temperature)
     for record in records:
         s, t = student[record["rollout"]][record["position"]], teacher[record["rollout"]][record["position"]]

@@ -1,4 +1,5 @@
-"""Sampling backends (rollout/__init__.py) on the embedded tiny Qwen3 model.
+"""Sampling backends (rollout/transformers_backend.py, rollout/vllm_backend.py, chosen by
+rollout/choice.py) on the embedded tiny Qwen3 model.
 
 The EOS cases are made exact with a hook on lm_head that sets the EOS token's
 probability to a chosen value: 1 (every sample is just EOS), 0 (every sample
@@ -16,6 +17,7 @@ from lora_helpers import acting_lora
 import rollout
 from opsd.sampling import ROLLOUT_STREAMS, Completion, SamplingSettings, derive_seed, rollout_seed, to_completion
 from rollout import BackendUnavailable, TransformersBackend, make_backend, resolve_backend_name, vllm_lora_rank
+from rollout import vllm_backend as vllm_backend
 from rollout.static_decode import StaticDecoder, bucket_width, resolve_cache_implementation
 
 SAMPLE = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=123)
@@ -806,7 +808,7 @@ def vllm_environment(monkeypatch):
 @pytest.fixture
 def no_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
-    monkeypatch.setattr(rollout, "vllm_available", lambda: False)
+    monkeypatch.setattr(vllm_backend, "vllm_available", lambda: False)  # where resolve_backend_name reads it
 
 
 def test_missing_vllm_is_a_clear_one_line_error(no_vllm):
@@ -987,7 +989,7 @@ def test_the_whole_row_draw_samples_what_generate_drew(tiny, prompts, top_p):
 
 def test_vllm_environment_fills_only_what_the_user_left_unset(monkeypatch):
     monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stdout")  # the user's choice stays
-    monkeypatch.setattr(rollout.importlib.util, "find_spec", lambda name: None)  # no flashinfer here
+    monkeypatch.setattr(vllm_backend.importlib.util, "find_spec", lambda name: None)  # no flashinfer here
     applied = rollout.vllm_environment()
     assert applied == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
     assert os.environ["VLLM_LOGGING_STREAM"] == "ext://sys.stdout"
@@ -996,11 +998,11 @@ def test_vllm_environment_fills_only_what_the_user_left_unset(monkeypatch):
 
 def test_vllm_environment_for_training_only_turns_flashinfer_off_when_missing(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "1234")  # a launcher's port stays
-    monkeypatch.setattr(rollout.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(vllm_backend.importlib.util, "find_spec", lambda name: None)
     assert rollout.vllm_environment(training=True) == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ  # TRL's colocate layout is left alone
     monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER")
-    monkeypatch.setattr(rollout.importlib.util, "find_spec", lambda name: object())  # flashinfer installed
+    monkeypatch.setattr(vllm_backend.importlib.util, "find_spec", lambda name: object())  # flashinfer installed
     assert rollout.vllm_environment(training=True) == {}
     assert "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ
 
@@ -1037,7 +1039,7 @@ def test_kv_cache_options():
 def test_trl_engine_options_bind_arguments_of_trls_llm_and_restore_it(monkeypatch):
     from trl.generation import vllm_generation
 
-    import opsd_trainer
+    from rollout.trl_patches import trl_vllm_engine_options
 
     built = []
 
@@ -1045,12 +1047,12 @@ def test_trl_engine_options_bind_arguments_of_trls_llm_and_restore_it(monkeypatc
         built.append(kwargs)
 
     monkeypatch.setattr(vllm_generation, "LLM", llm, raising=False)
-    with opsd_trainer.trl_vllm_engine_options(kv_cache_memory_bytes=5):
+    with trl_vllm_engine_options(kv_cache_memory_bytes=5):
         vllm_generation.LLM(model="m", gpu_memory_utilization=0.3)
     vllm_generation.LLM(model="m")
     assert built == [{"model": "m", "gpu_memory_utilization": 0.3, "kv_cache_memory_bytes": 5}, {"model": "m"}]
     assert vllm_generation.LLM is llm
-    with opsd_trainer.trl_vllm_engine_options():  # no options: nothing patched, even without vLLM
+    with trl_vllm_engine_options():  # no options: nothing patched, even without vLLM
         assert vllm_generation.LLM is llm
 
 

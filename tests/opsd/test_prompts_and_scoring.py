@@ -1,22 +1,21 @@
-"""data_collator: exact prompt text and ids on the real Qwen3 tokenizer, both
-padding geometries, the [OPSD align] self-check and the prompt length policy."""
+"""opsd.prompts.PromptBuilder and opsd.scoring: exact prompt text and ids on the real Qwen3
+tokenizer, the prompt length policy, both padding geometries and the [OPSD align] self-check."""
 import warnings
 
 import pytest
 import torch
 
 import tiny_default
-from data_collator import (
+from opsd import prompts
+from opsd.prompts import PromptBuilder, PromptLengthWarning
+from opsd.scoring import (
     AlignmentError,
-    OPSDCollator,
-    PromptLengthWarning,
     build_scoring_batch,
     check_alignment,
     gather_completion_positions,
     one_forward,
     select_completion_tokens,
 )
-from opsd import prompts as prompts
 
 INSTR = "Please reason step by step, and put your final answer within \\boxed{}."
 THINK_OFF = "<think>\n\n</think>\n\n"
@@ -48,7 +47,7 @@ def test_instruction_constant():
 
 
 def test_paper_student_prompt(tok):
-    ids = OPSDCollator(tok).student_prompt_ids(ROW)
+    ids = PromptBuilder(tok).student_prompt_ids(ROW)
     assert tok.decode(ids) == (
         "<|im_start|>user\nProblem: What is 2+3?\n\nPlease reason step by step, and put your final answer "
         "within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
@@ -58,17 +57,17 @@ def test_paper_student_prompt(tok):
 
 
 def test_eval_student_prompt_is_the_eval_prompt(tok):
-    collator = OPSDCollator(tok, student_prompt="eval")
-    ids = collator.student_prompt_ids(ROW)
+    builder = PromptBuilder(tok, student_prompt="eval")
+    ids = builder.student_prompt_ids(ROW)
     assert tok.decode(ids) == chat(f"What is 2+3?\n\n{INSTR}", think_off=False)
-    assert ids == collator.eval_prompt_ids(ROW["problem"]) == OPSDCollator(tok).eval_prompt_ids(ROW["problem"])
+    assert ids == builder.eval_prompt_ids(ROW["problem"]) == PromptBuilder(tok).eval_prompt_ids(ROW["problem"])
     assert ids[-3:] == [151644, 77091, 198] and 151667 not in ids  # thinking on: no pre-filled block
 
 
 def test_prompt_ids_match_the_tokenizing_chat_template(tok):
     rendered = tok.apply_chat_template(prompts.student_messages(ROW["problem"], "paper"), tokenize=True,
                                        add_generation_prompt=True, enable_thinking=False)
-    assert OPSDCollator(tok).student_prompt_ids(ROW) == rendered["input_ids"]
+    assert PromptBuilder(tok).student_prompt_ids(ROW) == rendered["input_ids"]
 
 
 @pytest.mark.parametrize("mode, context", [
@@ -79,7 +78,7 @@ def test_prompt_ids_match_the_tokenizing_chat_template(tok):
 ])
 @pytest.mark.parametrize("thinking", [False, True])
 def test_teacher_prompt(tok, mode, context, thinking):
-    ids = OPSDCollator(tok, teacher_context=mode, teacher_thinking=thinking).teacher_prompt_ids(ROW)
+    ids = PromptBuilder(tok, teacher_context=mode, teacher_thinking=thinking).teacher_prompt_ids(ROW)
     assert tok.decode(ids) == chat(teacher_user(context), think_off=not thinking)
     assert (ids[-4:] == THINK_OFF_IDS) is (not thinking)
 
@@ -87,17 +86,17 @@ def test_teacher_prompt(tok, mode, context, thinking):
 def test_shuffled_teacher_prompt_shows_the_foreign_solution(tok):
     foreign = "First, $6 \\times 7 = 42$. The answer is \\boxed{42}."
     row = dict(ROW, shuffled_solution=foreign)
-    ids = OPSDCollator(tok, teacher_context="shuffled").teacher_prompt_ids(row)
+    ids = PromptBuilder(tok, teacher_context="shuffled").teacher_prompt_ids(row)
     assert tok.decode(ids) == chat(teacher_user(foreign), think_off=True)
-    assert ids == OPSDCollator(tok).teacher_prompt_ids(dict(ROW, solution=foreign))  # same template
+    assert ids == PromptBuilder(tok).teacher_prompt_ids(dict(ROW, solution=foreign))  # same template
     with pytest.raises(ValueError, match="shuffled_solution"):  # rows must come through the data loader
-        OPSDCollator(tok, teacher_context="shuffled").teacher_prompt_ids(ROW)
+        PromptBuilder(tok, teacher_context="shuffled").teacher_prompt_ids(ROW)
 
 
 @pytest.mark.parametrize("answer, shown", [("5", "5"), (5.0, "5"), (None, "5"), ("", "5"), (" 17 ", "17")])
 def test_answer_teacher_prompt_shows_only_the_final_answer(tok, answer, shown):
     row = dict(ROW, Answer=answer)  # an empty Answer falls back to the solution's last box
-    ids = OPSDCollator(tok, teacher_context="answer").teacher_prompt_ids(row)
+    ids = PromptBuilder(tok, teacher_context="answer").teacher_prompt_ids(row)
     assert tok.decode(ids) == chat(teacher_user(f"Final answer: {shown}"), think_off=True)
     assert "2+3=5" not in tok.decode(ids)  # none of the worked solution
 
@@ -105,23 +104,23 @@ def test_answer_teacher_prompt_shows_only_the_final_answer(tok, answer, shown):
 @pytest.mark.parametrize("style", ["paper", "eval"])
 @pytest.mark.parametrize("thinking", [False, True])
 def test_none_teacher_prompt_is_the_student_prompt_token_for_token(tok, style, thinking):
-    collator = OPSDCollator(tok, teacher_context="none", student_prompt=style, teacher_thinking=thinking,
+    builder = PromptBuilder(tok, teacher_context="none", student_prompt=style, teacher_thinking=thinking,
                             max_teacher_prompt_length=5)  # a teacher-only limit: not applied
-    assert collator.teacher_prompt_ids(ROW) == collator.student_prompt_ids(ROW)
-    assert collator.teacher_prompt_ids(ROW) == OPSDCollator(tok, student_prompt=style).student_prompt_ids(ROW)
+    assert builder.teacher_prompt_ids(ROW) == builder.student_prompt_ids(ROW)
+    assert builder.teacher_prompt_ids(ROW) == PromptBuilder(tok, student_prompt=style).student_prompt_ids(ROW)
     with pytest.raises(ValueError, match="no privileged context"):
-        collator.reason_first_prompt_ids(ROW)
+        builder.reason_first_prompt_ids(ROW)
 
 
 def test_teacher_prompt_with_rationale(tok):
     rationale = "<think>\nscratch work\n</think>\n\nThe key idea is counting on."
-    ids = OPSDCollator(tok).teacher_prompt_ids(ROW, rationale=rationale)
+    ids = PromptBuilder(tok).teacher_prompt_ids(ROW, rationale=rationale)
     context = f"{ROW['solution']}\n\nAnalysis of the reference:\nThe key idea is counting on."
     assert tok.decode(ids) == chat(teacher_user(context), think_off=True)
 
 
 def test_reason_first_prompt(tok):
-    text = tok.decode(OPSDCollator(tok).reason_first_prompt_ids(ROW))
+    text = tok.decode(PromptBuilder(tok).reason_first_prompt_ids(ROW))
     assert text == chat(
         f"Problem: What is 2+3?\n\n=== Reference solution (verified) ===\n{ROW['solution']}\n"
         f"=== End of reference ===\n\n{prompts.REASON_FIRST_REQUEST}",
@@ -130,9 +129,11 @@ def test_reason_first_prompt(tok):
 
 
 def test_bad_settings_are_rejected(tok):
-    for kwargs in ({"student_prompt": "chat"}, {"teacher_context": "hint"}, {"pad_side": "middle"}):
+    for kwargs in ({"student_prompt": "chat"}, {"teacher_context": "hint"}):
         with pytest.raises(ValueError, match="is not allowed"):
-            OPSDCollator(tok, **kwargs)
+            PromptBuilder(tok, **kwargs)
+    with pytest.raises(ValueError, match="pad_side='middle' is not allowed"):
+        build_scoring_batch([[1]], [[2]], pad_id=0, pad_side="middle")
 
 
 # -- prompt length policy ----------------------------------------------------------------
@@ -142,12 +143,12 @@ LONG_TRACE = " ".join(f"Step {i}: add {i} to the running total." for i in range(
 
 def test_teacher_context_truncated_to_fit(tok):
     row = dict(ROW, COT_Reason=LONG_TRACE)
-    full = OPSDCollator(tok, teacher_context="cot").teacher_prompt_ids(row)
-    limit = len(OPSDCollator(tok).teacher_prompt_ids(ROW)) + 60
-    collator = OPSDCollator(tok, teacher_context="cot", max_teacher_prompt_length=limit)
+    full = PromptBuilder(tok, teacher_context="cot").teacher_prompt_ids(row)
+    limit = len(PromptBuilder(tok).teacher_prompt_ids(ROW)) + 60
+    builder = PromptBuilder(tok, teacher_context="cot", max_teacher_prompt_length=limit)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fitting cut is silent
-        ids = collator.teacher_prompt_ids(row)
+        ids = builder.teacher_prompt_ids(row)
     assert len(full) > limit >= len(ids) >= limit - 8  # fits, and not cut much more than needed
     text = tok.decode(ids)
     assert text.startswith("<|im_start|>user\nProblem: What is 2+3?\n\n=== Reference solution (verified) ===\n"
@@ -156,37 +157,37 @@ def test_teacher_context_truncated_to_fit(tok):
     kept_end = text.index("\n[... reference truncated ...]\n=== End of reference ===\n\n")
     assert LONG_TRACE.startswith(text[text.index("Step 0"):kept_end])
     assert text.endswith(f"{TRANSITION}\n\n{INSTR}<|im_end|>\n<|im_start|>assistant\n{THINK_OFF}")
-    assert collator.truncated_contexts == 1
+    assert builder.truncated_contexts == 1
 
 
 def test_prompt_within_limit_is_untouched(tok):
-    ids = OPSDCollator(tok).teacher_prompt_ids(ROW)
-    assert OPSDCollator(tok, max_teacher_prompt_length=len(ids)).teacher_prompt_ids(ROW) == ids
+    ids = PromptBuilder(tok).teacher_prompt_ids(ROW)
+    assert PromptBuilder(tok, max_teacher_prompt_length=len(ids)).teacher_prompt_ids(ROW) == ids
 
 
 def test_truncation_never_splits_a_character(tok):
     row = dict(ROW, solution="𝔸𝔹ℂ𝔻" * 200)
-    limit = len(OPSDCollator(tok).teacher_prompt_ids(ROW)) + 41
+    limit = len(PromptBuilder(tok).teacher_prompt_ids(ROW)) + 41
     for extra in range(6):  # several cut points, some inside a multi-token character
-        ids = OPSDCollator(tok, max_teacher_prompt_length=limit + extra).teacher_prompt_ids(row)
+        ids = PromptBuilder(tok, max_teacher_prompt_length=limit + extra).teacher_prompt_ids(row)
         assert len(ids) <= limit + extra and "\ufffd" not in tok.decode(ids)
 
 
 def test_problem_is_never_truncated(tok):
     problem = "Find x. " * 100
     row = dict(ROW, problem=problem)
-    collator = OPSDCollator(tok, max_teacher_prompt_length=50, max_prompt_length=50)
+    builder = PromptBuilder(tok, max_teacher_prompt_length=50, max_prompt_length=50)
     with pytest.warns(PromptLengthWarning, match="max_teacher_prompt_length=50") as caught:
-        ids = collator.teacher_prompt_ids(row)
-        collator.teacher_prompt_ids(row)  # warned once only
+        ids = builder.teacher_prompt_ids(row)
+        builder.teacher_prompt_ids(row)  # warned once only
     assert len(caught) == 1
     assert tok.decode(ids) == chat(f"Problem: {problem}\n\n=== Reference solution (verified) ===\n\n"
                                    f"=== End of reference ===\n\n{TRANSITION}\n\n{INSTR}", think_off=True)
     with pytest.warns(PromptLengthWarning, match="max_prompt_length=50") as caught:
-        student = collator.student_prompt_ids(row)
-        collator.student_prompt_ids(row)
+        student = builder.student_prompt_ids(row)
+        builder.student_prompt_ids(row)
     assert len(caught) == 1
-    assert student == OPSDCollator(tok).student_prompt_ids(row)
+    assert student == PromptBuilder(tok).student_prompt_ids(row)
 
 
 # -- scoring geometry ----------------------------------------------------------------------
@@ -453,10 +454,11 @@ def test_tiny_rows_align_for_both_roles(tok, side):
     from opsd.data import load_train_dataset
 
     rows = load_train_dataset("tiny", teacher_context="both").select(range(8)).to_list()
-    collator = OPSDCollator(tok, teacher_context="both", pad_side=side)
+    builder = PromptBuilder(tok, teacher_context="both")
     completions = [tok.encode(row["solution"], add_special_tokens=False) + [tok.eos_token_id] for row in rows]
-    student = collator.scoring_batch([collator.student_prompt_ids(r) for r in rows], completions)
-    teacher = collator.scoring_batch([collator.teacher_prompt_ids(r) for r in rows], completions)
+    geometry = {"pad_id": tok.pad_token_id, "pad_side": side}
+    student = build_scoring_batch([builder.student_prompt_ids(r) for r in rows], completions, **geometry)
+    teacher = build_scoring_batch([builder.teacher_prompt_ids(r) for r in rows], completions, **geometry)
     assert check_alignment(student, completions).startswith("ok: 8 rows")
     assert check_alignment(teacher, completions).startswith("ok: 8 rows")
     assert torch.equal(student.completion_ids, teacher.completion_ids)

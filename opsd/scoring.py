@@ -1,23 +1,6 @@
-"""Exact token geometry: rows -> prompt token ids, prompts + sampled completions
--> scoring batches whose completion positions line up for both roles (docs/SPEC.md §3).
-
-Prompt rendering: the chat template is applied as text (`tokenize=False`,
-`add_generation_prompt=True`, `enable_thinking=...`), then encoded with
-`add_special_tokens=False`, because the template already holds every special token.
-
-OPSD_TEACHER_CONTEXT=none: the teacher prompt is the student prompt (same style, same
-thinking setting, same ids); `teacher_thinking` and the teacher length limit do not apply.
-
-Prompt length policy:
-- the problem is never truncated;
-- student prompts are never truncated; one warning if one is longer than
-  `max_prompt_length`;
-- a teacher (or reason-first) prompt longer than `max_teacher_prompt_length`
-  has its privileged context cut: the beginning of the context is kept, tokens
-  are removed from its end and `prompts.TRUNCATION_NOTE` marks the cut, so the
-  rendered prompt fits. If not even the note fits, the context is dropped; if
-  the prompt is still over the limit with an empty context, it keeps the full
-  problem anyway and one warning is given.
+"""Scoring batches: prompts + sampled completions -> each role's forward inputs, whose
+completion positions line up for both roles (docs/SPEC.md §3), and the forwards that
+score them (final hidden states at the completion positions; the loss forms the logits).
 
 Scoring geometry (P = longest prompt, C = longest completion, T = P + C):
 - right (released): [prompt_i, pads up to P, completion_i, pads up to C];
@@ -32,157 +15,21 @@ the last completion column up to a multiple of it (nothing before them sees them
 """
 from __future__ import annotations
 
-import warnings
+import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
-from opsd.config import PAD_SIDES, STUDENT_PROMPTS, TEACHER_CONTEXTS
-from opsd.prompts import (
-    TRUNCATION_NOTE,
-    eval_messages,
-    privileged_context,
-    reason_first_messages,
-    student_enable_thinking,
-    student_messages,
-    teacher_messages,
-    with_rationale,
-)
+from opsd.adapter_layers import AdapterLayers
+from opsd.config import PAD_SIDES
+from opsd.model_utils import causal_lm, model_device
 
 
 class AlignmentError(AssertionError):
     """The `[OPSD align]` self-check failed; the message is one line."""
 
-
-class PromptLengthWarning(UserWarning):
-    """A prompt is over its length limit (given once per collator and kind)."""
-
-
-# --------------------------------------------------------------------------
-# Prompts
-# --------------------------------------------------------------------------
-
-def render_prompt(tokenizer, messages: list[dict[str, str]], enable_thinking: bool) -> str:
-    """The chat-template text of `messages` followed by the generation prompt."""
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
-    )
-
-
-def encode_prompt(tokenizer, messages: list[dict[str, str]], enable_thinking: bool) -> list[int]:
-    return tokenizer.encode(render_prompt(tokenizer, messages, enable_thinking), add_special_tokens=False)
-
-
-class OPSDCollator:
-    """Builds the student, teacher, reason-first and evaluation prompts of a row
-    as token ids, and pads prompts + completions into scoring batches."""
-
-    def __init__(
-        self,
-        tokenizer,
-        *,
-        student_prompt: str = "paper",
-        teacher_context: str = "solution",
-        teacher_thinking: bool = False,
-        pad_side: str = "right",
-        max_prompt_length: int | None = None,
-        max_teacher_prompt_length: int | None = None,
-    ):
-        _check_choice("student_prompt", student_prompt, STUDENT_PROMPTS)
-        _check_choice("teacher_context", teacher_context, TEACHER_CONTEXTS)
-        _check_choice("pad_side", pad_side, PAD_SIDES)
-        self.tokenizer = tokenizer
-        self.student_prompt = student_prompt
-        self.teacher_context = teacher_context
-        self.teacher_thinking = teacher_thinking
-        self.pad_side = pad_side
-        self.max_prompt_length = max_prompt_length
-        self.max_teacher_prompt_length = max_teacher_prompt_length
-        self.truncated_contexts = 0  # how many teacher/reason-first contexts were cut
-        self._warned: set[str] = set()
-
-    @property
-    def pad_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return self.tokenizer.eos_token_id if pad is None else pad
-
-    def student_prompt_ids(self, row: Mapping) -> list[int]:
-        style = self.student_prompt
-        ids = encode_prompt(self.tokenizer, student_messages(row["problem"], style), student_enable_thinking(style))
-        limit = self.max_prompt_length
-        if limit is not None and len(ids) > limit:
-            self._warn_once("student", f"a student prompt has {len(ids)} tokens, over max_prompt_length={limit}; "
-                                       "student prompts are never truncated")
-        return ids
-
-    def teacher_prompt_ids(self, row: Mapping, rationale: str | None = None) -> list[int]:
-        if self.teacher_context == "none":  # the control arm: the teacher sees exactly the student's tokens
-            return self.student_prompt_ids(row)
-        context = privileged_context(row, self.teacher_context)
-        if rationale:
-            context = with_rationale(context, rationale)
-        return self._fit_context(teacher_messages, row["problem"], context)
-
-    def reason_first_prompt_ids(self, row: Mapping) -> list[int]:
-        """The prompt with which the teacher writes its analysis of the reference."""
-        context = privileged_context(row, self.teacher_context)
-        return self._fit_context(reason_first_messages, row["problem"], context)
-
-    def eval_prompt_ids(self, problem: str) -> list[int]:
-        return encode_prompt(self.tokenizer, eval_messages(problem), enable_thinking=True)
-
-    def scoring_batch(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> ScoringBatch:
-        return build_scoring_batch(prompt_ids, completion_ids, pad_id=self.pad_id, pad_side=self.pad_side)
-
-    # -- teacher length policy
-
-    def _fit_context(self, messages_for, problem: str, context: str) -> list[int]:
-        """Token ids of `messages_for(problem, context)`, with the context cut from
-        its end until the prompt fits max_teacher_prompt_length."""
-        def encode(ctx: str) -> list[int]:
-            return encode_prompt(self.tokenizer, messages_for(problem, ctx), self.teacher_thinking)
-
-        ids, limit = encode(context), self.max_teacher_prompt_length
-        if limit is None or len(ids) <= limit:
-            return ids
-        self.truncated_contexts += 1
-        floor = len(encode(TRUNCATION_NOTE))  # the prompt with none of the context kept
-        if floor > limit:  # drop the context, never the problem
-            ids = encode("")
-            if len(ids) > limit:
-                self._warn_once("teacher", f"a teacher prompt has {len(ids)} tokens with an empty context, over "
-                                           f"max_teacher_prompt_length={limit}; the problem is never truncated")
-            return ids
-        context_ids = self.tokenizer.encode(context, add_special_tokens=False)
-        keep = limit - floor  # a first guess: tokens may merge differently at the seams
-        while True:
-            ids = encode(_truncated(self.tokenizer.decode(context_ids[:keep])))
-            if len(ids) <= limit:  # always reached: keep = 0 is the TRUNCATION_NOTE prompt
-                return ids
-            keep = max(keep - (len(ids) - limit), 0)
-
-    def _warn_once(self, kind: str, message: str) -> None:
-        if kind not in self._warned:
-            self._warned.add(kind)
-            warnings.warn(message, PromptLengthWarning, stacklevel=3)
-
-
-def _truncated(kept: str) -> str:
-    """A cut context: its kept beginning, then the note. A character split by the
-    cut decodes to U+FFFD and is dropped."""
-    kept = kept.rstrip("\ufffd").rstrip()
-    return f"{kept}\n{TRUNCATION_NOTE}" if kept else TRUNCATION_NOTE
-
-
-def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not allowed; expected one of: {', '.join(allowed)}")
-
-
-# --------------------------------------------------------------------------
-# Scoring batches
-# --------------------------------------------------------------------------
 
 @dataclass
 class ScoringBatch:
@@ -224,7 +71,8 @@ def build_scoring_batch(
     attend to them (causal), so every value the loss reads is unchanged; compiled
     layers then see few distinct, well-aligned shapes (BENCHMARKS.md).
     """
-    _check_choice("pad_side", pad_side, PAD_SIDES)
+    if pad_side not in PAD_SIDES:
+        raise ValueError(f"pad_side={pad_side!r} is not allowed; expected one of: {', '.join(PAD_SIDES)}")
     if len(prompt_ids) != len(completion_ids) or not prompt_ids:
         raise ValueError(f"need one completion per prompt; got {len(prompt_ids)} prompts, "
                          f"{len(completion_ids)} completions")
@@ -367,3 +215,77 @@ def _check_row(batch: ScoringBatch, b: int, completion: list[int]) -> None:
         expected = torch.arange(n) + int(batch.prompt_lengths[b])
         if not torch.equal(batch.position_ids[b, start:start + n].cpu(), expected):
             fail("completion position_ids do not continue the prompt's positions")
+
+
+# --------------------------------------------------------------------------
+# The scoring forwards
+# --------------------------------------------------------------------------
+
+class ScoringForwards(NamedTuple):
+    """One micro-batch scored by both roles: each role's ScoringBatch and its final hidden
+    states [B, C, H] at the positions that predict the completion tokens."""
+
+    student: ScoringBatch
+    teacher: ScoringBatch
+    student_hidden: torch.Tensor
+    teacher_hidden: torch.Tensor
+
+
+@contextmanager
+def bf16_autocast(adapters: AdapterLayers, enabled: bool):
+    """Mixed precision for the two backbone forwards of `adapters.model` (its adapter layers).
+
+    The loss calls the decoder directly, past the wrapper through which the Trainer
+    applies its autocast; without this, peft runs its float32 adapters in float32
+    (input casts plus fp32 matmuls: 1.24x slower on an H200, BENCHMARKS.md). The
+    adapters' master weights and gradients stay float32.
+    """
+    if not enabled:
+        yield
+        return
+    device_type = model_device(adapters.model).type
+    with torch.autocast(device_type, dtype=torch.bfloat16), adapters.input_casting_disabled():
+        yield
+
+
+def completion_hidden_states(model, batches: list[ScoringBatch], pad_id: int) -> list[torch.Tensor]:
+    """Final hidden states at the positions that predict each completion token, [B, C, H] per
+    batch, from one forward over all of them (`one_forward`).
+
+    Only the backbone runs; logits are formed by the loss, never for prompt positions.
+    """
+    decoder = causal_lm(model).get_decoder()
+    inputs = one_forward(batches, pad_id)
+    hidden = decoder(
+        input_ids=inputs.input_ids,
+        attention_mask=inputs.attention_mask,
+        position_ids=inputs.position_ids,  # None for `right`: pads consume rotary positions (released)
+        use_cache=False,
+    ).last_hidden_state
+    out, start = [], 0
+    for batch in batches:
+        rows, width = batch.input_ids.shape
+        out.append(gather_completion_positions(hidden[start:start + rows, :width], batch))
+        start += rows
+    return out
+
+
+def lm_head(model) -> torch.nn.Module:
+    """The output projection (LM head) that turns the hidden states into logits."""
+    return causal_lm(model).get_output_embeddings()
+
+
+def to_device(batch, device):
+    """The batch's tensors on `device`. To a GPU they go from pinned memory without blocking:
+    a blocking copy would first wait for every kernel already queued (the previous micro-batch's
+    backward), once per tensor."""
+    cuda = torch.device(device).type == "cuda"
+
+    def move(tensor):
+        return tensor.pin_memory().to(device, non_blocking=True) if cuda else tensor.to(device)
+
+    moved = {
+        f.name: (move(v) if isinstance(v := getattr(batch, f.name), torch.Tensor) else v)
+        for f in dataclasses.fields(batch)
+    }
+    return dataclasses.replace(batch, **moved)
