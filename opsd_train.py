@@ -234,6 +234,13 @@ def parse(argv=None, env=os.environ, quiet: bool = False):
         script_args.dataset_name, select=script_args.data_select, teacher_context=config.teacher_context,
         seed=config.seed,
     )
+    if config.loss_type == "grpo":  # the reward needs every row's reference answer
+        from opsd.rewards import UngradableError, check_gradable
+
+        try:
+            check_gradable(dataset, script_args.dataset_name)
+        except UngradableError as exc:
+            raise ConfigError(str(exc)) from None
     return script_args, config, dataset
 
 
@@ -293,7 +300,8 @@ def recipe_values(script_args: ScriptArguments, config) -> dict:
 def run_identity(script_args: ScriptArguments, config, dataset, world_size: int | None = None) -> dict:
     """The run's configuration as one flat dict: what `run_config.json` holds and
     what a resume compares (run_folder.NOT_COMPARED aside). Recipe keys appear
-    only where they differ from the released recipe."""
+    only where they differ from the released recipe; the loss type and GRPO's settings
+    only for the sft and grpo arms."""
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     per_device, accumulation = config.per_device_train_batch_size, config.gradient_accumulation_steps
     released = dataclasses.asdict(Recipe())
@@ -309,6 +317,11 @@ def run_identity(script_args: ScriptArguments, config, dataset, world_size: int 
     identity.update({var: getattr(script_args if name == "data_select" else config, name)
                      for name, var in SWITCH_VARIABLES.items() if name != "data_select"})
     identity.update({k: v for k, v in recipe_values(script_args, config).items() if v != released[k]})
+    if config.loss_type != "opsd":  # the arm (an OPSD run's identity stays as it always was)
+        identity["loss_type"] = config.loss_type
+    if config.loss_type == "grpo":
+        identity.update(grpo_loss_type=config.grpo_loss_type, scale_rewards=config.scale_rewards,
+                        epsilon=config.epsilon, epsilon_high=config.epsilon_high)
     identity.update({
         "seed": config.seed,
         "global_batch": per_device * accumulation * world,

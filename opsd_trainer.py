@@ -38,15 +38,19 @@ from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import rotate_checkpoints
 from trl import DistillationTrainer
 from trl.models.utils import unwrap_model_for_generation
+from trl.trainer.utils import RepeatSampler
 
 from opsd import model_card, run_folder
 from opsd.adapter_layers import AdapterLayers
 from opsd.callbacks import CollapseWatch, EMAUpdate, ProgressBarOnly, RunLog, StopOnSignal
 from opsd.ema_teacher import EMA_FILE, AdapterEMA
+from opsd.grpo import group_advantages, reward_stats
 from opsd.model_utils import checkpointing_is_on, peft_wrapping, set_checkpointing
-from opsd.objective import make_objective
+from opsd.objective import RowRewards, make_objective, objective_settings
 from opsd.prompts import PromptBuilder
+from opsd.rewards import grader_rewards
 from opsd.run_folder import STAGING_DIR, CheckpointWriteError, pause_in_save, remove_if_empty
+from opsd.run_log import SAMPLED_TOKENS_KEY
 from opsd.sampling import ROLLOUT_STREAMS, SamplingSettings, on_policy_step, rollout_seed, to_completion
 from opsd.scoring import (
     ScoringForwards,
@@ -98,6 +102,7 @@ class OPSDTrainer(DistillationTrainer):
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         resolve_engine_defaults(args, sharded, zero_stage)  # the engine is chosen in accelerate's config
         self.prompts = prompt_builder(self._tokenizer, args)
+        self.objective_settings = objective_settings(args)
         self.objective = make_objective(args)
         self.sampling = SamplingSettings(
             temperature=args.temperature,
@@ -124,6 +129,7 @@ class OPSDTrainer(DistillationTrainer):
         self._staging_root: str | None = None
         self._compiled_layers: CompiledLayers | None = None
         self._adapter_layers: AdapterLayers | None = None
+        self._sampled_tokens: int | None = None  # tokens/sampled; read from the log history at the first rollout
         self._unchecked_losses: list[torch.Tensor] = []  # micro-batch losses not yet checked on the host
         self._pending_stats: dict[str, list] = {"train": [], "eval": []}  # (names, device values) not yet logged
 
@@ -138,14 +144,12 @@ class OPSDTrainer(DistillationTrainer):
         rows = inputs
         student_ids = [self.prompts.student_prompt_ids(row) for row in rows]
         seconds = None  # wall time of the student's sampling, on steps that sample
+        if self.args.loss_type == "grpo":
+            return self._grpo_rollouts(rows, student_ids)
         if self.args.loss_type == "sft":  # supervised baseline: always the reference solution
             completions, truncated = self._reference_completions(rows)
         elif on_policy_step(self.args.seed, self.state.global_step, self.args.lmbda):
-            if self.accelerator.device.type == "cuda":
-                torch.cuda.synchronize(self.accelerator.device)  # the previous step's queued work is not sampling
-            started = time.perf_counter()
-            completions, truncated = self._sample(student_ids)  # host lists: no GPU work left pending
-            seconds = time.perf_counter() - started
+            completions, truncated, seconds = self._timed_sample(student_ids)
         else:  # off-policy batch (GKD's lmbda): the reference solution is the completion
             completions, truncated = self._reference_completions(rows)
         rationales = self._teacher_rationales(rows) if self.args.reason_first else [None] * len(rows)
@@ -159,6 +163,60 @@ class OPSDTrainer(DistillationTrainer):
             "teacher_prompt_ids": teacher_ids,
             "completion_ids": completions,
         }
+
+    def _grpo_rollouts(self, rows: list[dict], student_ids: list[list[int]]) -> dict:
+        """GRPO's generation batch: the sampler repeats each prompt num_generations times in a
+        row (`_get_train_sampler`); every completion is rewarded by the evaluation's grader,
+        and the advantages are normalised over the generation batch of all processes (gathered
+        in sampler order, as TRL does), each process keeping its own rows'."""
+        completions, truncated, seconds = self._timed_sample(student_ids)
+        texts = self._tokenizer.batch_decode(completions, skip_special_tokens=True)
+        rewards = torch.tensor(grader_rewards(texts, truncated, rows), dtype=torch.float32)
+        accelerator, device = self.accelerator, self.accelerator.device
+        everyone = accelerator.gather(rewards.to(device))
+        advantages = group_advantages(everyone, self.args.num_generations, self.args.scale_rewards)
+        mode = "train" if self.model.training else "eval"
+        for name, value in reward_stats(everyone, self.args.num_generations, advantages).items():
+            self._metrics[mode][f"grpo/{name}"].append(value.item())
+        n, rank = len(rows), accelerator.process_index
+        lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
+        # dapo's normaliser: the generation batch's completion tokens, per process and micro-batch.
+        total = accelerator.gather(lengths.sum().to(device)).sum().float()
+        num_items = total / (accelerator.num_processes * self.args.gradient_accumulation_steps)
+        self._log_rollout(student_ids, lengths, torch.tensor(truncated), seconds)
+        return {
+            "completion_lengths": lengths,
+            "student_prompt_ids": student_ids,
+            "teacher_prompt_ids": student_ids,  # no teacher: the alignment check compares the student with itself
+            "completion_ids": completions,
+            "advantages": advantages[rank * n:(rank + 1) * n].cpu(),
+            "num_items": num_items.cpu().expand(n).clone(),
+        }
+
+    def _get_train_sampler(self, dataset=None):
+        """GRPO: each prompt num_generations times in a row within one generation batch (TRL's
+        GRPOTrainer sampler); otherwise DistillationTrainer's (each prompt once)."""
+        if self.args.loss_type != "grpo":
+            return super()._get_train_sampler(dataset)
+        args = self.args
+        processes = self.accelerator.num_processes
+        generation_batch = args.per_device_train_batch_size * processes * args.gradient_accumulation_steps
+        return RepeatSampler(
+            data_source=self.train_dataset if dataset is None else dataset,
+            mini_repeat_count=args.num_generations,
+            batch_size=generation_batch // args.num_generations,
+            repeat_count=args.gradient_accumulation_steps,
+            shuffle=self.shuffle_dataset,
+            seed=args.seed,
+        )
+
+    def _timed_sample(self, prompt_ids: list[list[int]]):
+        """`_sample` and its wall time (the previous step's queued GPU work excluded)."""
+        if self.accelerator.device.type == "cuda":
+            torch.cuda.synchronize(self.accelerator.device)  # the previous step's queued work is not sampling
+        started = time.perf_counter()
+        completions, truncated = self._sample(prompt_ids)  # host lists: no GPU work left pending
+        return completions, truncated, time.perf_counter() - started
 
     def _sample(self, prompt_ids: list[list[int]], stream: str = ROLLOUT_STREAMS[0]):
         """Student rollouts (`stream` "student": vLLM through TRL's helper, else our transformers
@@ -241,6 +299,12 @@ class OPSDTrainer(DistillationTrainer):
         if mode == "train":
             self.state.num_input_tokens_seen += int(prompt_tokens.item() + lengths.sum().item())
         self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
+        if mode == "train":  # the student's sampled completion tokens, cumulative over the run (all processes)
+            if self._sampled_tokens is None:  # a resumed run continues its logged count
+                logged = [r[SAMPLED_TOKENS_KEY] for r in self.state.log_history if SAMPLED_TOKENS_KEY in r]
+                self._sampled_tokens = int(logged[-1]) if logged else 0
+            self._sampled_tokens += int(lengths.sum().item()) if seconds is not None else 0
+            self._metrics[mode][SAMPLED_TOKENS_KEY] = [self._sampled_tokens]
         self._metrics[mode]["completions/mean_length"].append(lengths.mean().item())
         self._metrics[mode]["completions/max_length"].append(lengths.max().item())
         self._metrics[mode]["completions/truncated_ratio"].append(truncated.mean().item())
@@ -317,7 +381,11 @@ class OPSDTrainer(DistillationTrainer):
         """The micro-batch's loss and stats: the mean over its token-mean groups (one group
         unless `token_mean_rows` splits it), each group's loss a token mean of its own."""
         head = lm_head(unwrapped)
-        results = [self.objective(s.student_hidden, s.teacher_hidden, s.student, head)
+        rewards = None
+        if "advantages" in inputs:  # GRPO (token_mean_rows is refused there: one group)
+            device = self.accelerator.device
+            rewards = RowRewards(inputs["advantages"].to(device), inputs["num_items"][0].to(device))
+        results = [self.objective(s.student_hidden, s.teacher_hidden, s.student, head, rewards)
                    for s in self.grouped_scoring_forwards(unwrapped, inputs)]
         if len(results) == 1:
             return results[0]
@@ -360,8 +428,11 @@ class OPSDTrainer(DistillationTrainer):
             # Teacher first: the EMA teacher swaps adapter values in place (and back), which
             # must not happen between the student's forward and its backward (autograd checks
             # the versions of saved tensors).
-            with torch.no_grad(), self._teacher_weights(unwrapped):
-                teacher_hidden = completion_hidden_states(unwrapped, teachers, geometry["pad_id"])
+            if self.objective_settings.uses_teacher:
+                with torch.no_grad(), self._teacher_weights(unwrapped):
+                    teacher_hidden = completion_hidden_states(unwrapped, teachers, geometry["pad_id"])
+            else:  # GRPO: the student alone
+                teacher_hidden = [None] * len(teachers)
             student_hidden = completion_hidden_states(unwrapped, students, geometry["pad_id"])
         return [ScoringForwards(*four) for four in zip(students, teachers, student_hidden, teacher_hidden)]
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from opsd.jsonl import read_jsonl
 from opsd.run_folder import METRICS_FILE
+from opsd.run_log import SAMPLED_TOKENS_KEY
 
-SAMPLED_TOKENS_KEY = "tokens/sampled"
 NOT_RECORDED = "not recorded"
 
 

@@ -249,6 +249,8 @@ class Recipe:
     top_k_loss: int = _key(0, "Restrict the divergence to the teacher's top-k (0 = off).",
                            lambda v: v >= 0, ">= 0 (0 disables)")
     use_tinker_loss: bool = _key(False, "Sampled-token estimator instead of the full vocabulary.")
+    num_generations: int = _key(8, "GRPO (loss_type grpo): completions sampled per prompt, one group.",
+                                lambda v: v >= 2, ">= 2")
 
     def as_lines(self) -> list[str]:
         """`key=value` lines in field order; parse_recipe reads them back unchanged."""

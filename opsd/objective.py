@@ -1,10 +1,12 @@
 """The run's objective: chosen once, when the trainer starts, from the loss type and the
 loss implementation (docs/SPEC.md §2).
 
-An objective is `objective(student_hidden, teacher_hidden, batch, head) -> (loss, stats)`:
-the hidden states are [B, C, H] at the completion positions, `batch` is the student's
-`opsd.scoring.ScoringBatch` (which completion tokens are real, their ids) and `head` is the
-LM head. The per-step code calls it without looking at the config again.
+An objective is `objective(student_hidden, teacher_hidden, batch, head, rewards) -> (loss,
+stats)`: the hidden states are [B, C, H] at the completion positions (the teacher's None for
+GRPO, which has no teacher), `batch` is the student's `opsd.scoring.ScoringBatch` (which
+completion tokens are real, their ids), `head` is the LM head and `rewards` the micro-batch's
+`RowRewards` (GRPO's advantages; None for the others). The per-step code calls it without
+looking at the config again.
 
 `BUILDERS` maps (objective, implementation) to the function that builds it from the typed
 `ObjectiveSettings`; a new objective is one per-token function in `opsd.loss` (with its
@@ -19,41 +21,69 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from opsd.chunked_loss import chunked_divergence_loss, chunked_nll_loss, chunked_tinker_loss
-from opsd.loss import DivergenceConfig, divergence_loss, nll_loss, tinker_loss
+from opsd.chunked_loss import chunked_divergence_loss, chunked_grpo_loss, chunked_nll_loss, chunked_tinker_loss
+from opsd.grpo import grpo_loss, per_token_advantages, token_weights
+from opsd.loss import DivergenceConfig, compute_dtype, divergence_loss, nll_loss, tinker_loss
 from opsd.scoring import ScoringBatch, select_completion_tokens
 
-# The config's `loss_type`: opsd (the distillation loss) or sft (the supervised control arm).
-LOSS_TYPES = ("opsd", "sft")
+# The config's `loss_type`: opsd (the distillation loss), sft (the supervised control arm) or
+# grpo (the RL baseline: rewards from the grader, no teacher).
+LOSS_TYPES = ("opsd", "sft", "grpo")
 # The config's `loss_implementation` once resolved (`auto` is resolved with the engine:
 # opsd.train_config.resolve_engine_defaults).
 IMPLEMENTATIONS = ("chunked", "logits")
 
-Objective = Callable[[torch.Tensor, torch.Tensor, ScoringBatch, torch.nn.Module],
+@dataclass(frozen=True)
+class RowRewards:
+    """GRPO's per-row inputs of one micro-batch, on the device: each row's advantage [B] and
+    dapo's normaliser (the generation batch's completion tokens per micro-batch and process)."""
+
+    advantages: torch.Tensor
+    num_items: torch.Tensor
+
+
+Objective = Callable[[torch.Tensor, torch.Tensor | None, ScoringBatch, torch.nn.Module, RowRewards | None],
                      tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    loss_type: str  # TRL's: grpo, bnpo, dr_grpo, dapo (opsd.grpo.token_weights)
+    epsilon_low: float
+    epsilon_high: float | None
+    max_completion_length: int  # dr_grpo's normaliser
 
 
 @dataclass(frozen=True)
 class ObjectiveSettings:
     """What the objective needs from the config, typed, built once (`objective_settings`)."""
 
-    objective: str  # divergence, tinker or sft: a key of BUILDERS with the implementation
+    objective: str  # divergence, tinker, sft or grpo: a key of BUILDERS with the implementation
     implementation: str  # chunked (hidden states, chunk by chunk) or logits ([B, C, V] at once)
     divergence: DivergenceConfig  # beta, temperature, clip, clip mode, top-k of the loss
     chunk_size: int
     compile: bool  # torch.compile the chunked divergence's per-chunk math
+    grpo: GRPOSettings | None = None
+
+    @property
+    def uses_teacher(self) -> bool:
+        return self.objective != "grpo"
 
 
 def objective_settings(args) -> ObjectiveSettings:
     """The objective's settings from a resolved OPSDConfig (opsd.train_config)."""
-    if args.loss_type == "sft":
-        objective = "sft"
+    if args.loss_type in ("sft", "grpo"):
+        objective = args.loss_type
     else:
         objective = "tinker" if args.use_tinker_loss else "divergence"
     divergence = DivergenceConfig(beta=args.beta, temperature=args.temperature, clip=args.jsd_token_clip,
                                   clip_mode=args.clip_mode, top_k=args.top_k_loss)
+    grpo = None
+    if objective == "grpo":
+        grpo = GRPOSettings(loss_type=args.grpo_loss_type, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
+                            max_completion_length=args.max_completion_length)
     return ObjectiveSettings(objective=objective, implementation=args.loss_implementation, divergence=divergence,
-                             chunk_size=args.loss_chunk_size, compile=bool(args.compile_loss))
+                             chunk_size=args.loss_chunk_size, compile=bool(args.compile_loss), grpo=grpo)
 
 
 def make_objective(args) -> Objective:
@@ -78,7 +108,7 @@ def _whole(tensor: torch.Tensor | None) -> torch.Tensor | None:
 # The chunked implementations form the logits chunk by chunk, never [B, C, V] at once.
 
 def chunked_divergence(s: ObjectiveSettings) -> Objective:
-    def objective(student, teacher, batch, head):
+    def objective(student, teacher, batch, head, rewards=None):
         student, teacher = _tokens(student, teacher, batch=batch)
         return chunked_divergence_loss(student, teacher, _whole(head.weight), config=s.divergence,
                                        chunk_size=s.chunk_size, lm_head_bias=_whole(head.bias), compile=s.compile)
@@ -86,7 +116,7 @@ def chunked_divergence(s: ObjectiveSettings) -> Objective:
 
 
 def chunked_tinker(s: ObjectiveSettings) -> Objective:
-    def objective(student, teacher, batch, head):
+    def objective(student, teacher, batch, head, rewards=None):
         student, teacher, ids = _tokens(student, teacher, batch.completion_ids, batch=batch)
         return chunked_tinker_loss(student, teacher, _whole(head.weight), ids, temperature=s.divergence.temperature,
                                    chunk_size=s.chunk_size, lm_head_bias=_whole(head.bias))
@@ -94,7 +124,7 @@ def chunked_tinker(s: ObjectiveSettings) -> Objective:
 
 
 def chunked_sft(s: ObjectiveSettings) -> Objective:
-    def objective(student, teacher, batch, head):  # cross-entropy on the reference solution
+    def objective(student, teacher, batch, head, rewards=None):  # cross-entropy on the reference solution
         student, teacher, ids = _tokens(student, teacher, batch.completion_ids, batch=batch)
         return chunked_nll_loss(student, teacher, _whole(head.weight), ids, chunk_size=s.chunk_size,
                                 lm_head_bias=_whole(head.bias))
@@ -104,21 +134,50 @@ def chunked_sft(s: ObjectiveSettings) -> Objective:
 # The logits implementations: full [B, C, V] logits for both roles (the released-style path).
 
 def logits_divergence(s: ObjectiveSettings) -> Objective:
-    def objective(student, teacher, batch, head):
+    def objective(student, teacher, batch, head, rewards=None):
         return divergence_loss(head(student), head(teacher), batch.completion_mask.bool(), config=s.divergence)
     return objective
 
 
 def logits_tinker(s: ObjectiveSettings) -> Objective:
-    def objective(student, teacher, batch, head):
+    def objective(student, teacher, batch, head, rewards=None):
         return tinker_loss(head(student), head(teacher), batch.completion_ids, batch.completion_mask.bool(),
                            temperature=s.divergence.temperature)
     return objective
 
 
 def logits_sft(s: ObjectiveSettings) -> Objective:
-    def objective(student, teacher, batch, head):
+    def objective(student, teacher, batch, head, rewards=None):
         return nll_loss(head(student), head(teacher), batch.completion_ids, batch.completion_mask.bool())
+    return objective
+
+
+# GRPO: the student's sampled-token log-probs only (no teacher), weighted per token by
+# grpo_loss_type (opsd.grpo.token_weights) and by each row's advantage.
+
+def chunked_grpo(s: ObjectiveSettings) -> Objective:
+    g = s.grpo
+
+    def objective(student, teacher, batch, head, rewards=None):
+        mask = batch.completion_mask.to(compute_dtype(student))  # float32 weights for bf16 states, float64 for float64
+        weights = token_weights(mask, g.loss_type, g.max_completion_length, rewards.num_items)
+        advantages = per_token_advantages(rewards.advantages.to(weights.dtype), mask)
+        student, ids, advantages, weights = _tokens(student, batch.completion_ids, advantages, weights, batch=batch)
+        return chunked_grpo_loss(student, _whole(head.weight), ids, advantages, weights,
+                                 temperature=s.divergence.temperature, epsilon_low=g.epsilon_low,
+                                 epsilon_high=g.epsilon_high, chunk_size=s.chunk_size, lm_head_bias=_whole(head.bias))
+    return objective
+
+
+def logits_grpo(s: ObjectiveSettings) -> Objective:
+    g = s.grpo
+
+    def objective(student, teacher, batch, head, rewards=None):
+        mask = batch.completion_mask.to(compute_dtype(student))
+        return grpo_loss(head(student), batch.completion_ids, mask, rewards.advantages,
+                         loss_type=g.loss_type, temperature=s.divergence.temperature, epsilon_low=g.epsilon_low,
+                         epsilon_high=g.epsilon_high, max_completion_length=g.max_completion_length,
+                         num_items=rewards.num_items)
     return objective
 
 
@@ -129,4 +188,6 @@ BUILDERS: dict[tuple[str, str], Callable[[ObjectiveSettings], Objective]] = {
     ("tinker", "logits"): logits_tinker,
     ("sft", "chunked"): chunked_sft,
     ("sft", "logits"): logits_sft,
+    ("grpo", "chunked"): chunked_grpo,
+    ("grpo", "logits"): logits_grpo,
 }

@@ -105,6 +105,9 @@ def append_metrics(path: str, step: int, logs: dict) -> None:
 
 COLLAPSE_FIELD = "opsd/collapse_warning"  # 1 in the metrics.jsonl row of the step where it fired
 KL_KEY, ENTROPY_KEY = "opsd/true_kl", "opsd/student_entropy"
+# The student's sampled completion tokens so far in the run, all processes (0 while it samples
+# none: SFT, off-policy steps); every metrics.jsonl record of a run that samples has it.
+SAMPLED_TOKENS_KEY = "tokens/sampled"
 # The clip share that climbs in a collapse: the teacher's argmax entry clipped (entry clip), the
 # token clipped (token clip; the entry clip's argmax share is 0 there by construction).
 COLLAPSE_SHARE_KEYS = {"entry": "opsd/teacher_argmax_clipped_frac", "token": "opsd/clipped_token_frac"}

@@ -24,6 +24,7 @@ from opsd.config import (
     recipe_value_problem,
     switch_field,
 )
+from opsd.grpo import GRPO_LOSS_TYPES, REWARD_SCALES
 from opsd.objective import IMPLEMENTATIONS, LOSS_TYPES
 from opsd.sampling import GRAPH_LOOPS
 
@@ -62,6 +63,7 @@ class OPSDConfig(DistillationConfig):
     top_k_loss: int = recipe_field("top_k_loss")
     use_tinker_loss: bool = recipe_field("use_tinker_loss")
     lmbda: float = recipe_field("lmbda")
+    num_generations: int = recipe_field("num_generations")
 
     logging_steps: float = field(default=1)
     # Declared here (opsd.config.REPORT_TO_VALUES) so that no tracker starts unless asked for,
@@ -84,10 +86,26 @@ class OPSDConfig(DistillationConfig):
     loss_type: str = field(
         default=LOSS_TYPES[0],
         metadata={
-            "help": "opsd (the distillation loss) or sft: the baseline OPSD is compared with, cross-entropy on "
-            "the reference solutions with the same prompts, budget and LoRA (no rollouts; lmbda is ignored)."
+            "help": "opsd (the distillation loss); sft: the supervised baseline, cross-entropy on the reference "
+            "solutions with the same prompts, budget and LoRA (no rollouts; lmbda is ignored); grpo: the RL "
+            "baseline, num_generations rollouts per prompt rewarded by the evaluation's grader (1 correct, 0 "
+            "not), group-normalised advantages and TRL's clipped GRPO loss (grpo_loss_type). With grpo the batch "
+            "counts completions, as in TRL: a step of B rows trains on B / num_generations prompts."
         },
     )
+    grpo_loss_type: str = field(
+        default="dapo",
+        metadata={"help": f"GRPO's normalisation, TRL's loss_type: {', '.join(GRPO_LOSS_TYPES)} (dapo, TRL "
+                          "1.16's default: a token mean over the generation batch)."},
+    )
+    scale_rewards: str = field(
+        default=REWARD_SCALES[0],
+        metadata={"help": f"GRPO's advantage scaling, TRL's scale_rewards: {', '.join(REWARD_SCALES)} (the reward "
+                          "std of the group, of the batch, or none)."},
+    )
+    epsilon: float = field(default=0.2, metadata={"help": "GRPO's clip range of the importance ratio (TRL's)."})
+    epsilon_high: float | None = field(
+        default=None, metadata={"help": "GRPO's upper clip bound (DAPO's clip-higher); None: epsilon."})
     max_prompt_length: int | None = field(default=None, metadata={"help": "Student prompt limit (warns only)."})
     max_teacher_prompt_length: int | None = field(
         default=None, metadata={"help": "Teacher prompt limit; the privileged context is truncated to fit."}
@@ -200,7 +218,8 @@ class OPSDConfig(DistillationConfig):
         # The switches' values are declared once, in opsd.config.Switches; `auto` / None of the
         # engine-dependent fields stay until the trainer sees the engine (resolve_engine_defaults).
         choices = {name: SWITCH_VALUES[name] for name in SWITCH_VALUES if hasattr(self, name)}
-        choices.update(loss_implementation=("auto", *IMPLEMENTATIONS), loss_type=LOSS_TYPES)
+        choices.update(loss_implementation=("auto", *IMPLEMENTATIONS), loss_type=LOSS_TYPES,
+                       grpo_loss_type=GRPO_LOSS_TYPES, scale_rewards=REWARD_SCALES)
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
@@ -221,10 +240,29 @@ class OPSDConfig(DistillationConfig):
             raise ValueError("fixed_teacher and use_ema_teacher are mutually exclusive")
         if self.reason_first and self.teacher_context == "none":
             raise ValueError("reason_first needs a reference to analyse; teacher_context=none has none")
+        if self.loss_type == "grpo":
+            self.check_grpo()
         rows = self.token_mean_rows
         if rows is not None and (rows < 1 or self.per_device_train_batch_size % rows):
             raise ValueError(f"token_mean_rows={rows}: must be a positive divisor of per_device_train_batch_size="
                              f"{self.per_device_train_batch_size}")
+
+
+    def check_grpo(self) -> None:
+        """GRPO's groups: each prompt's num_generations completions sit in one process's
+        generation batch (per_device_train_batch_size x gradient_accumulation_steps rows)."""
+        rows = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        if rows % self.num_generations:
+            raise ValueError(f"num_generations={self.num_generations} does not divide the generation batch of "
+                             f"{rows} completions (per_device_train_batch_size {self.per_device_train_batch_size} x "
+                             f"gradient_accumulation_steps {self.gradient_accumulation_steps})")
+        if self.token_mean_rows is not None:
+            raise ValueError("token_mean_rows groups the OPSD loss's token means; GRPO normalises by "
+                             "grpo_loss_type: leave token_mean_rows unset")
+        if self.lmbda != 1:
+            raise ValueError(f"lmbda={self.lmbda}: GRPO trains on its own samples only (lmbda 1)")
+        if not 0 <= self.epsilon < 1 or (self.epsilon_high is not None and self.epsilon_high < 0):
+            raise ValueError(f"epsilon={self.epsilon}, epsilon_high={self.epsilon_high}: a clip range in [0, 1)")
 
 
 # A shim for transformers 5.17 (vLLM 0.26's range): newer transformers (5.24) declare and read

@@ -28,3 +28,13 @@ def test_sft_scores_the_reference_solution_with_cross_entropy(tmp_path):
             total -= logp.gather(-1, ids[0, len(prompt):, None]).sum().item()
             count += len(completion)
     assert abs(loss.item() - total / count) < 1e-4
+
+
+def test_an_sft_run_samples_no_tokens(tmp_path):
+    import json
+
+    argv = ["--preset", "tiny", "--output_dir", str(tmp_path), "--max_steps", "2", "--report_to", "none",
+            "--per_device_train_batch_size", "2", "--loss_type", "sft", "--save_strategy", "no"]
+    assert opsd_train.main(argv) == 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["tokens/sampled"]) for r in records] == [(1, 0), (2, 0)]

@@ -121,6 +121,9 @@ def test_metrics_file_and_console_lines(trained_run):
             ):
                 assert key in r and r[key] is not None
             assert r["opsd/true_kl"] > 0 and r["timing/rollout_s"] > 0
+    # tokens/sampled: the completion tokens sampled so far (2 rows a step, one process).
+    sampled = [r["completions/mean_length"] * 2 for r in records]
+    assert [r["tokens/sampled"] for r in records] == pytest.approx([sum(sampled[:i + 1]) for i in range(2)])
 
 
 def test_align_and_kl_lines_printed(tmp_path, capsys):
@@ -216,6 +219,8 @@ def test_resumed_run_equals_the_uninterrupted_one(trained_run, tmp_path):
     for key in whole:
         assert torch.equal(resumed[key], whole[key]), key
     assert [r["step"] for r in read_metrics(run)] == [1, 2]
+    # The resumed run's sampled-token count continues from its log history.
+    assert [r["tokens/sampled"] for r in read_metrics(run)] == [r["tokens/sampled"] for r in read_metrics(trained_run)]
 
 
 def test_full_disk_stops_with_a_clear_error_and_keeps_earlier_checkpoints(tmp_path, monkeypatch, capsys):

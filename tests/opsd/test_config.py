@@ -18,7 +18,7 @@ RELEASED = {
     "jsd_token_clip": 0.05, "temperature": 1.1, "top_p": 0.95, "top_k": 20, "lmbda": 1.0,
     "max_completion_length": 1024, "fixed_teacher": True, "use_ema_teacher": False,
     "ema_decay": 0.999, "reason_first": False, "teacher_thinking": False,
-    "top_k_loss": 0, "use_tinker_loss": False,
+    "top_k_loss": 0, "use_tinker_loss": False, "num_generations": 8,
 }
 
 # every key set to a non-default value: (text in the file, parsed value)
@@ -30,6 +30,7 @@ EVERY_KEY = {
     "max_completion_length": ("4096", 4096), "fixed_teacher": ("false", False),
     "use_ema_teacher": ("true", True), "ema_decay": ("0.99", 0.99), "reason_first": ("true", True),
     "teacher_thinking": ("true", True), "top_k_loss": ("64", 64), "use_tinker_loss": ("true", True),
+    "num_generations": ("4", 4),
 }
 
 

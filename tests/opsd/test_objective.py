@@ -50,7 +50,7 @@ def test_chunked_loss_takes_an_fsdp2_sharded_lm_head(tmp_path):
 
 
 def test_the_table_has_a_builder_for_every_objective_and_implementation():
-    assert set(BUILDERS) == {(o, i) for o in ("divergence", "tinker", "sft") for i in IMPLEMENTATIONS}
+    assert set(BUILDERS) == {(o, i) for o in ("divergence", "tinker", "sft", "grpo") for i in IMPLEMENTATIONS}
 
 
 @pytest.mark.parametrize("values, name", [
@@ -88,3 +88,29 @@ def test_the_divergence_is_built_once_from_the_switch_and_recipe_values(tmp_path
     divergence = objectives.objective_settings(config).divergence
     assert (divergence.clip_mode, divergence.clip, divergence.beta, divergence.temperature, divergence.top_k) == (
         "token", 0.2, 0.5, 0.7, 5)
+
+
+@pytest.mark.parametrize("grpo_loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_the_grpo_objective_is_the_same_chunked_and_on_full_logits_and_needs_no_teacher(tmp_path, grpo_loss_type):
+    settings = objectives.objective_settings(_config(tmp_path, loss_type="grpo", grpo_loss_type=grpo_loss_type))
+    assert settings.objective == "grpo" and not settings.uses_teacher
+    gen = torch.Generator().manual_seed(5)
+    hidden, vocab = 6, 30
+    head = torch.nn.Linear(hidden, vocab).double()
+    ids = torch.randint(vocab, (7,), generator=gen).tolist()
+    batch = build_scoring_batch([[1], [2, 3]], [ids[:4], ids[4:]], pad_id=0, pad_side="right")
+    rewards = objectives.RowRewards(advantages=torch.tensor([0.7, -0.7], dtype=torch.float64),
+                                    num_items=torch.tensor(9.0, dtype=torch.float64))
+    start = torch.randn(2, 4, hidden, dtype=torch.float64, generator=gen)
+    results = []
+    for implementation in IMPLEMENTATIONS:
+        student = start.clone().requires_grad_(True)
+        config = _config(tmp_path, loss_type="grpo", grpo_loss_type=grpo_loss_type,
+                         loss_implementation=implementation)
+        loss, stats = make_objective(config)(student, None, batch, head, rewards)
+        loss.backward()
+        results.append((loss.detach(), student.grad[batch.completion_mask.bool()], stats))
+    (chunked, chunked_grad, chunked_stats), (full, full_grad, full_stats) = results
+    torch.testing.assert_close(chunked, full, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(chunked_grad, full_grad, rtol=1e-8, atol=1e-12)
+    assert chunked_grad.abs().sum() > 0 and chunked_stats.keys() == full_stats.keys()

@@ -124,12 +124,16 @@ def test_eval_flags_reach_every_cells_evaluation(tmp_path):
 def test_a_swept_grid_evaluates_every_checkpoint_and_tables_accuracy_per_step(tmp_path):
     """sweep_every: each trained cell saves every N steps, evaluates every checkpoint
     (checkpoint_sweep), keeps its last checkpoint's report as the cell's, and results.md /
-    results.json give each arm's mean accuracy per step."""
+    results.json give each arm's mean accuracy per step. The arms are the method's comparison
+    (base, OPSD, SFT, GRPO): each trained arm's sampled tokens, from its own metrics.jsonl, sit
+    beside its accuracy, and accuracy_vs_tokens.png is drawn."""
     grid_file = tmp_path / "grid.json"
+    arms = {"base": {"train": False}, "token": {"env": {"OPSD_CLIP_MODE": "token"}},
+            "sft": {"flags": ["--loss_type", "sft"]},
+            "grpo": {"flags": ["--loss_type", "grpo", "--num_generations", "2"]}}
     grid_file.write_text(json.dumps({**GRID, "seeds": [0], "sweep_every": 1,
                                      "budget": {"max_steps": 2, "global_batch": 2, "per_device_batch": 2},
-                                     "arms": {"base": {"train": False}, "token": {"env": {"OPSD_CLIP_MODE": "token"}}},
-                                     "baseline": "base"}))
+                                     "arms": arms, "baseline": "base"}))
     out = tmp_path / "grid"
     result = run_grid(grid_file, out)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -145,7 +149,13 @@ def test_a_swept_grid_evaluates_every_checkpoint_and_tables_accuracy_per_step(tm
     assert per_step == {str(row["step"]): row["avg"] for row in sweep["checkpoints"]}  # one seed: its own values
     assert "per_step" not in table["arms"]["base"]
     text = (out / "results.md").read_text()
-    assert "| step | token |" in text and f"| 2 | {per_step['2']:.2f} |" in text
+    assert "| step | token | sft | grpo |" in text and f"| 2 | {per_step['2']:.2f} |" in text
+    metrics = {arm: [json.loads(line) for line in (out / arm / "seed-0" / "run" / "metrics.jsonl").open()]
+               for arm in ("token", "sft", "grpo")}
+    for arm in ("token", "grpo"):  # the tokens the run sampled, as its own log counts them
+        assert table["arms"][arm]["sampled_tokens"] == metrics[arm][-1]["tokens/sampled"] > 0
+    assert table["arms"]["sft"]["sampled_tokens"] == 0 and "grpo/reward_mean" in metrics["grpo"][-1]
+    assert (out / "accuracy_vs_tokens.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _token_grid():

@@ -1,0 +1,116 @@
+"""loss_type=grpo, the RL baseline in the same trainer: each prompt num_generations times in one
+generation batch, rewards from the evaluation's grader, group-normalised advantages, TRL's
+clipped loss (opsd.grpo, checked against float64 references and TRL in tests/opsd/test_grpo.py),
+sampled tokens counted; bad settings are one line, exit 2."""
+import json
+
+import pytest
+import torch
+
+import opsd_train
+from opsd.answers import reference_answer
+from opsd.grading import grade_sample
+from opsd.grpo import group_advantages, token_weights
+from opsd.rewards import UngradableError, check_gradable, grader_rewards
+from opsd.run_log import SAMPLED_TOKENS_KEY
+from opsd_trainer import OPSDTrainer
+
+
+def grpo_argv(out, steps=1, *extra):
+    return ["--preset", "tiny", "--output_dir", str(out), "--max_steps", str(steps), "--report_to", "none",
+            "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1", "--loss_type", "grpo",
+            "--num_generations", "4", "--max_completion_length", "32", "--seed", "0", *extra]
+
+
+def make_trainer(out, *extra):
+    script_args, config, dataset = opsd_train.parse(grpo_argv(out, 1, *extra), env={})
+    model, tokenizer = opsd_train.build_model_and_tokenizer(script_args)
+    return OPSDTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                       peft_config=opsd_train.lora_config(script_args))
+
+
+def test_a_generation_batch_holds_each_prompt_num_generations_times_rewarded_by_the_grader(tmp_path):
+    trainer = make_trainer(tmp_path)
+    rows = next(iter(trainer.get_train_dataloader()))
+    problems = [row["problem"] for row in rows]
+    assert len(rows) == 8 and problems[:4] == [problems[0]] * 4 and problems[4:] == [problems[4]] * 4
+    assert problems[0] != problems[4]
+    inputs = trainer._generate_and_score_completions(rows)
+    texts = trainer._tokenizer.batch_decode(inputs["completion_ids"], skip_special_tokens=True)
+    # Independently: the evaluation's grader against each row's reference answer (a truncated
+    # completion changes the reason of a wrong grade, never its correctness).
+    expected = torch.tensor([float(grade_sample(t, reference_answer(r), False)[0].correct)
+                             for t, r in zip(texts, rows)])
+    torch.testing.assert_close(inputs["advantages"], group_advantages(expected, 4, "group"))
+    assert inputs["num_items"].tolist() == [float(sum(map(len, inputs["completion_ids"])))] * 8  # one process
+    assert trainer._metrics["train"]["grpo/reward_mean"] == [pytest.approx(expected.mean().item())]
+    assert trainer._metrics["train"][SAMPLED_TOKENS_KEY] == [sum(map(len, inputs["completion_ids"]))]
+
+
+def test_the_trainers_grpo_loss_is_the_weighted_policy_gradient_of_the_student_alone(tmp_path):
+    """compute_loss on a hand-made micro-batch equals sum_t w_t (-A_b), the on-policy surrogate's
+    value (ratio 1; its gradient is checked in tests/opsd/test_grpo.py), and the teacher never runs."""
+    trainer = make_trainer(tmp_path, "--grpo_loss_type", "grpo")
+    rows = [trainer.train_dataset[i] for i in (0, 0, 1, 1)]
+    prompts = [trainer.prompts.student_prompt_ids(r) for r in rows]
+    completions = [[10, 11, 12], [13, 14], [15], [16, 17, 18, 19]]
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    inputs = {"completion_lengths": torch.tensor([3, 2, 1, 4]), "student_prompt_ids": prompts,
+              "teacher_prompt_ids": prompts, "completion_ids": completions, "advantages": advantages,
+              "num_items": torch.full((4,), 10.0)}
+    teacher_calls = []
+    trainer._teacher_weights = lambda model: teacher_calls.append(1)  # would fail if entered
+    loss = trainer.compute_loss(trainer.model, inputs)
+    assert teacher_calls == []
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    weights = token_weights(mask, "grpo")
+    expected = (weights * -advantages[:, None]).sum()  # ratio 1: the loss is -sum_t w_t A_t in value
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
+    loss.backward()  # and a gradient reaches the adapters
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in trainer.model.named_parameters()
+               if "lora_B" in n)
+
+
+@pytest.mark.slow
+def test_a_tiny_grpo_run_trains_and_counts_its_sampled_tokens(tmp_path):
+    assert opsd_train.main(grpo_argv(tmp_path, 3, "--save_steps", "3", "--learning_rate", "2e-4")) == 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    per_step = [r["completions/mean_length"] * 8 for r in records]
+    assert [r[SAMPLED_TOKENS_KEY] for r in records] == pytest.approx(
+        [sum(per_step[:i + 1]) for i in range(3)])
+    assert all(0 <= r["grpo/reward_mean"] <= 1 and "grpo/frac_reward_zero_std" in r for r in records)
+    assert (tmp_path / "checkpoint-3" / "adapter_model.safetensors").is_file()
+    config = json.loads((tmp_path / "checkpoint-3" / "run_config.json").read_text())
+    assert (config["loss_type"], config["grpo_loss_type"], config["num_generations"]) == ("grpo", "dapo", 4)
+
+
+def test_rewards_come_from_the_grader_and_an_ungradable_row_is_an_error():
+    rows = [{"problem": "1+1?", "solution": "So \\boxed{2}."}, {"problem": "2+2?", "Answer": "4", "solution": ""}]
+    assert grader_rewards(["it is \\boxed{2}", "\\boxed{5}"], [False, False], rows) == [1.0, 0.0]
+    assert grader_rewards(["no box at all", "\\boxed{4.0}"], [True, False], rows) == [0.0, 1.0]
+    check_gradable(rows)
+    with pytest.raises(UngradableError, match=r"data row 1 has no reference answer .*problem '3\+3\?'"):
+        check_gradable([rows[0], {"problem": "3+3?", "solution": "six"}], "data")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--num_generations", "1"], "num_generations=1 is out of range; must be >= 2"),
+    (["--num_generations", "3"], "num_generations=3 does not divide the generation batch of 8 completions"),
+    (["--token_mean_rows", "4"], "token_mean_rows groups the OPSD loss's token means"),
+    (["--lmbda", "0.5"], "lmbda=0.5: GRPO trains on its own samples only"),
+    (["--grpo_loss_type", "ppo"], "grpo_loss_type='ppo': expected one of grpo, bnpo, dr_grpo, dapo"),
+])
+def test_bad_grpo_settings_are_one_line_and_exit_2(tmp_path, capsys, extra, message):
+    assert opsd_train.main(grpo_argv(tmp_path / "run", 1, *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_a_dataset_without_reference_answers_is_refused_before_the_model_loads(tmp_path, capsys):
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"problem": "What is 3+3?", "solution": "Six, by counting."}) + "\n")
+    argv = grpo_argv(tmp_path / "run", 1, "--dataset_name", str(data), "--per_device_train_batch_size", "4")
+    assert opsd_train.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no reference answer" in err[0] and str(data) in err[0], err
