@@ -104,7 +104,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     from opsd.cli import exit_status  # a reader that stops early (| head) ends it quietly
 
     sys.exit(exit_status(main))

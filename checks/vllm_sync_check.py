@@ -26,20 +26,16 @@ bit-identical; and for k >= 1, vLLM closer to the current student than to the in
 `--skip-sync` lets only the first weight sync through (vLLM keeps sampling from step 0): the last
 criterion must then fail from k = 1 on.
 """
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 (bench.common must load before torch)
 
 import argparse
 import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-# bench/common.py (the offline environment, the report writer) is no package module: the benchmarks
-# import it from their own folder, and so does this check, which puts that folder on the path.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import common  # noqa: E402  (sets the offline environment before torch loads)
-import torch  # noqa: E402
+from bench import common  # first: it sets the offline environment before torch loads
+import torch
 
 ARM_ENV = {"OPSD_CLIP_MODE": "token", "OPSD_PAD_SIDE": "left"}
 

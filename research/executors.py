@@ -125,16 +125,14 @@ def check_slurm_tools() -> None:
         raise ExecutorError("--cluster slurm needs submitit: pip install submitit") from None
 
 
-def slurm_executor(folder: Path, options: SlurmOptions, job_name: str, repo: Path):
+def slurm_executor(folder: Path, options: SlurmOptions, job_name: str):
     """A submitit executor for one job array of cells; its logs under `folder`/<job id>."""
     import submitit
 
     executor = submitit.SlurmExecutor(folder=str(folder / "%j"), max_num_timeout=3)
     parameters = dict(
         job_name=job_name, time=options.time_min, ntasks_per_node=1, nodes=1,
-        signal_delay_s=options.signal_delay_s,
-        # The cells import the repository's packages wherever the job starts.
-        setup=[f"export PYTHONPATH={repo}${{PYTHONPATH:+:$PYTHONPATH}}"],
+        signal_delay_s=options.signal_delay_s,  # the job imports the packages as installed (pip install -e .)
     )
     if options.gpus_per_cell:
         parameters["gpus_per_node"] = options.gpus_per_cell

@@ -608,7 +608,7 @@ def run_on_slurm(grid: Grid, grid_file: str, todo: list[Cell], out: Path, args, 
     waiting = {c.name: jobs[c.name] for c in todo if jobs.get(c.name) in queued}
     if waiting:
         log(f"{len(waiting)} cell(s) still queued from an earlier submission: {', '.join(sorted(waiting))}")
-    executor = executors.slurm_executor(out / "slurm", options, f"grid-{out.name}", REPO)
+    executor = executors.slurm_executor(out / "slurm", options, f"grid-{out.name}")
 
     def submit(names: list[str]) -> None:
         if not names:

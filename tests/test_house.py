@@ -104,3 +104,20 @@ def test_the_checks_see_what_they_look_for():
     assert [m[1] for m in PATH.finditer("see bench/bench_step.py, tests/test_bench_*.py and opsd/config.py.")] == [
         "bench/bench_step.py", "opsd/config.py"]
     assert not (ROOT / "bench/no_such_bench.py").exists()
+
+
+def test_the_installed_packages_are_the_house_and_nothing_patches_sys_path():
+    """pyproject.toml installs exactly the house's packages and root files (plus bench, which the
+    checks import), so `pip install -e .` makes every module importable; no code outside the
+    tests puts a folder on sys.path (the grading worker's removal of its own folder aside)."""
+    import tomllib
+
+    from test_imports import ROOT_FILES, packages
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    house = {".".join(p.relative_to(ROOT).parts) for p in packages()}
+    assert set(setup["packages"]) == house | {"bench"} and set(setup["py-modules"]) == ROOT_FILES
+    patches = [f"{path.relative_to(ROOT)}:{n}" for path in files(".py") if "tests" not in path.relative_to(ROOT).parts
+               for n, line in enumerate(path.read_text().splitlines(), 1)
+               if re.search(r"sys\.path\.(insert|append)|PYTHONPATH", line) and not line.lstrip().startswith("#")]
+    assert patches == []

@@ -262,13 +262,13 @@ def test_slurm_options_reach_the_job_arrays_sbatch_script(tmp_path):
                                      account="lab", qos="high", array_parallelism=3,
                                      sbatch=executors.parse_sbatch_options(["constraint=h100", "exclude=node7",
                                                                             "--mail-type=END"]))
-    executor = executors.slurm_executor(tmp_path, options, "grid-x", REPO)
+    executor = executors.slurm_executor(tmp_path, options, "grid-x")
     script = executor._make_submission_file_text("python -u -m submitit.core._submit FOLDER", "uid")
     for line in ("--partition=gpu", "--time=90", "--gpus-per-node=2", "--cpus-per-task=16", "--mem=65536M",
                  "--account=lab", "--qos=high", "--constraint=h100", "--exclude=node7", "--mail-type=END",
                  "--job-name=grid-x", "--signal=USR2@120"):
         assert f"#SBATCH {line}" in script, line
-    assert f"export PYTHONPATH={REPO}" in script
+    assert "PYTHONPATH" not in script  # the job imports the packages as installed (pip install -e .)
     with pytest.raises(executors.ExecutorError, match="expected NAME=VALUE"):
         executors.parse_sbatch_options(["constraint"])
 
