@@ -470,9 +470,12 @@ def _summary_line(trainer, started: float) -> str:
     from opsd.run_log import COLLAPSE_FIELD
 
     warned = next((r["step"] for r in trainer.state.log_history if r.get(COLLAPSE_FIELD)), None)
+    reward = next((r["grpo/reward_mean"] for r in reversed(trainer.state.log_history) if "grpo/reward_mean" in r),
+                  None)
+    signal = f"last true_kl {'n/a' if kl is None else f'{kl:.4g}'}" if reward is None else f"last reward {reward:.4g}"
     return (
         f"[OPSD] done: {trainer.state.global_step} steps in {time.time() - started:.1f} s | last checkpoint "
-        f"{last[1] if last else 'none'} | last true_kl {'n/a' if kl is None else f'{kl:.4g}'}"
+        f"{last[1] if last else 'none'} | {signal}"
         + (f" | collapse warning at step {warned} (see [OPSD warn] above)" if warned is not None else "")
     )
 

@@ -17,7 +17,8 @@ Behind the transformers backend: `static_decode` (the project's CUDA-graph decod
 `paged_decode` (transformers' continuous batching), `merged_student` and `fused_projections` (the
 sampling copy with the LoRA delta merged and q/k/v, gate/up stacked), `compiled_layers` (decoder
 layers through torch.compile, shared with the trainer's step) and `kernels/` (Triton);
-`vllm_weights` gives the student's weights to vLLM, merged out of place.
+`vllm_weights` gives the student's weights to vLLM, merged out of place, and `trl_patches` the
+trainer's two patches of TRL's vLLM generation (not re-exported: only the trainer uses them).
 
 Evaluation and the trainer both need "sample n completions for each of these prompts with these
 settings", and both need the result in the same form: the sampled token ids, cut right after the
