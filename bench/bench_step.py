@@ -39,7 +39,7 @@ import torch
 
 from opsd.chunked_loss import chunked_divergence_loss
 from opsd.loss import divergence_loss
-from opsd.objective import make_objective
+from opsd.objective import make_objective, objective_settings
 from opsd.scoring import build_scoring_batch, gather_completion_positions
 from opsd.train_config import OPSDConfig, default_scoring_pad_multiple
 from opsd_trainer import OPSDTrainer
@@ -80,6 +80,7 @@ def trainer_stand_in(args, dev, compiled_layers=None) -> types.SimpleNamespace:
         _compiled_layers=compiled_layers,
         _adapter_layers=None,
         objective=make_objective(args),
+        objective_settings=objective_settings(args),
     )
     for method in ("scoring_forwards", "grouped_scoring_forwards", "_teacher_weights", "_report_alignment",
                    "_scoring_layers", "_adapters"):
