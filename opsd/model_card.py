@@ -52,6 +52,22 @@ def last_metrics(log_history: list[dict]) -> dict:
     return next((dict(r) for r in reversed(log_history) if "loss" in r), {})
 
 
+# The run's loss_type (recorded in run_config.json for the baseline arms only) -> (name, what trained it).
+METHODS = {
+    "opsd": ("OPSD", "A LoRA adapter trained by On-Policy Self-Distillation (OPSD) with the OPSD research repository "
+             "(`opsd_train.py`): the student (base model + this adapter) samples a completion from the problem "
+             "alone; the teacher (the same weights, adapter disabled) also sees a verified solution and scores "
+             "the completion token by token; the loss is a clipped divergence between the two."),
+    "sft": ("SFT", "A LoRA adapter trained as the supervised baseline of the OPSD research repository "
+            "(`opsd_train.py --loss_type sft`): the student's cross-entropy on the reference solutions, with the "
+            "prompts, budget and LoRA of an OPSD run; nothing sampled."),
+    "grpo": ("GRPO", "A LoRA adapter trained as the RL baseline of the OPSD research repository "
+             "(`opsd_train.py --loss_type grpo`): the student samples a group of completions per problem, each "
+             "rewarded 1 / 0 by the evaluation's grader against the reference answer, with TRL's "
+             "group-normalised advantages and clipped loss; no teacher"),
+}
+
+
 def changed_settings(run_config: dict) -> list[tuple[str, object, object]]:
     """(name, value, released value) of every switch and recipe key that differs from the
     released recipe (recipe.released.env, opsd.config)."""
@@ -129,13 +145,14 @@ def model_card(data: CardData) -> str:
     run = os.path.basename(os.path.dirname(os.path.normpath(data.folder))) if data.checkpoint else name
     title = f"{run} / {name}" if data.checkpoint else run
     max_steps = config.get("max_steps")
+    arm, method = METHODS[config.get("loss_type", "opsd")]
+    if arm == "GRPO":
+        method += (f" ({config.get('num_generations', Recipe().num_generations)} samples a prompt, loss type "
+                   f"`{config.get('grpo_loss_type', '?')}`).")
     lines = front + [
-        f"# OPSD adapter: {title}",
+        f"# {arm} adapter: {title}",
         "",
-        "A LoRA adapter trained by On-Policy Self-Distillation (OPSD) with the OPSD research repository "
-        "(`opsd_train.py`): the student (base model + this adapter) samples a completion from the problem "
-        "alone; the teacher (the same weights, adapter disabled) also sees a verified solution and scores "
-        "the completion token by token; the loss is a clipped divergence between the two.",
+        method,
         "",
         f"- **Base model:** {_shown_model(data)}",
         f"- **Step:** {data.step}" + (f" of {max_steps}" if max_steps else "")

@@ -75,3 +75,12 @@ def test_write_card_and_last_metrics(tmp_path):
     path = model_card.write_card(data(folder=str(tmp_path / "checkpoint-2")), into=str(tmp_path))
     assert path == str(tmp_path / "README.md")
     assert json.dumps(str(tmp_path / "checkpoint-2")) in (tmp_path / "README.md").read_text()
+
+
+def test_a_baseline_arms_card_says_what_trained_it():
+    sft = model_card.model_card(data(run_config={**CONFIG, "loss_type": "sft"}))
+    assert "# SFT adapter: a / checkpoint-50" in sft and "cross-entropy on the reference solutions" in sft
+    grpo = model_card.model_card(data(run_config={**CONFIG, "loss_type": "grpo", "num_generations": 4,
+                                                   "grpo_loss_type": "dapo"}))
+    assert "# GRPO adapter: a / checkpoint-50" in grpo and "(4 samples a prompt, loss type `dapo`)." in grpo
+    assert "On-Policy Self-Distillation" not in grpo and "On-Policy Self-Distillation" in model_card.model_card(data())
