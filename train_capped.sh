@@ -47,21 +47,7 @@ fi
 # means what it means to the caller.
 # First (instant): every OPSD_* variable set is a declared one (a misspelled name would be ignored).
 opsd_config() { python -m opsd.config "$@"; }  # from the caller's folder (pip install -e . makes opsd importable)
-opsd_config check-env
-if [[ -n "${OPSD_PRESET:-}" && "$OPSD_PRESET" != "tiny" ]]; then
-  echo "error: OPSD_PRESET='$OPSD_PRESET' is not a preset; the only one is tiny (or leave it unset)" >&2
-  exit 2
-fi
-if [[ ! "${OPSD_USE_VLLM:-0}" =~ ^[01]$ ]]; then
-  echo "error: OPSD_USE_VLLM='$OPSD_USE_VLLM' is not allowed; expected 0 (the own engine, default) or 1 (vLLM)" >&2
-  exit 2
-elif [[ -n "${OPSD_VLLM_MODE:-}" && "$OPSD_VLLM_MODE" != "colocate" && "$OPSD_VLLM_MODE" != "server" ]]; then
-  echo "error: OPSD_VLLM_MODE='$OPSD_VLLM_MODE' is not allowed; expected colocate or server" >&2
-  exit 2
-elif [[ -n "${OPSD_VLLM_MODE:-}" && "${OPSD_USE_VLLM:-}" == "0" ]]; then
-  echo "error: OPSD_VLLM_MODE=$OPSD_VLLM_MODE asks for vLLM rollouts but OPSD_USE_VLLM=0; unset one of them" >&2
-  exit 2
-fi
+opsd_config check-env  # and the values of OPSD_PRESET, OPSD_USE_VLLM, OPSD_VLLM_MODE (opsd.config)
 
 # The multi-GPU engine, checked first (instant): its accelerate config file, or one error line.
 engine_config=$(opsd_config accelerate-config "${OPSD_ACCELERATE_CONFIG:-}")

@@ -462,6 +462,8 @@ class Variable:
     meaning: str
     default: str
     read_by: str
+    allowed: tuple[str, ...] = ()  # the values check-env accepts when it is set (empty: any)
+    refusal: str = ""  # what check-env's error says after `NAME='value'` when the value is not allowed
 
 
 # The variables the scripts and entry points read besides the switches, in README's order: name ->
@@ -474,7 +476,8 @@ SCRIPT_VARIABLES = {
                                           "tiny preset)", "train_capped.sh, quickstart.sh"),
     "OPSD_PRESET": Variable("`tiny`: embedded model + data, 8 steps x batch 4, completions of at most 64 tokens, "
                             "no compilation (`OPSD_MODEL` / `OPSD_DATA`, when set, still win)", "unset",
-                            "train_capped.sh, dev_eval.sh, python -m evaluation"),
+                            "train_capped.sh, dev_eval.sh, python -m evaluation", ("tiny",),
+                            "is not a preset; the only one is tiny (or leave it unset)"),
     "OPSD_NUM_PROCESSES": Variable("training processes, one GPU each; fewer than the visible GPUs train on the "
                                    "first ones", "visible GPUs (server mode: without the server's), else 1",
                                    "train_capped.sh"),
@@ -488,9 +491,11 @@ SCRIPT_VARIABLES = {
                                      "of that size, scored in fewer forwards", "the micro-batch", "train_capped.sh"),
     "OPSD_USE_VLLM": Variable("`0`/`1`: `1` samples the rollouts with vLLM instead of the project's own engine "
                               "(faster and leaner on one GPU: README \"Real runs: which engine\")", "`0`",
-                              "train_capped.sh"),
+                              "train_capped.sh", ("0", "1"),
+                              "is not allowed; expected 0 (the own engine, default) or 1 (vLLM)"),
     "OPSD_VLLM_MODE": Variable("with vLLM: `colocate` (on the training GPUs) or `server` (a running "
-                               "`trl vllm-serve`); set, it asks for vLLM", "`colocate`", "train_capped.sh"),
+                               "`trl vllm-serve`); set, it asks for vLLM", "`colocate`", "train_capped.sh",
+                               ("colocate", "server"), "is not allowed; expected colocate or server"),
     "OPSD_VLLM_SERVER_GPU": Variable("server mode: the server's GPU id(s), comma-separated, or `none` (another host)",
                                      "`0`", "train_capped.sh"),
     REPORT_TO_VARIABLE: Variable(
@@ -559,11 +564,12 @@ def check_env(env: Mapping[str, str] = os.environ) -> None:
     """A ConfigError naming the first (sorted) variable of `env` that starts with OPSD_, in
     any case, that no setting declares, and the closest declared name: a misspelled name
     would otherwise be ignored silently and the run would use the default. Variables set
-    to an empty string are unset, as for the switches."""
+    to an empty string are unset, as for the switches. Then the declared values (check_values)."""
     declared = declared_variables()
     unknown = sorted(name for name, value in env.items()
                      if name.upper().startswith(VARIABLE_PREFIX) and name not in declared and value.strip())
     if not unknown:
+        check_values(env)
         return
     name = unknown[0]
     # Compared without the common prefix, which would make every name look close.
@@ -571,6 +577,18 @@ def check_env(env: Mapping[str, str] = os.environ) -> None:
     close = difflib.get_close_matches(name[len(VARIABLE_PREFIX):].upper(), tails, n=1)
     hint = f"did you mean {tails[close[0]]}?" if close else "python -m opsd.config variables lists them"
     raise ConfigError(f"{name} is not an OPSD setting ({hint})")
+
+
+def check_values(env: Mapping[str, str] = os.environ) -> None:
+    """A ConfigError for a declared variable set to a value it does not take (SCRIPT_VARIABLES'
+    `allowed`), or for OPSD_VLLM_MODE asking for vLLM while OPSD_USE_VLLM=0 turns it off."""
+    for name, variable in SCRIPT_VARIABLES.items():
+        value = env.get(name, "")
+        if variable.allowed and value and value not in variable.allowed:
+            raise ConfigError(f"{name}={value!r} {variable.refusal}")
+    mode = env.get("OPSD_VLLM_MODE", "")
+    if mode and env.get("OPSD_USE_VLLM") == "0":
+        raise ConfigError(f"OPSD_VLLM_MODE={mode} asks for vLLM rollouts but OPSD_USE_VLLM=0; unset one of them")
 
 
 # --------------------------------------------------------------------------

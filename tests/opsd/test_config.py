@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from opsd.config import BUDGET_KNOBS, ConfigError, Recipe, RecipeError, Switches, parse_recipe
+from opsd.config import BUDGET_KNOBS, ConfigError, Recipe, RecipeError, Switches, check_env, parse_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -344,7 +344,7 @@ def test_readme_switch_and_variable_tables_are_the_declarations():
 
 
 def test_variables_lists_every_user_setting_and_no_test_only_one():
-    from opsd.config import INTERNAL_VARIABLES, SCRIPT_VARIABLES, SWITCH_VARIABLES, check_env
+    from opsd.config import INTERNAL_VARIABLES, SCRIPT_VARIABLES, SWITCH_VARIABLES
 
     result = run_cli("variables")
     assert result.returncode == 0, result.stderr
@@ -358,6 +358,25 @@ def test_variables_lists_every_user_setting_and_no_test_only_one():
         check_env({name: "1"})
     with pytest.raises(ConfigError, match="OPSD_DATAA is not an OPSD setting"):
         check_env({"OPSD_DATAA": "tiny"})
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"OPSD_PRESET": "big"}, "OPSD_PRESET='big' is not a preset; the only one is tiny (or leave it unset)"),
+    ({"OPSD_USE_VLLM": "yes"}, "OPSD_USE_VLLM='yes' is not allowed; expected 0 (the own engine, default) or 1 (vLLM)"),
+    ({"OPSD_VLLM_MODE": "remote"}, "OPSD_VLLM_MODE='remote' is not allowed; expected colocate or server"),
+    ({"OPSD_USE_VLLM": "0", "OPSD_VLLM_MODE": "server"},
+     "OPSD_VLLM_MODE=server asks for vLLM rollouts but OPSD_USE_VLLM=0; unset one of them"),
+])
+def test_check_env_holds_the_declared_values_of_the_script_variables(env, message):
+    """The values OPSD_PRESET, OPSD_USE_VLLM and OPSD_VLLM_MODE take are declared once (their
+    SCRIPT_VARIABLES entry) and checked by check-env, which train_capped.sh runs first."""
+    with pytest.raises(ConfigError) as caught:
+        check_env(env)
+    assert str(caught.value) == message
+    result = run_cli("check-env", env={**{k: v for k, v in os.environ.items() if not k.startswith("OPSD_")}, **env})
+    assert result.returncode == 2 and result.stderr.strip() == f"error: {message}"
+    for fine in ({"OPSD_PRESET": "tiny"}, {"OPSD_USE_VLLM": "1", "OPSD_VLLM_MODE": "server"}, {"OPSD_USE_VLLM": ""}):
+        check_env(fine)
 
 
 @pytest.mark.parametrize("args", [("check", "recipe.env"), ("switches",), ("accelerate-config",), ("variables",),
