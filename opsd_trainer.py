@@ -46,7 +46,7 @@ from opsd.callbacks import CollapseWatch, EMAUpdate, ProgressBarOnly, RunLog, St
 from opsd.ema_teacher import EMA_FILE, AdapterEMA
 from opsd.grpo import group_advantages, reward_stats
 from opsd.model_utils import checkpointing_is_on, peft_wrapping, set_checkpointing
-from opsd.objective import RowRewards, make_objective, objective_settings
+from opsd.objective import RowRewards, build_objective, objective_settings
 from opsd.prompts import PromptBuilder
 from opsd.rewards import grader_rewards
 from opsd.run_folder import STAGING_DIR, CheckpointWriteError, pause_in_save, remove_if_empty
@@ -103,7 +103,7 @@ class OPSDTrainer(DistillationTrainer):
         resolve_engine_defaults(args, sharded, zero_stage)  # the engine is chosen in accelerate's config
         self.prompts = prompt_builder(self._tokenizer, args)
         self.objective_settings = objective_settings(args)
-        self.objective = make_objective(args)
+        self.objective = build_objective(self.objective_settings)
         self.sampling = SamplingSettings(
             temperature=args.temperature,
             top_p=args.top_p,

@@ -94,6 +94,7 @@ import numpy as np
 
 from analysis.tokens import (
     TokensError,
+    format_grid_table,
     mean_or_none,
     read_sampled_tokens,
     tokens_at,
@@ -876,10 +877,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = compare_arms(runs_a, runs_b, counts, args.bootstrap, args.seed, args.run_sd)
             text = format_compare(result)
         if args.json:
-            try:
-                Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-            except OSError as exc:
-                raise ReportError(args.json, f"cannot write: {exc.strerror or exc}") from None
+            _write_json(args.json, result)
         if args.plot:
             panels, title = interval_panels(result)
             _plot_output(args.plot, panels, title)
@@ -999,19 +997,22 @@ def _last_step(run_dir: Path) -> int:
     return max(steps) if steps else -1
 
 
+def _write_json(path: str, payload: dict) -> None:
+    """`--json OUT`: the printed numbers as JSON (ReportError naming OUT if it cannot be written)."""
+    try:
+        Path(path).write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise ReportError(path, f"cannot write: {exc.strerror or exc}") from None
+
+
 def _tokens_main(args: argparse.Namespace) -> int:
     """`tokens GRID_DIR`: the grid's accuracy against sampled tokens (analysis.tokens)."""
-    from analysis import tokens as run_tokens
-
     try:
         if args.plot:
             _plot_output(args.plot)
         table = grid_table(args.grid)
         if args.json:
-            try:
-                Path(args.json).write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
-            except OSError as exc:
-                raise ReportError(args.json, f"cannot write: {exc.strerror or exc}") from None
+            _write_json(args.json, table)
         if args.plot:
             from analysis import plots as run_plots
 
@@ -1019,10 +1020,10 @@ def _tokens_main(args: argparse.Namespace) -> int:
                 run_plots.plot_accuracy_vs_tokens(table, args.plot)
             except run_plots.PlotError as exc:
                 raise InputError(str(exc)) from None
-    except (InputError, run_tokens.TokensError) as exc:
+    except (InputError, TokensError) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    print(run_tokens.format_grid_table(table), end="")
+    print(format_grid_table(table), end="")
     return 0
 
 

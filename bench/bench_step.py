@@ -39,9 +39,9 @@ import torch
 
 from opsd.chunked_loss import chunked_divergence_loss
 from opsd.loss import divergence_loss
-from opsd.objective import make_objective, objective_settings
+from opsd.objective import build_objective, objective_settings
 from opsd.scoring import build_scoring_batch, gather_completion_positions
-from opsd.train_config import OPSDConfig, default_scoring_pad_multiple
+from opsd.train_config import OPSDConfig, default_scoring_pad_multiple, resolve_engine_defaults
 from opsd_trainer import OPSDTrainer
 from rollout.compiled_layers import CompiledLayers
 
@@ -54,16 +54,17 @@ def trainer_defaults(**overrides) -> types.SimpleNamespace:
     values = {f.name: f.default for f in dataclasses.fields(OPSDConfig) if f.default is not dataclasses.MISSING}
     # bf16 is resolved in __post_init__ (None -> bf16 on CUDA, fp32 on CPU); do the same here,
     # since the step's mixed precision (opsd.scoring.bf16_autocast) follows it.
-    # The same for the compile switches (None -> on with CUDA) and the scoring pad multiple.
-    for name in ("bf16", "compile_loss", "compile_layers"):
+    # The same for the loss's compilation (None -> on with CUDA) and the scoring pad multiple;
+    # the engine-dependent ones as the trainer resolves them on one process, after the overrides.
+    for name in ("bf16", "compile_loss"):
         if values.get(name) is None:
             values[name] = torch.cuda.is_available()
     if values.get("pad_to_multiple_of") is None:
         values["pad_to_multiple_of"] = default_scoring_pad_multiple()
-    if values.get("loss_implementation") == "auto":  # what resolve_engine_defaults picks without ZeRO-3
-        values["loss_implementation"] = "chunked"
     values.update(overrides)
-    return types.SimpleNamespace(**values)
+    args = types.SimpleNamespace(**values)
+    resolve_engine_defaults(args, sharded=False, zero_stage=None)
+    return args
 
 
 def trainer_stand_in(args, dev, compiled_layers=None) -> types.SimpleNamespace:
@@ -79,8 +80,8 @@ def trainer_stand_in(args, dev, compiled_layers=None) -> types.SimpleNamespace:
         _alignment_checked=False,
         _compiled_layers=compiled_layers,
         _adapter_layers=None,
-        objective=make_objective(args),
-        objective_settings=objective_settings(args),
+        objective_settings=(settings := objective_settings(args)),
+        objective=build_objective(settings),
     )
     for method in ("scoring_forwards", "grouped_scoring_forwards", "_teacher_weights", "_report_alignment",
                    "_scoring_layers", "_adapters"):

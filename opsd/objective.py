@@ -86,10 +86,14 @@ def objective_settings(args) -> ObjectiveSettings:
                              chunk_size=args.loss_chunk_size, compile=bool(args.compile_loss), grpo=grpo)
 
 
-def make_objective(args) -> Objective:
-    """The run's objective (see the module docstring) for a resolved OPSDConfig."""
-    settings = objective_settings(args)
+def build_objective(settings: ObjectiveSettings) -> Objective:
+    """The objective `settings` describe (see the module docstring)."""
     return BUILDERS[settings.objective, settings.implementation](settings)
+
+
+def make_objective(args) -> Objective:
+    """The run's objective for a resolved OPSDConfig."""
+    return build_objective(objective_settings(args))
 
 
 def _tokens(*values: torch.Tensor, batch: ScoringBatch) -> list[torch.Tensor]:
