@@ -180,10 +180,9 @@ class OPSDTrainer(DistillationTrainer):
             self._metrics[mode][f"grpo/{name}"].append(value.item())
         n, rank = len(rows), accelerator.process_index
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
+        total = self._log_rollout(student_ids, lengths, torch.tensor(truncated), seconds)
         # dapo's normaliser: the generation batch's completion tokens, per process and micro-batch.
-        total = accelerator.gather(lengths.sum().to(device)).sum().float()
         num_items = total / (accelerator.num_processes * self.args.gradient_accumulation_steps)
-        self._log_rollout(student_ids, lengths, torch.tensor(truncated), seconds)
         return {
             "completion_lengths": lengths,
             "student_prompt_ids": student_ids,
@@ -290,26 +289,30 @@ class OPSDTrainer(DistillationTrainer):
         return self._tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     def _log_rollout(self, prompt_ids, lengths: torch.Tensor, truncated: torch.Tensor,
-                     seconds: float | None) -> None:
+                     seconds: float | None) -> torch.Tensor:
+        """Log the generation batch's rollout metrics; returns its completion tokens over all
+        processes (a float tensor on the device)."""
         device = self.accelerator.device
         lengths = self.accelerator.gather(lengths.to(device)).float()
         truncated = self.accelerator.gather(truncated.to(device)).float()
         prompt_tokens = self.accelerator.gather(torch.tensor([sum(map(len, prompt_ids))], device=device)).sum()
+        total = lengths.sum()
         mode = "train" if self.model.training else "eval"
         if mode == "train":
-            self.state.num_input_tokens_seen += int(prompt_tokens.item() + lengths.sum().item())
-        self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
-        if mode == "train":  # the student's sampled completion tokens, cumulative over the run (all processes)
+            self.state.num_input_tokens_seen += int(prompt_tokens.item() + total.item())
+            # The student's sampled completion tokens, cumulative over the run (all processes).
             if self._sampled_tokens is None:  # a resumed run continues its logged count
                 logged = [r[SAMPLED_TOKENS_KEY] for r in self.state.log_history if SAMPLED_TOKENS_KEY in r]
                 self._sampled_tokens = int(logged[-1]) if logged else 0
-            self._sampled_tokens += int(lengths.sum().item()) if seconds is not None else 0
+            self._sampled_tokens += int(total.item()) if seconds is not None else 0
             self._metrics[mode][SAMPLED_TOKENS_KEY] = [self._sampled_tokens]
+        self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
         self._metrics[mode]["completions/mean_length"].append(lengths.mean().item())
         self._metrics[mode]["completions/max_length"].append(lengths.max().item())
         self._metrics[mode]["completions/truncated_ratio"].append(truncated.mean().item())
         if seconds is not None:  # this process's own figure (not gathered), sampled steps only
             self._metrics[mode]["timing/rollout_s"].append(seconds)
+        return total
 
     # ------------------------------------------------------------------ loss
 
