@@ -470,7 +470,7 @@ class Variable:
 # Variable. README's tables are `python -m opsd.config variables --markdown` (tests/opsd/test_config.py).
 SCRIPT_VARIABLES = {
     "OPSD_MODEL": Variable("model: hub id or local folder", "`Qwen/Qwen3-1.7B`", "train_capped.sh, dev_eval.sh"),
-    "OPSD_DATA": Variable("training data: HF name, `.json`, `.jsonl`, `.parquet`, `tiny[:SEED[:N]]`",
+    "OPSD_DATA": Variable("training data: HF name, `.json`, `.jsonl`, `.parquet`, `tiny[:SEED[:N[:FAMILY]]]`",
                           "`siyanzhao/Openthoughts_math_30k_opsd`", "train_capped.sh"),
     "OPSD_OUTPUT": Variable("run folder", "`outputs/opsd-capped` in the repository (`outputs/opsd-tiny` for the "
                                           "tiny preset)", "train_capped.sh, quickstart.sh"),
@@ -501,7 +501,7 @@ SCRIPT_VARIABLES = {
     REPORT_TO_VARIABLE: Variable(
         f"where the logs also go: {', '.join(f'`{v}`' for v in REPORT_TO_VALUES[:-1])} or `all` (every installed "
         "tracker); not a switch: it changes no number of the run", f"`{REPORT_TO_VALUES[0]}`", "opsd_train.py"),
-    "OPSD_EVAL_DATA": Variable("eval set: hub name, `.json`/`.jsonl`/`.parquet`, `tiny[:SEED[:N]]`",
+    "OPSD_EVAL_DATA": Variable("eval set: hub name, `.json`/`.jsonl`/`.parquet`, `tiny[:SEED[:N[:FAMILY]]]`",
                                "`HuggingFaceH4/aime_2024`", "dev_eval.sh"),
     "OPSD_EVAL_BACKEND": Variable("`transformers`, `vllm`, `auto` (vLLM with CUDA when installed)", "`auto`",
                                   "dev_eval.sh"),

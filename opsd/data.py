@@ -5,7 +5,7 @@ with a one-line message naming the file (or hub dataset) and the column, line
 or row at fault.
 
 A data `spec` is one of:
-- "tiny", "tiny:SEED" or "tiny:SEED:N": the embedded default's generated sets
+- "tiny", "tiny:SEED", "tiny:SEED:N" or "tiny:SEED:N:FAMILY": the embedded default's generated sets
   (`tiny_default`; offline runs, tests);
 - a local `.json` (a JSON list of objects, or JSON lines), `.jsonl` or `.parquet` file;
 - otherwise a Hugging Face dataset name, loaded with `load_dataset(name, split="train")`.
@@ -107,9 +107,12 @@ def _load(spec: str, role: str) -> tuple[datasets.Dataset, str]:
         import tiny_default
 
         if not tiny_default.is_tiny_name(spec):
-            raise DataError(f"{role} dataset {spec!r}: expected tiny, tiny:SEED or tiny:SEED:N "
-                            "(SEED an integer >= 0, N >= 1)")
-        path = str(tiny_default.tiny_train_path(spec) if role == "train" else tiny_default.tiny_eval_path(spec))
+            raise DataError(f"{role} dataset {spec!r}: expected {tiny_default.NAME_FORMS} "
+                            f"(SEED an integer >= 0, N >= 1, FAMILY one of {', '.join(tiny_default.tasks.SOURCES)})")
+        try:
+            path = str(tiny_default.tiny_train_path(spec) if role == "train" else tiny_default.tiny_eval_path(spec))
+        except ValueError as e:  # more rows than a family has
+            raise DataError(f"{role} dataset {spec!r}: {e}") from None
         where = f"{role} file {path}"
         data = _load_file(Path(path), where)
     elif Path(spec).suffix.lower() in LOCAL_SUFFIXES or Path(spec).is_file():

@@ -11,7 +11,9 @@ reach a hub, so offline runs (tests, CI, quickstart) pass these names instead:
                           default 30-problem eval set (AIME schema)
     data  `tiny:SEED`     as an eval set: a fresh held-out set of 30 problems
                           from SEED; as a training set: 4,096 fresh training
-                          rows from SEED. `tiny:SEED:N` has N rows.
+                          rows from SEED. `tiny:SEED:N` has N rows,
+                          `tiny:SEED:N:FAMILY` N rows of one family (a `source`
+                          tag of `tasks`, e.g. aops_forum).
 
 Both models use the real Qwen3 tokenizer (`tokenizer`); the task is in `tasks`.
 Everything is built once into `cache_dir()`; torch and transformers are imported
@@ -36,10 +38,12 @@ N_TRAIN_ROWS = 4096
 N_EVAL_ROWS = 30
 TRAIN_SEED = 20260610
 EVAL_SEED = 20240101
-_NAME = re.compile(r"tiny:(\d+)(?::(\d+))?")
+_NAME = re.compile(r"tiny:(\d+)(?::(\d+)(?::(\w+))?)?")
+NAME_FORMS = "tiny, tiny:SEED, tiny:SEED:N or tiny:SEED:N:FAMILY"
 
 __all__ = [
-    "ADDED_TOKENS", "EOS_ID", "PAD_ID", "BUILD_VERSION", "N_EVAL_ROWS", "N_TRAIN_ROWS", "TINY", "TINY_RANDOM",
+    "ADDED_TOKENS", "EOS_ID", "PAD_ID", "BUILD_VERSION", "N_EVAL_ROWS", "N_TRAIN_ROWS", "NAME_FORMS", "TINY",
+    "TINY_RANDOM",
     "build_learned_model", "build_qwen3_tokenizer", "build_tiny_model", "cache_dir", "eval_set_name", "is_tiny_name",
     "learned_model_dir", "random_model_dir", "resolve_model", "tasks", "tiny_eval_path", "tiny_train_path",
 ]
@@ -59,20 +63,28 @@ def _jsonl_bytes(rows: list[dict]) -> bytes:
 
 
 def is_tiny_name(name: str) -> bool:
-    """`tiny`, `tiny:SEED` or `tiny:SEED:N` (SEED >= 0, N >= 1)."""
+    """`tiny`, `tiny:SEED`, `tiny:SEED:N` or `tiny:SEED:N:FAMILY` (SEED >= 0, N >= 1, FAMILY
+    one of `tasks.SOURCES`)."""
     if name == TINY:
         return True
     match = _NAME.fullmatch(name)
-    return bool(match) and (match.group(2) is None or int(match.group(2)) >= 1)
+    return (bool(match) and (match.group(2) is None or int(match.group(2)) >= 1)
+            and (match.group(3) is None or match.group(3) in tasks.SOURCES))
 
 
-def _seed_and_count(name: str, default_seed: int, default_count: int) -> tuple[int, int]:
+def _parse(name: str, default_seed: int, default_count: int) -> tuple[int, int, str | None]:
+    """(seed, rows, family or None) of a tiny data name."""
     if not is_tiny_name(name):
-        raise ValueError(f"not a tiny dataset name: {name!r} (expected tiny, tiny:SEED or tiny:SEED:N)")
+        raise ValueError(f"not a tiny dataset name: {name!r} (expected {NAME_FORMS}; "
+                         f"FAMILY one of {', '.join(tasks.SOURCES)})")
     if name == TINY:
-        return default_seed, default_count
+        return default_seed, default_count, None
     match = _NAME.fullmatch(name)
-    return int(match.group(1)), int(match.group(2) or default_count)
+    return int(match.group(1)), int(match.group(2) or default_count), match.group(3)
+
+
+def _family_suffix(family: str | None) -> str:
+    return f"-{family}" if family else ""
 
 
 def eval_set_name(name: str) -> str:
@@ -81,25 +93,27 @@ def eval_set_name(name: str) -> str:
     and a report says which set it was. Any other name is returned unchanged."""
     if not is_tiny_name(name):
         return name
-    seed, count = _seed_and_count(name, EVAL_SEED, N_EVAL_ROWS)
-    return f"{TINY}:{seed}:{count}"
+    seed, count, family = _parse(name, EVAL_SEED, N_EVAL_ROWS)
+    return f"{TINY}:{seed}:{count}" + (f":{family}" if family else "")
 
 
 def tiny_train_path(name: str = TINY) -> Path:
     """Training rows of the train split (.jsonl, columns of siyanzhao/Openthoughts_math_30k_opsd)."""
-    seed, count = _seed_and_count(name, TRAIN_SEED, N_TRAIN_ROWS)
+    seed, count, family = _parse(name, TRAIN_SEED, N_TRAIN_ROWS)
 
     def build() -> bytes:
-        return _jsonl_bytes([tasks.train_row(p) for p in tasks.draw(seed, "train", count)])
+        return _jsonl_bytes([tasks.train_row(p) for p in tasks.draw(seed, "train", count, family)])
 
-    return cached_file(cache_dir() / f"tiny-train-{BUILD_VERSION}-seed{seed}-n{count}.jsonl", build)
+    name = f"tiny-train-{BUILD_VERSION}-seed{seed}-n{count}{_family_suffix(family)}.jsonl"
+    return cached_file(cache_dir() / name, build)
 
 
 def tiny_eval_path(name: str = TINY) -> Path:
     """Problems of the eval split (.jsonl, AIME24 columns problem and answer)."""
-    seed, count = _seed_and_count(name, EVAL_SEED, N_EVAL_ROWS)
+    seed, count, family = _parse(name, EVAL_SEED, N_EVAL_ROWS)
 
     def build() -> bytes:
-        return _jsonl_bytes([tasks.eval_row(p) for p in tasks.draw(seed, "eval", count)])
+        return _jsonl_bytes([tasks.eval_row(p) for p in tasks.draw(seed, "eval", count, family)])
 
-    return cached_file(cache_dir() / f"tiny-eval-{BUILD_VERSION}-seed{seed}-n{count}.jsonl", build)
+    name = f"tiny-eval-{BUILD_VERSION}-seed{seed}-n{count}{_family_suffix(family)}.jsonl"
+    return cached_file(cache_dir() / name, build)

@@ -129,6 +129,7 @@ FAMILIES: dict[str, Callable[[random.Random], Problem]] = {
 SOURCES = tuple(FAMILIES)
 # Repeats weight the draw: most rows are `math`, as in the released set.
 _DRAW = ("math", *SOURCES)
+_MAX_MISSES = 100_000  # draws without a new problem before a stream counts as exhausted
 
 
 def split_of(problem_text: str) -> str:
@@ -137,20 +138,30 @@ def split_of(problem_text: str) -> str:
     return "eval" if int.from_bytes(digest[:8], "little") % EVAL_BUCKETS == 0 else "train"
 
 
-def problems(seed: int, split: str) -> Iterator[Problem]:
-    """An endless stream of distinct problems of one split, from a seed."""
+def problems(seed: int, split: str, family: str | None = None) -> Iterator[Problem]:
+    """An endless stream of distinct problems of one split, from a seed: every family
+    (weighted as `_DRAW`), or only `family`."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be train or eval, got {split!r}")
-    rng, seen = random.Random(seed), set()
+    if family is not None and family not in FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(SOURCES)}, got {family!r}")
+    rng, seen, misses = random.Random(seed), set(), 0
     while True:
-        item = FAMILIES[rng.choice(_DRAW)](rng)
+        # The mixed stream draws its family first; a one-family stream does not (its own stream).
+        item = FAMILIES[family](rng) if family else FAMILIES[rng.choice(_DRAW)](rng)
         if item.problem not in seen and split_of(item.problem) == split:
             seen.add(item.problem)
+            misses = 0
             yield item
+        else:
+            misses += 1
+            if misses > _MAX_MISSES:  # a family's finite space is used up (digit sums: ~600 problems)
+                raise ValueError(f"no new {split} problem of {family or 'the mixed task'} in {_MAX_MISSES:,} "
+                                 f"draws after {len(seen)} distinct ones: ask for fewer rows")
 
 
-def draw(seed: int, split: str, count: int) -> list[Problem]:
-    stream = problems(seed, split)
+def draw(seed: int, split: str, count: int, family: str | None = None) -> list[Problem]:
+    stream = problems(seed, split, family)
     return [next(stream) for _ in range(count)]
 
 

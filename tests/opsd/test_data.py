@@ -389,3 +389,15 @@ def test_eval_errors(tmp_path):
     null_answer = write_jsonl(tmp_path / "null_answer.jsonl",
                               [{"problem": "a", "answer": "1"}, {"problem": "b", "answer": None}])
     assert message_of(load_eval_dataset, str(null_answer)) == f"eval file {null_answer}: row 2 has an empty 'answer'"
+
+
+def test_a_tiny_family_set_loads_and_its_bad_names_are_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPSD_CACHE", str(tmp_path))
+    data = load_train_dataset("tiny:3:12:amc_aime")
+    assert len(data) == 12 and set(data["source"]) == {"amc_aime"}
+    assert {r["problem"].count("\\times") for r in load_eval_dataset("tiny:3:5:amc_aime")} == {2}
+    assert message_of(load_eval_dataset, "tiny:3:5:algebra") == (
+        "eval dataset 'tiny:3:5:algebra': expected tiny, tiny:SEED, tiny:SEED:N or tiny:SEED:N:FAMILY "
+        "(SEED an integer >= 0, N >= 1, FAMILY one of math, olympiads, amc_aime, aops_forum, number_theory)")
+    assert message_of(load_eval_dataset, "tiny:3:100:number_theory").startswith(
+        "eval dataset 'tiny:3:100:number_theory': no new eval problem of number_theory in 100,000 draws after")

@@ -380,3 +380,38 @@ def test_a_cold_cache_built_on_rank_1_holds_the_whole_model(monkeypatch, tmp_pat
         assert tmp_path in folder.parents
         assert {"config.json", "generation_config.json", "model.safetensors"} <= {p.name for p in folder.iterdir()}
         assert AutoModelForCausalLM.from_pretrained(folder).config.model_type == "qwen3"
+
+
+def test_family_names_give_rows_of_one_family_on_their_own_side_of_the_split(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPSD_CACHE", str(tmp_path))
+    assert td.is_tiny_name("tiny:7:3:amc_aime") and td.eval_set_name("tiny:7:3:amc_aime") == "tiny:7:3:amc_aime"
+    for bad in ("tiny:7:3:algebra", "tiny:7:3:", "tiny:7::amc_aime", "tiny:7:amc_aime", "tiny:7:3:amc_aime:1"):
+        assert not td.is_tiny_name(bad), bad
+    with pytest.raises(ValueError, match="FAMILY one of math, olympiads, amc_aime, aops_forum, number_theory"):
+        td.tiny_eval_path("tiny:7:3:algebra")
+    for family in td.tasks.SOURCES:
+        train = [json.loads(r) for r in td.tiny_train_path(f"tiny:7:40:{family}").read_text().splitlines()]
+        assert len(train) == 40 and {r["source"] for r in train} == {family}
+        assert all(td.tasks.split_of(r["problem"]) == "train" and r["Answer"] == str(_recompute(r["problem"]))
+                   for r in train)
+        evals = [json.loads(r) for r in td.tiny_eval_path(f"tiny:7:20:{family}").read_text().splitlines()]
+        assert len({r["problem"] for r in evals}) == 20
+        assert all(td.tasks.split_of(r["problem"]) == "eval" for r in evals)
+        assert {p.family for p in td.tasks.draw(7, "eval", 20, family)} == {family}
+    # One family's rows are not a filter of the mixed set: another stream, another file.
+    assert td.tiny_eval_path("tiny:7:20:math") != td.tiny_eval_path("tiny:7:20")
+
+
+def test_the_mixed_sets_are_what_they_were_before_families_existed(monkeypatch, tmp_path):
+    """Every recorded result names a mixed set (tiny:7:200, ...): its rows must not move."""
+    import hashlib
+    monkeypatch.setenv("OPSD_CACHE", str(tmp_path))
+    digest = lambda path: hashlib.sha256(path.read_bytes()).hexdigest()[:16]  # noqa: E731
+    assert digest(td.tiny_eval_path("tiny:7:16")) == "0162801fdf3280cd"
+    assert digest(td.tiny_eval_path("tiny")) == "de2486f995ebf665"
+    assert digest(td.tiny_train_path("tiny:7:64")) == "9526c1092f728993"
+
+
+def test_a_family_asked_for_more_problems_than_it_has_is_one_error_not_a_hang():
+    with pytest.raises(ValueError, match="no new eval problem of number_theory"):
+        td.tasks.draw(7, "eval", 100, "number_theory")  # digit sums of a x b: about 60 eval problems
