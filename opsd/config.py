@@ -472,8 +472,10 @@ SCRIPT_VARIABLES = {
     "OPSD_MODEL": Variable("model: hub id or local folder", "`Qwen/Qwen3-1.7B`", "train_capped.sh, dev_eval.sh"),
     "OPSD_DATA": Variable("training data: HF name, `.json`, `.jsonl`, `.parquet`, `tiny[:SEED[:N[:FAMILY]]]`",
                           "`siyanzhao/Openthoughts_math_30k_opsd`", "train_capped.sh"),
-    "OPSD_OUTPUT": Variable("run folder", "`outputs/opsd-capped` in the repository (`outputs/opsd-tiny` for the "
-                                          "tiny preset)", "train_capped.sh, quickstart.sh"),
+    "OPSD_OUTPUT": Variable("run folder (`quickstart.sh`: its grid's folder)",
+                            "`outputs/opsd-capped` in the repository (`outputs/opsd-tiny` for the tiny preset; "
+                            "`quickstart.sh`: `outputs/quickstart-cpu`, with CUDA `outputs/quickstart-gpu`)",
+                            "train_capped.sh, quickstart.sh"),
     "OPSD_PRESET": Variable("`tiny`: embedded model + data, 8 steps x batch 4, completions of at most 64 tokens, "
                             "no compilation (`OPSD_MODEL` / `OPSD_DATA`, when set, still win)", "unset",
                             "train_capped.sh, dev_eval.sh, python -m evaluation", ("tiny",),

@@ -33,7 +33,8 @@ against the baseline) and `results.json` (every number) in the grid folder, and
 `curves.png` beside them: each trained arm's training curves, the mean over its
 seeds with the lowest-to-highest band (`python -m analysis.plots overlay --grid`). Each arm's
 sampled tokens (the mean over its seeds of `tokens/sampled` at the last checkpoint, analysis.tokens)
-stand next to its accuracy.
+stand next to its accuracy. The output ends with each evaluated cell's FINAL line and each arm's
+verdict against the baseline (what quickstart.sh shows).
 
 With `sweep_every: N`, trained cells save a checkpoint every N steps and evaluate every one
 (`python -m evaluation RUN_FOLDER`, evaluation/sweep.py: one report per checkpoint, the cell's
@@ -789,7 +790,22 @@ def main(argv=None) -> int:
     tokens_plot = draw_accuracy_vs_tokens(grid, out)
     log(f"results: {out / 'results.md'}" + (f"; curves: {curves}" if curves else "")
         + (f"; accuracy against sampled tokens: {tokens_plot}" if tokens_plot else ""))
+    print("\n".join(["", *final_lines(all_cells, table)]))
     return 1 if failed else 0
+
+
+def final_lines(cells: list[Cell], table: dict) -> list[str]:
+    """The grid's last lines: each evaluated cell's FINAL line (its eval.log's last), then each
+    arm's verdict against the baseline; what quickstart.sh ends with."""
+    lines = []
+    for cell in cells:
+        log = cell.folder / "eval.log"
+        last = log.read_text(encoding="utf-8").rstrip().rsplit("\n", 1)[-1] if log.is_file() else ""
+        if cell.report.is_file() and last.startswith("FINAL"):
+            lines.append(f"{cell.name}: {last}")
+    baseline = table["grid"]["baseline"]
+    return lines + [f"{name} vs {baseline}: {arm['verdict']}" for name, arm in table["arms"].items()
+                    if "verdict" in arm]
 
 
 def _check_executor_options(args) -> None:

@@ -25,6 +25,11 @@ def test_two_arms_two_seeds_end_to_end_and_resume(local_grid):
     assert "| token | 2 |" in (out / "results.md").read_text()
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the arms' curves, beside results.md
     assert f"; curves: {out / 'curves.png'}" in first.stdout
+    # The output ends with each cell's FINAL line and the arm's verdict (what quickstart.sh shows).
+    *finals, verdict = first.stdout.rstrip().splitlines()[-5:]
+    assert [line.split(": FINAL avg@8 accuracy: ")[0] for line in finals] == [
+        "entry/seed-0", "entry/seed-1", "token/seed-0", "token/seed-1"]
+    assert verdict == f"token vs entry: {table['arms']['token']['verdict']}"
     for arm in ("entry", "token"):
         for seed in (0, 1):
             cell = out / arm / f"seed-{seed}"
@@ -39,6 +44,7 @@ def test_two_arms_two_seeds_end_to_end_and_resume(local_grid):
     # Every cell is done: a re-run trains and evaluates nothing, and gives the same table.
     again = run_grid(grid_file, out)
     assert again.returncode == 0 and "4 cells, 4 already done, 0 to run" in again.stdout
+    assert again.stdout.splitlines()[-5:] == first.stdout.splitlines()[-5:]
     assert json.loads((out / "results.json").read_text()) == table
 
 
@@ -81,9 +87,29 @@ def test_bad_grid_files_are_one_line_errors(tmp_path, spec, message):
 
 
 def test_shipped_grids_load():
-    for path in (REPO / "grids").glob("*.json"):
+    shipped = [p for p in (REPO / "grids").rglob("*.json") if "results" not in p.parts]
+    assert len(shipped) > 10
+    for path in shipped:
         grid = research.grid.load_grid(str(path))
         assert grid.arms and grid.baseline in {a.name for a in grid.arms}
+
+
+def test_the_cpu_quickstart_trains_and_evaluates_one_family_on_disjoint_problems():
+    """grids/quickstart_cpu.json (README, OPSD_EXPERIMENTS.md): token clip + left padding,
+    12 x 16, trained on one family's train split, evaluated on 40 problems of its eval split."""
+    from opsd.data import load_eval_dataset, load_train_dataset
+
+    grid = research.grid.load_grid(str(REPO / "grids" / "quickstart_cpu.json"))
+    (arm,) = [a for a in grid.arms if a.train]
+    assert grid.preset == "tiny" and grid.baseline == "base" and grid.seeds == (10,)
+    assert arm.env == {"OPSD_CLIP_MODE": "token", "OPSD_PAD_SIDE": "left"}
+    assert grid.budget == {"max_steps": 12, "global_batch": 16, "per_device_batch": 16}
+    train_name = arm.flags[arm.flags.index("--dataset_name") + 1]
+    assert train_name.endswith(":amc_aime") and grid.eval_data == "tiny:7:40:amc_aime"
+    train = load_train_dataset(train_name)
+    held_out = load_eval_dataset(grid.eval_data)
+    assert set(train["source"]) == {"amc_aime"} and len(held_out) == 40
+    assert not {r["problem"] for r in held_out} & set(train["problem"])
 
 
 def test_grid_curves_follow_the_grid_and_never_fail_it(tmp_path, capsys):
