@@ -460,8 +460,10 @@ class OPSDTrainer(DistillationTrainer):
         teacher_msg = check_alignment(teacher, completions)
         if not torch.equal(student.completion_mask, teacher.completion_mask):
             raise AssertionError("[OPSD align] student and teacher supervise different completion spans")
+        # GRPO's "teacher" rows are the student's own (no teacher forward): nothing to report.
+        teacher_part = f"teacher: {teacher_msg}" if self.objective_settings.uses_teacher else "no teacher (GRPO)"
         if self.accelerator.is_main_process:
-            print(f"[OPSD align] pad_side={student.pad_side} student: {student_msg} | teacher: {teacher_msg}")
+            print(f"[OPSD align] pad_side={student.pad_side} student: {student_msg} | {teacher_part}")
         self._alignment_checked = True
 
     # ------------------------------------------------------------------ checkpoints

@@ -75,7 +75,10 @@ def test_the_trainers_grpo_loss_is_the_weighted_policy_gradient_of_the_student_a
 def test_a_tiny_grpo_run_trains_and_counts_its_sampled_tokens(tmp_path, capsys):
     assert opsd_train.main(grpo_argv(tmp_path, 3, "--save_steps", "3", "--learning_rate", "2e-4")) == 0
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[OPSD] done")]
+    out = capsys.readouterr().out.splitlines()
+    (align,) = [line for line in out if line.startswith("[OPSD align]")]
+    assert align.endswith(" | no teacher (GRPO)") and "teacher:" not in align
+    done = [line for line in out if line.startswith("[OPSD] done")]
     assert len(done) == 1 and f"last reward {records[-1]['grpo/reward_mean']:.4g}" in done[0]
     assert [r["step"] for r in records] == [1, 2, 3]
     per_step = [r["completions/mean_length"] * 8 for r in records]
