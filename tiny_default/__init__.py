@@ -104,8 +104,8 @@ def tiny_train_path(name: str = TINY) -> Path:
     def build() -> bytes:
         return _jsonl_bytes([tasks.train_row(p) for p in tasks.draw(seed, "train", count, family)])
 
-    name = f"tiny-train-{BUILD_VERSION}-seed{seed}-n{count}{_family_suffix(family)}.jsonl"
-    return cached_file(cache_dir() / name, build)
+    file = f"tiny-train-{BUILD_VERSION}-seed{seed}-n{count}{_family_suffix(family)}.jsonl"
+    return cached_file(cache_dir() / file, build)
 
 
 def tiny_eval_path(name: str = TINY) -> Path:
@@ -115,5 +115,5 @@ def tiny_eval_path(name: str = TINY) -> Path:
     def build() -> bytes:
         return _jsonl_bytes([tasks.eval_row(p) for p in tasks.draw(seed, "eval", count, family)])
 
-    name = f"tiny-eval-{BUILD_VERSION}-seed{seed}-n{count}{_family_suffix(family)}.jsonl"
-    return cached_file(cache_dir() / name, build)
+    file = f"tiny-eval-{BUILD_VERSION}-seed{seed}-n{count}{_family_suffix(family)}.jsonl"
+    return cached_file(cache_dir() / file, build)
