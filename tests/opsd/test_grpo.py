@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from opsd import chunked_loss
 from opsd.chunked_loss import chunked_grpo_loss
 from opsd.grpo import (
     GRPO_LOSS_TYPES,
@@ -445,15 +444,7 @@ def test_chunked_equals_full(loss_type, opts, chunk_size):
     torch.testing.assert_close(grad_projection, expected[1], rtol=1e-10, atol=1e-14)
 
 
-def test_chunked_projects_no_teacher_and_only_chunks(monkeypatch):
-    rows_seen = []
-    project = chunked_loss._logits
-
-    def recording(hidden, *args):
-        rows_seen.append(hidden.shape[0])
-        return project(hidden, *args)
-
-    monkeypatch.setattr(chunked_loss, "_logits", recording)
+def test_chunked_projects_no_teacher_and_only_chunks(projected_rows):
     x, projection, weight, _, ids, adv, _ = make_hidden()
     mask = make_mask()
     keep = mask != 0
@@ -462,7 +453,7 @@ def test_chunked_projects_no_teacher_and_only_chunks(monkeypatch):
     loss, _ = chunked_grpo_loss(hidden, weight, ids[keep], adv.unsqueeze(1).expand(B, C)[keep],
                                 token_weights(mask, "grpo")[keep], chunk_size=6)
     loss.backward()
-    assert max(rows_seen) == 6 and sum(rows_seen) == 2 * n  # one role, forward + backward
+    assert max(projected_rows) == 6 and sum(projected_rows) == 2 * n  # one role, forward + backward
 
 
 def test_chunked_no_tokens_gives_zero_loss_with_grad_path():
