@@ -795,14 +795,15 @@ def main(argv=None) -> int:
 
 
 def final_lines(cells: list[Cell], table: dict) -> list[str]:
-    """The grid's last lines: each evaluated cell's FINAL line (its eval.log's last), then each
-    arm's verdict against the baseline; what quickstart.sh ends with."""
+    """The grid's last lines: each evaluated cell's FINAL line (from its report, the one the
+    table compares), then each arm's verdict against the baseline; what quickstart.sh ends with."""
+    from evaluation.metrics import final_line
+
     lines = []
     for cell in cells:
-        log = cell.folder / "eval.log"
-        last = log.read_text(encoding="utf-8").rstrip().rsplit("\n", 1)[-1] if log.is_file() else ""
-        if cell.report.is_file() and last.startswith("FINAL"):
-            lines.append(f"{cell.name}: {last}")
+        if cell.report.is_file():
+            m = json.loads(cell.report.read_text(encoding="utf-8"))["metrics"]
+            lines.append(f"{cell.name}: {final_line(m['num_correct'], m['num_samples'], m['num_problems'], m['k'])}")
     baseline = table["grid"]["baseline"]
     return lines + [f"{name} vs {baseline}: {arm['verdict']}" for name, arm in table["arms"].items()
                     if "verdict" in arm]
