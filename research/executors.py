@@ -8,7 +8,7 @@
   submitit's checkpoint hook), and the jobs' states read from `squeue` (a finished job has left it),
   which works whether or not the cluster keeps accounting (`sacct`).
 
-Nothing here knows what a cell is: research/grid.py passes callables and names.
+Nothing here knows what a cell is: research/grid.py and research/slurm_grid.py pass callables and names.
 """
 from __future__ import annotations
 
