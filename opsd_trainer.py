@@ -176,7 +176,8 @@ class OPSDTrainer(DistillationTrainer):
         everyone = accelerator.gather(rewards.to(device))
         advantages = group_advantages(everyone, self.args.num_generations, self.args.scale_rewards)
         mode = "train" if self.model.training else "eval"
-        for name, value in reward_stats(everyone, self.args.num_generations, advantages).items():
+        for name, value in reward_stats(everyone, self.args.num_generations, advantages,
+                                                 self.args.scale_rewards).items():
             self._metrics[mode][f"grpo/{name}"].append(value.item())
         n, rank = len(rows), accelerator.process_index
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)

@@ -58,6 +58,9 @@ CURVE_PANELS = (
     ("teacher mass removed", "teacher probability removed", (LABEL_TO_KEY["teacher_mass_removed"],)),
     ("entropy", "entropy per token (nats)", (LABEL_TO_KEY["H_student"], LABEL_TO_KEY["H_teacher"])),
     ("completion length (tokens)", "tokens", ("completions/mean_length", "completions/max_length")),
+    # GRPO runs only (the keys of opsd.grpo.reward_stats): is there signal in the groups?
+    ("GRPO reward", "mean reward (share correct)", ("grpo/reward_mean",)),
+    ("GRPO completions without signal", "share in zero-std groups", ("grpo/frac_reward_zero_std",)),
     ("learning rate", "learning rate", ("learning_rate",)),
     ("gradient norm", "gradient norm", ("grad_norm",)),
 )
@@ -195,7 +198,7 @@ def _drop_absent(curves: dict[str, list[Curve]], required: bool, where: str, rec
 
 
 def grid_arms(grid_dir, arms: Sequence[str] | None = None) -> dict[str, list[Path]]:
-    """{arm: its trained run folders} of an research/grid.py folder (GRID/ARM/seed-N/run), in
+    """{arm: its trained run folders} of a research.grid folder (GRID/ARM/seed-N/run), in
     the order given or by name; arms without a trained run (the untrained base) are left out."""
     grid = Path(grid_dir)
     if not grid.is_dir():
@@ -207,7 +210,7 @@ def grid_arms(grid_dir, arms: Sequence[str] | None = None) -> dict[str, list[Pat
         if runs:
             found[name] = [p.parent for p in runs]
     if not found:
-        raise PlotError(f"{grid_dir}: no ARM/seed-N/run/{METRICS_FILE} in it (not an research/grid.py folder, "
+        raise PlotError(f"{grid_dir}: no ARM/seed-N/run/{METRICS_FILE} in it (not a research.grid folder, "
                         "or no cell has trained yet)")
     return found
 
@@ -391,7 +394,7 @@ def overlay_runs(run_dirs: Sequence, out, metrics: Sequence[str] | None = None) 
 
 def overlay_grid(grid_dir, out=None, metrics: Sequence[str] | None = None,
                  arms: Sequence[str] | None = None) -> list[tuple[str, str]]:
-    """The arms of an research/grid.py folder: seed mean and seed range per arm (default
+    """The arms of a research.grid folder: seed mean and seed range per arm (default
     output GRID_DIR/curves.png)."""
     keys = [metric_key(m) for m in (metrics or OVERLAY_METRICS)]
     curves = grid_curves(grid_dir, keys, arms, required=bool(metrics))  # first: a missing folder is the error
@@ -578,7 +581,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     curves.add_argument("--out", metavar="FILE.png", help=f"default RUN_DIR/{CURVES_FILE}")
     overlay = commands.add_parser("overlay", parents=[metric], help="several runs, or the arms of a grid, overlaid")
     overlay.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run folders (holding metrics.jsonl)")
-    overlay.add_argument("--grid", metavar="GRID_DIR", help="an research/grid.py folder: one line per arm (seed mean "
+    overlay.add_argument("--grid", metavar="GRID_DIR", help="a research.grid folder: one line per arm (seed mean "
                                                             "and range) instead of RUN_DIRs")
     overlay.add_argument("--out", metavar="FILE.png", help=f"required with RUN_DIRs; default GRID_DIR/{CURVES_FILE}")
     return parser.parse_args(argv)

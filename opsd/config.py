@@ -234,8 +234,14 @@ class Recipe:
     temperature: float = _key(1.1, "Sampling and loss temperature.",
                               lambda v: VLLM_TEMPERATURE_RANGE[0] <= v <= VLLM_TEMPERATURE_RANGE[1],
                               "in [{}, {}], the range vLLM samples with".format(*VLLM_TEMPERATURE_RANGE))
-    top_p: float = _key(0.95, "Nucleus sampling of the rollouts.", lambda v: 0 < v <= 1, "in (0, 1]")
-    top_k: int = _key(20, "Top-k sampling of the rollouts; 0 disables.", lambda v: v >= 0, ">= 0 (0 disables top-k)")
+    # A truncated sampler (top_p < 1, top_k > 0) is not the distribution GRPO's loss differentiates
+    # (the full softmax at the temperature): its policy gradient is then biased, uncorrected.
+    top_p: float = _key(0.95, "Nucleus sampling of the rollouts; 1 disables. Below 1, GRPO's policy gradient is "
+                              "biased (its loss uses the untruncated softmax; TRL's GRPO default is 1).",
+                        lambda v: 0 < v <= 1, "in (0, 1]")
+    top_k: int = _key(20, "Top-k sampling of the rollouts; 0 disables. Above 0, GRPO's policy gradient is biased "
+                          "(its loss uses the untruncated softmax; TRL's GRPO default is 0).",
+                      lambda v: v >= 0, ">= 0 (0 disables top-k)")
     lmbda: float = _key(1.0, "Share of on-policy batches; the rest use the solution.",
                         lambda v: 0 <= v <= 1, "in [0, 1]")
     max_completion_length: int = _key(1024, "Rollout length limit in tokens.",

@@ -51,6 +51,10 @@ from opsd.loss import PerTokenStats, compute_dtype, reduce_stats, tempered_log_p
 
 REWARD_SCALES = ("group", "batch", "none")  # TRL GRPOConfig.scale_rewards
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # TRL's loss types with the PPO clip, token level
+GRPO_EPSILON = 0.2  # TRL GRPOConfig.epsilon: the only value the trainer takes (ratio 1, opsd.train_config)
+# TRL 1.16 GRPOConfig's sampling defaults, as flags: the baseline arms' sampler equal to TRL's
+# (the recipe's T 1.1, top_p 0.95, top_k 20 truncate the sampler, which the loss does not correct).
+TRL_SAMPLING_FLAGS = ("--temperature", "1.0", "--top_p", "1.0", "--top_k", "0")
 STD_EPSILON = 1e-4  # TRL: advantages / (std_rewards + 1e-4)
 # Per-token stats of the policy loss (token means over the real completion tokens), TRL's names
 # without the "/": clip_ratio is TRL's clip_ratio/region_mean. "kl" is added when beta > 0.
@@ -107,13 +111,24 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
 
 
 @torch.no_grad()
-def reward_stats(rewards: torch.Tensor, group_size: int, advantages: torch.Tensor) -> dict[str, torch.Tensor]:
+def reward_stats(rewards: torch.Tensor, group_size: int, advantages: torch.Tensor,
+                 scale: str = "group") -> dict[str, torch.Tensor]:
     """What TRL logs per generation batch about rewards: reward mean / std (Bessel, NaN left
-    out), the share of completions in groups of zero reward std, and mean |advantage|."""
+    out), the share of completions whose advantage's std is zero, and mean |advantage|.
+
+    frac_reward_zero_std follows TRL 1.16 (`is_std_zero` in `_generate_and_score_completions`):
+    under scale "group" and "none" the share of completions in groups of zero reward std; under
+    "batch" the std is the batch's, so the share is 1 when every reward of the batch is equal
+    and 0 otherwise (all-equal groups in a mixed batch are not counted)."""
     _check_groups(rewards, group_size)
+    if scale not in REWARD_SCALES:
+        raise ValueError(f"scale must be one of {', '.join(REWARD_SCALES)}, got {scale!r}")
     rewards = rewards.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
-    group_std = _nanstd(rewards.view(-1, group_size), dim=1)
-    zero_std = torch.isclose(group_std, torch.zeros_like(group_std))  # TRL: is_std_zero
+    if scale == "batch":
+        std = _nanstd(rewards).reshape(1)
+    else:
+        std = _nanstd(rewards.view(-1, group_size), dim=1)
+    zero_std = torch.isclose(std, torch.zeros_like(std))  # TRL: is_std_zero
     return {
         "reward_mean": torch.nanmean(rewards),
         "reward_std": _nanstd(rewards),

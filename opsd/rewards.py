@@ -1,6 +1,9 @@
 """GRPO's verifiable reward: the evaluation's own grader (opsd.grading, docs/SPEC.md §5) on each
 completion against its row's reference answer. 1.0 when the grader says correct, 0.0 otherwise
-(a wrong answer, no \\boxed{}, a truncated completion: what the evaluation counts as wrong).
+(a wrong answer, no \\boxed{}). A truncated completion (it hit max_completion_length) is graded
+like any other, as the evaluation grades it: the last \\boxed{} of its text counts (a box the
+cut left open is none), and without one it is wrong. TRL 1.16 does the same by default (its
+reward functions see truncated completions; `mask_truncated_completions` is off).
 
 What cannot be graded is an error, never a silent 0: a row without a reference answer (no
 `Answer` and no \\boxed{} in its `solution`) is refused before training (`check_gradable`) and

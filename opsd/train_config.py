@@ -24,7 +24,7 @@ from opsd.config import (
     recipe_value_problem,
     switch_field,
 )
-from opsd.grpo import GRPO_LOSS_TYPES, REWARD_SCALES
+from opsd.grpo import GRPO_EPSILON, GRPO_LOSS_TYPES, REWARD_SCALES
 from opsd.objective import IMPLEMENTATIONS, LOSS_TYPES
 from opsd.sampling import GRAPH_LOOPS
 
@@ -103,9 +103,13 @@ class OPSDConfig(DistillationConfig):
         metadata={"help": f"GRPO's advantage scaling, TRL's scale_rewards: {', '.join(REWARD_SCALES)} (the reward "
                           "std of the group, of the batch, or none)."},
     )
-    epsilon: float = field(default=0.2, metadata={"help": "GRPO's clip range of the importance ratio (TRL's)."})
+    # TRL's names, kept so that a TRL command line is refused in one line, not silently ignored.
+    epsilon: float = field(
+        default=GRPO_EPSILON,
+        metadata={"help": f"GRPO's clip range of the importance ratio (TRL's); only {GRPO_EPSILON}: with one update "
+                          "per generation batch the ratio is 1 and the clip cannot act, so other values are refused."})
     epsilon_high: float | None = field(
-        default=None, metadata={"help": "GRPO's upper clip bound (DAPO's clip-higher); None: epsilon."})
+        default=None, metadata={"help": "GRPO's upper clip bound (TRL's, DAPO's clip-higher); refused, as epsilon."})
     max_prompt_length: int | None = field(default=None, metadata={"help": "Student prompt limit (warns only)."})
     max_teacher_prompt_length: int | None = field(
         default=None, metadata={"help": "Teacher prompt limit; the privileged context is truncated to fit."}
@@ -261,8 +265,18 @@ class OPSDConfig(DistillationConfig):
                              "grpo_loss_type: leave token_mean_rows unset")
         if self.lmbda != 1:
             raise ValueError(f"lmbda={self.lmbda}: GRPO trains on its own samples only (lmbda 1)")
-        if not 0 <= self.epsilon < 1 or (self.epsilon_high is not None and self.epsilon_high < 0):
-            raise ValueError(f"epsilon={self.epsilon}, epsilon_high={self.epsilon_high}: a clip range in [0, 1)")
+        # Knobs TRL has that would do nothing here: refused rather than silently ignored.
+        if self.beta != 0:
+            raise ValueError(f"beta={self.beta}: GRPO here has no KL term (beta is the OPSD divergence's JSD "
+                             "weight; TRL's GRPO beta, a KL to the reference model, is not implemented): leave beta 0")
+        if self.epsilon != GRPO_EPSILON or self.epsilon_high is not None:
+            raise ValueError(f"epsilon={self.epsilon}, epsilon_high={self.epsilon_high}: the clip cannot act with one "
+                             "update per generation batch (TRL's num_iterations 1: the importance ratio is 1); leave "
+                             f"epsilon {GRPO_EPSILON} and epsilon_high unset")
+        if self.use_vllm:
+            raise ValueError("loss_type=grpo with use_vllm: TRL's vllm_importance_sampling_correction (on by default "
+                             "in TRL 1.16: vLLM's sampling log-probs differ from the trainer's) is not implemented; "
+                             "sample GRPO with the own engine (use_vllm false)")
 
 
 # A shim for transformers 5.17 (vLLM 0.26's range): newer transformers (5.24) declare and read

@@ -94,6 +94,9 @@ def test_rewards_come_from_the_grader_and_an_ungradable_row_is_an_error():
     rows = [{"problem": "1+1?", "solution": "So \\boxed{2}."}, {"problem": "2+2?", "Answer": "4", "solution": ""}]
     assert grader_rewards(["it is \\boxed{2}", "\\boxed{5}"], [False, False], rows) == [1.0, 0.0]
     assert grader_rewards(["no box at all", "\\boxed{4.0}"], [True, False], rows) == [0.0, 1.0]
+    # A truncated completion is graded as the evaluation grades it: a box before the cut counts.
+    assert grader_rewards(["so \\boxed{2}, and checking again we ha", "\\boxed{4} or \\boxed{"], [True, True],
+                          rows) == [1.0, 0.0]
     check_gradable(rows)
     with pytest.raises(UngradableError, match=r"data row 1 has no reference answer .*problem '3\+3\?'"):
         check_gradable([rows[0], {"problem": "3+3?", "solution": "six"}], "data")
@@ -105,6 +108,10 @@ def test_rewards_come_from_the_grader_and_an_ungradable_row_is_an_error():
     (["--token_mean_rows", "4"], "token_mean_rows groups the OPSD loss's token means"),
     (["--lmbda", "0.5"], "lmbda=0.5: GRPO trains on its own samples only"),
     (["--grpo_loss_type", "ppo"], "grpo_loss_type='ppo': expected one of grpo, bnpo, dr_grpo, dapo"),
+    (["--beta", "0.5"], "beta=0.5: GRPO here has no KL term"),
+    (["--epsilon", "0.3"], "epsilon=0.3, epsilon_high=None: the clip cannot act with one update per generation"),
+    (["--epsilon_high", "0.28"], "epsilon=0.2, epsilon_high=0.28: the clip cannot act"),
+    (["--use_vllm", "true"], "loss_type=grpo with use_vllm: TRL's vllm_importance_sampling_correction"),
 ])
 def test_bad_grpo_settings_are_one_line_and_exit_2(tmp_path, capsys, extra, message):
     assert opsd_train.main(grpo_argv(tmp_path / "run", 1, *extra)) == 2

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 OPSD_KEYS = [key for _, key in KL_LINE_FIELDS if key != "opsd/nll"]  # nll: the SFT loss only
 OTHER_KEYS = ["loss", "learning_rate", "grad_norm", "completions/mean_length", "completions/max_length"]
+GRPO_KEYS = ["grpo/reward_mean", "grpo/frac_reward_zero_std"]  # a GRPO run's panels (opsd.grpo.reward_stats)
 
 
 def write_run(folder: Path, steps=6, keys=(*OTHER_KEYS, *OPSD_KEYS), scale=1.0, summary=True) -> Path:
@@ -50,13 +51,23 @@ def test_importing_the_plots_does_not_import_matplotlib():
 
 
 def test_run_curves_draw_every_logged_metric(tmp_path):
-    run = write_run(tmp_path / "run")
+    run = write_run(tmp_path / "run", keys=(*OTHER_KEYS, *OPSD_KEYS, *GRPO_KEYS))
     drawn = run_plots.plot_run_curves(run)
     assert_png(run / "curves.png")
     panel_keys = [k for _, _, keys in run_plots.CURVE_PANELS for k in keys]
     assert drawn == panel_keys  # every panel drawn, in order
-    assert set(drawn) == set(OPSD_KEYS) | set(OTHER_KEYS)  # ... and they are every metric of the file
+    assert set(drawn) == set(OPSD_KEYS) | set(OTHER_KEYS) | set(GRPO_KEYS)  # ... and they are every metric of the file
     assert not list(run.glob(".*.tmp"))
+
+
+def test_a_grpo_runs_curves_show_its_reward_zero_std_share_and_length(tmp_path):
+    keys = ["loss", "learning_rate", "grad_norm", "completions/mean_length", "completions/max_length",
+            "opsd/clip_ratio", "opsd/entropy", *GRPO_KEYS, "grpo/reward_std", "tokens/sampled"]
+    run = write_run(tmp_path / "grpo", keys=keys)
+    drawn = run_plots.plot_run_curves(run)
+    assert drawn == ["loss", "completions/mean_length", "completions/max_length", "grpo/reward_mean",
+                     "grpo/frac_reward_zero_std", "learning_rate", "grad_norm"]
+    assert_png(run / "curves.png")
 
 
 def test_run_curves_leave_out_what_the_run_did_not_log(tmp_path):
@@ -159,7 +170,7 @@ def test_bad_input_is_one_line_exit_2_and_no_png(tmp_path, capsys):
     one_error_line(capsys, ["overlay", good, "--out", tmp_path / "o.jpg"], "must be a .png file")
     one_error_line(capsys, ["overlay", good, "--out", tmp_path / "no" / "o.png"], "no such folder")
     one_error_line(capsys, ["overlay", good], "needs --out")
-    one_error_line(capsys, ["overlay", "--grid", good], "not an research/grid.py folder")
+    one_error_line(capsys, ["overlay", "--grid", good], "not a research.grid folder")
     one_error_line(capsys, ["overlay", "--grid", tmp_path / "nogrid", "--out", tmp_path / "g.png"], "no such folder")
     assert no_pngs(tmp_path)
 

@@ -6,8 +6,10 @@ advantages in `_generate_and_score_completions`, the `sum_then_normalize` branch
 in `_compute_loss`, the `coef_1` / `coef_2` clip and the `if self.loss_type == ...`
 reductions) and call no helper of the module under test.
 """
+import dataclasses
 import math
 from collections import defaultdict
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +19,8 @@ from opsd.chunked_loss import chunked_grpo_loss
 from opsd.grpo import (
     GRPO_LOSS_TYPES,
     GRPO_STAT_KEYS,
+    REWARD_SCALES,
+    TRL_SAMPLING_FLAGS,
     group_advantages,
     grpo_loss,
     reward_stats,
@@ -162,6 +166,33 @@ def test_reward_stats():
     assert stats["frac_reward_zero_std"].item() == pytest.approx(2 / 3)
     assert stats["advantage_abs_mean"].item() == pytest.approx(float(adv.abs().mean()))
     assert stats["advantage_abs_mean"].item() > 0.2
+
+
+def trl_frac_reward_zero_std(rewards, num_generations, scale_rewards):
+    """TRL 1.16's `is_std_zero` (`_generate_and_score_completions`, `sum_then_normalize`), line
+    by line with TRL's own nanstd."""
+    nanstd = pytest.importorskip("trl.trainer.utils").nanstd
+    if scale_rewards in ["group", "none"]:
+        std_rewards = nanstd(rewards.view(-1, num_generations), dim=1)
+        std_rewards = std_rewards.repeat_interleave(num_generations, dim=0)
+    else:
+        std_rewards = nanstd(rewards).expand_as(rewards)
+    is_std_zero = torch.isclose(std_rewards, torch.zeros_like(std_rewards))
+    return is_std_zero.float().mean().item()
+
+
+@pytest.mark.parametrize("scale", REWARD_SCALES)
+@pytest.mark.parametrize("rewards", [
+    [1.0, 1.0, 0.0, 1.0, 0.0, 0.0],  # mixed batch with all-equal groups: batch scaling counts none
+    [1.0, 1.0, 1.0, 1.0, 1.0, 1.0],  # all equal: 1 under every scaling
+    [1.0, float("nan"), 0.0, 0.0, 1.0, 0.0],  # a group with one scorable reward: NaN std, not zero
+])
+def test_frac_reward_zero_std_is_trls(scale, rewards):
+    rewards = torch.tensor(rewards)
+    stats = reward_stats(rewards, 2, group_advantages(rewards, 2, scale), scale)
+    assert stats["frac_reward_zero_std"].item() == pytest.approx(trl_frac_reward_zero_std(rewards, 2, scale))
+    if scale == "batch" and rewards.tolist() == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]:
+        assert stats["frac_reward_zero_std"].item() == 0.0  # the group figure would be 2 / 3
 
 
 def test_nanstd_equals_trls():
@@ -477,3 +508,15 @@ def test_chunked_shape_mismatch_raises():
         chunked_grpo_loss(hidden, weight, ids, values, values, old_logp=values[:2])
     with pytest.raises(ValueError, match=r"\[N, H\]"):
         chunked_grpo_loss(hidden.unsqueeze(0), weight, ids, values, values)
+
+
+def test_trl_sampling_flags_are_trls_grpo_defaults():
+    """opsd.grpo.TRL_SAMPLING_FLAGS (docs/RESEARCH.md's untruncated sampler for a GRPO arm) are
+    TRL 1.16 GRPOConfig's defaults, and the docs give the same flags."""
+    grpo_config = pytest.importorskip("trl").GRPOConfig
+    defaults = {f.name: f.default for f in dataclasses.fields(grpo_config)}
+    flags = dict(zip(TRL_SAMPLING_FLAGS[::2], TRL_SAMPLING_FLAGS[1::2]))
+    assert {k.lstrip("-"): type(defaults[k.lstrip("-")])(v) for k, v in flags.items()} == {
+        "temperature": defaults["temperature"], "top_p": defaults["top_p"], "top_k": defaults["top_k"]}
+    research = (Path(__file__).resolve().parents[2] / "docs" / "RESEARCH.md").read_text()
+    assert f"`{' '.join(TRL_SAMPLING_FLAGS)}`" in research
