@@ -415,8 +415,11 @@ def lora_config(script_args: ScriptArguments):
 
 
 class _StopRequest:
-    """SIGTERM / SIGINT (preemption, Ctrl-C) ask the run to stop at the next step
-    boundary with a checkpoint; a second signal acts as usual (stops at once)."""
+    """SIGTERM / SIGINT (preemption, a time limit, Ctrl-C) ask the run to stop at the next step
+    boundary with a checkpoint. A repeated SIGTERM is the same request: a cluster's TERM reaches
+    every process of a job step and accelerate's launcher forwards one more to each rank, which
+    must not kill a rank mid-checkpoint. After a Ctrl-C the handlers are the previous ones again, so
+    a second Ctrl-C stops at once (under the launcher, which turns the second into a SIGTERM, too)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -430,11 +433,17 @@ class _StopRequest:
         return self
 
     def _handle(self, signum, frame):
-        self.signum = signum
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        print(f"[OPSD] {signal.Signals(signum).name} received: stopping after this step with a checkpoint "
-              "(send it again to stop at once)", flush=True)
+        first = self.signum is None
+        if first:
+            self.signum = signum
+        if signum == signal.SIGINT:
+            self.__exit__()
+        if first or signum == signal.SIGINT:
+            then = "Ctrl-C again stops at once" if signum == signal.SIGINT else "a second Ctrl-C stops at once"
+            # os.write, not print: the handler may interrupt a print, and a buffered stream
+            # written to from inside its own write raises "reentrant call".
+            os.write(sys.stdout.fileno(), f"[OPSD] {signal.Signals(signum).name} received: stopping after this "
+                                          f"step with a checkpoint ({then})\n".encode())
 
     def __exit__(self, *exc):
         for signum, handler in self._previous.items():
