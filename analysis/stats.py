@@ -5,6 +5,8 @@
     python -m analysis.stats compare --a A1.json [A2.json ...] --b B1.json [B2.json ...]
                                 [--bootstrap N] [--seed S] [--run-sd SD] [--json OUT] [--plot FILE.png]
     python -m analysis.stats tokens GRID_DIR [--json OUT] [--plot FILE.png]
+    python -m analysis.stats equivalence GRID_DIR --a ARM[@STEP] --b ARM[@STEP] --margin POINTS   (analysis.evidence)
+    python -m analysis.stats reach GRID_DIR (--target X | --target-arm ARM) [--ratio-to ARM]    (analysis.evidence)
 
 `tokens` puts a grid's arms (an research/grid.py folder) on the sampled-tokens axis
 (analysis.tokens): per arm, step | sampled tokens | accuracy, the means over its seeds at each
@@ -852,6 +854,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     tokens.add_argument("grid", metavar="GRID_DIR", help="an research/grid.py folder (ARM/seed-N/...)")
     tokens.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
     tokens.add_argument("--plot", metavar="FILE.png", help="also draw accuracy against sampled tokens (PNG)")
+    from analysis import evidence  # the equivalence and reach commands (analysis/evidence.py)
+
+    evidence.add_commands(commands, DEFAULT_BOOTSTRAP, MIN_BOOTSTRAP)  # equivalence (TOST), reach (tokens to X)
     return parser.parse_args(argv)
 
 
@@ -860,6 +865,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "tokens":
         return _tokens_main(args)
+    if args.command in ("equivalence", "reach"):
+        from analysis import evidence
+
+        return evidence.main(args, grid_table, (InputError, TokensError))
     try:
         if args.bootstrap < MIN_BOOTSTRAP:
             raise InputError(f"--bootstrap must be at least {MIN_BOOTSTRAP}, got {args.bootstrap}")
