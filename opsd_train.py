@@ -521,8 +521,8 @@ def _help_width() -> int:
     return max(shutil.get_terminal_size().columns - 2, 40)
 
 
-def help_text() -> str:
-    """`--help`: this script's settings, the OPSD_* variables and the precedence first,
+def help_text(prog: str = "python opsd_train.py") -> str:
+    """`--help` (its usage line names `prog`): this script's settings, the OPSD_* variables and the precedence first,
     then the flags inherited from TRL / transformers; every line wrapped to the terminal."""
     from trl import DistillationConfig, TrlParser
 
@@ -540,7 +540,7 @@ def help_text() -> str:
     own = [f for f in dataclasses.fields(OPSDConfig) if f.name in vars(OPSDConfig).get("__annotations__", {})]
     base = {f.name for f in dataclasses.fields(DistillationConfig)}
     lines = [
-        "usage: python opsd_train.py [--preset tiny] [--recipe FILE] [FLAG VALUE ...]",
+        f"usage: {prog} [--preset tiny] [--recipe FILE] [FLAG VALUE ...]",
         "",
         "On-Policy Self-Distillation of a LoRA student against its own teacher role.",
         "",
@@ -569,10 +569,10 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = "python opsd_train.py") -> int:
     argv, check_only, world_size = _launcher_flags(list(sys.argv[1:] if argv is None else argv))
     if "-h" in argv or "--help" in argv:
-        print(help_text())
+        print(help_text(prog))
         return 0
     try:
         script_args, config, dataset = parse(argv, quiet=check_only)

@@ -568,8 +568,8 @@ def draw_or_warn(what: str, draw, *args, **kwargs):
 # Command line
 # --------------------------------------------------------------------------
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m analysis.plots",
+def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m analysis.plots") -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="PNG plots of training runs (metrics.jsonl).")
     commands = parser.add_subparsers(dest="command", required=True)
     metric = argparse.ArgumentParser(add_help=False)
@@ -587,8 +587,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m analysis.plots") -> int:
+    args = parse_args(argv, prog)
     try:
         if args.command == "curves":
             drawn = plot_run_curves(args.run, args.out, args.metric)

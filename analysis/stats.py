@@ -825,8 +825,8 @@ def _pair(ci) -> tuple[float, float] | None:
     return None if ci is None else (float(ci[0]), float(ci[1]))
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m analysis.stats",
+def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m analysis.stats") -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="Statistics over evaluation reports: one arm's spread "
                                                  "(summary), arm B against arm A (compare), or a grid's "
                                                  "accuracy against sampled tokens (tokens).")
@@ -860,9 +860,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m analysis.stats") -> int:
     """The command line; returns the exit status (0, or 2 for bad inputs)."""
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     if args.command == "tokens":
         return _tokens_main(args)
     if args.command in ("equivalence", "reach"):

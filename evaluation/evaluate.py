@@ -599,11 +599,11 @@ def _json_or_none(line: str):
         return None
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m evaluation") -> argparse.Namespace:
     from rollout.paged_decode import DEFAULT_MAX_ROWS
 
     parser = argparse.ArgumentParser(
-        prog="python -m evaluation",
+        prog=prog,
         description="Evaluate a LoRA checkpoint (or the base model) with the frozen OPSD protocol.")
     parser.add_argument("checkpoint", help="LoRA checkpoint folder (with adapter_config.json), 'base', or a run "
                                            "folder (holding checkpoint-N folders): every checkpoint in step order, "
@@ -635,11 +635,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m evaluation") -> int:
     """The command line; returns the exit status (0, or 2 for bad inputs and for an
     answer checker that fails: GradingError). `argv` may be parsed already (an argparse
-    Namespace: one checkpoint of a sweep)."""
-    args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
+    Namespace: one checkpoint of a sweep); `prog` is the name its help shows (`opsd eval`)."""
+    args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv, prog)
     from evaluation import sweep as checkpoint_sweep  # standard library and run_folder only
 
     note = apply_run_defaults(args)  # before any hub access: what the run recorded fills the gaps

@@ -9,8 +9,13 @@
 - `grading`, `grading_worker`: one completion graded against a gold answer (the evaluation's and
   research code's), math-verify in a subprocess;
 - `run_folder`, `run_log`, `jsonl`: run folders, the `[OPSD kl]` line and `metrics.jsonl`;
-- `sampling`, `model_utils`: shared leaves (sampling settings and seeds; peft / device helpers).
+- `sampling`, `model_utils`: shared leaves (sampling settings and seeds; peft / device helpers);
+- `cli`, `gpu_stack`: what every command line shares; the installed packages against
+  requirements-gpu.txt (`opsd doctor`);
+- `command`: the `opsd` command, the one module above the rest of the house: it starts the entry
+  points (opsd_train.py, evaluation, research, analysis) and imports each only when it runs.
 
-Nothing here imports TRL, the rollout engine or the entry points. This file imports nothing, so
-`python -m opsd.config check-env` runs on the standard library alone (before the install).
+Only `train_config` imports TRL (its config classes); nothing here imports the rollout engine or,
+`command` aside, the entry points. This file imports nothing, so `python -m opsd.config check-env`
+runs on the standard library alone (before the install).
 """

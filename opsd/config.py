@@ -603,8 +603,8 @@ def check_values(env: Mapping[str, str] = os.environ) -> None:
 # CLI
 # --------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m opsd.config",
+def main(argv: list[str] | None = None, prog: str = "python -m opsd.config") -> int:
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="Validate OPSD configuration before anything loads.")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="parse a recipe file and print it as key=value lines")

@@ -268,8 +268,8 @@ def run_here(grid: Grid, todo: list[Cell], args, gpus: list[str], slots: list, l
     return dict(zip((c.name for c in todo), outcomes))
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m research.grid", description=__doc__.split("\n\n")[0])
+def main(argv=None, prog: str = "python -m research.grid") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("grid", help="grid file (JSON)")
     parser.add_argument("--out", required=True, help="grid folder: one sub-folder per cell, results at the top")
     parser.add_argument("--cluster", choices=("local", "slurm"), default="local",

@@ -170,8 +170,8 @@ def _positive(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m research.probe", description="Score frozen student rollouts under several OPSD "
+def build_parser(prog: str = "python -m research.probe") -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description="Score frozen student rollouts under several OPSD "
                 "configurations, without training. The baseline is resolved as opsd_train.py resolves a run "
                 "(preset < --recipe < OPSD_* switches < flags).")
     p.add_argument("--preset", choices=["tiny"], help="the embedded model and data (as opsd_train.py --preset tiny)")
@@ -603,10 +603,10 @@ def run(plan: Plan) -> tuple[str, dict, list[dict]]:
     return text, report, records
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m research.probe") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        build_parser().print_help()
+        build_parser(prog).print_help()
         return 0
     with tempfile.TemporaryDirectory(prefix="opsd-probe-") as workdir:
         try:

@@ -78,20 +78,23 @@ def test_shared_helpers_live_in_leaf_modules():
 
 # The layers, bottom up (README "Layout"): a module imports only from a lower layer or from
 # inside its own package. The root's research-fork files (the trainer and the CLI)
-# are one layer: the research tools build and drive the trainer.
+# are one layer: the research tools build and drive the trainer. The `opsd` command
+# (opsd.command) is installed with opsd but is the top layer of its own: it starts the entry
+# points of every layer (lazily), and nothing imports it.
+COMMAND = "opsd.command"
 LAYERS = (("tiny_default",), ("opsd",), ("rollout", "analysis"), ("evaluation",),
-          ("opsd_trainer", "opsd_train"), ("research",))
+          ("opsd_trainer", "opsd_train"), ("research",), (COMMAND,))
 ROOT_FILES = {"opsd_trainer", "opsd_train"}
 
 
 def layer_of(name: str) -> int:
-    top = name.split(".")[0]
+    top = COMMAND if name == COMMAND else name.split(".")[0]
     return next(i for i, members in enumerate(LAYERS) if top in members)
 
 
 def unit_of(name: str) -> str:
     top = name.split(".")[0]
-    return "root" if top in ROOT_FILES else top
+    return COMMAND if name == COMMAND else "root" if top in ROOT_FILES else top
 
 
 def test_only_the_research_fork_files_stay_at_the_root():
@@ -122,3 +125,11 @@ def test_the_rollout_engine_and_the_method_library_import_without_trl():
             "print(sorted(m for m in ('trl', 'vllm') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr[-2000:]
+
+
+def test_the_command_is_the_top_layer():
+    """opsd.command reaches every entry point, and an import of it from any module would go up."""
+    modules = project_modules()
+    deps = imports_of(modules[COMMAND], "opsd", set(modules))
+    assert {"opsd_train", "research.grid", "evaluation.evaluate", "analysis.stats", "opsd.config"} <= deps
+    assert layer_of(COMMAND) == len(LAYERS) - 1 > layer_of("research.grid") and unit_of(COMMAND) != unit_of("opsd.cli")

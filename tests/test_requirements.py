@@ -249,17 +249,8 @@ def test_install_refuses_an_unknown_option_in_one_line(tmp_path):
     assert result.stderr.splitlines() == ["error: install.sh: unknown option '--cuda'; expected --gpu, -h or nothing"]
 
 
-def load_check_gpu_stack():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("check_gpu_stack", ROOT / "checks" / "check_gpu_stack.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_check_gpu_stack_passes_the_machine_that_ran_and_names_each_difference():
-    stack = load_check_gpu_stack()
+    from opsd import gpu_stack as stack
     requirements = stack.read_requirements(ROOT / "requirements-gpu.txt")
     ran = {**gpu_pins(), "safetensors": "0.8.0", "pyyaml": "6.0.3", "tqdm": "4.70.1", "pytest": "9.0.3",
            "pytest-xdist": "3.8.0", "matplotlib": "3.11.2"}
@@ -279,7 +270,7 @@ def test_check_gpu_stack_passes_the_machine_that_ran_and_names_each_difference()
 
 
 def test_check_gpu_stack_accepts_any_build_of_an_unlabelled_pin(tmp_path):
-    stack = load_check_gpu_stack()
+    from opsd import gpu_stack as stack
     (tmp_path / "r.txt").write_text("torch==2.13.0\n")
     lines, mismatches = stack.check(stack.read_requirements(tmp_path / "r.txt"), {"torch": "2.13.0+cpu"}.get)
     assert mismatches == 0, lines

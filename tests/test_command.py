@@ -1,0 +1,116 @@
+"""The `opsd` command (opsd/command.py), run as the installed console script where a user runs
+it: one line per subcommand in `opsd --help`, each subcommand the entry point's own command
+line (the same arguments, its own help with `opsd SUB` as the program), one-line errors."""
+import os
+import subprocess
+import sys
+import sysconfig
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from opsd import command
+
+ROOT = Path(__file__).resolve().parents[1]
+# What each subcommand is (the command a note or a script may still use) and the module whose
+# main it calls.
+ENTRY_POINTS = {
+    "train": ("opsd_train", [sys.executable, "opsd_train.py"]),
+    "eval": ("evaluation.evaluate", [sys.executable, "-m", "evaluation"]),
+    "grid": ("research.grid", [sys.executable, "-m", "research.grid"]),
+    "stats": ("analysis.stats", [sys.executable, "-m", "analysis.stats"]),
+    "plot": ("analysis.plots", [sys.executable, "-m", "analysis.plots"]),
+    "probe": ("research.probe", [sys.executable, "-m", "research.probe"]),
+    "config": ("opsd.config", [sys.executable, "-m", "opsd.config"]),
+    "doctor": ("opsd.gpu_stack", [sys.executable, "checks/check_gpu_stack.py"]),
+}
+
+
+def opsd(*args: str) -> subprocess.CompletedProcess:
+    """The installed console script (pip install -e . puts it beside this Python)."""
+    script = Path(sysconfig.get_path("scripts")) / "opsd"
+    assert script.is_file(), f"{script} is missing: pip install --no-deps --no-build-isolation -e ."
+    return subprocess.run([str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "100"})
+
+
+def same_as(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*ENTRY_POINTS[name][1], *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "100"})
+
+
+def test_pyproject_installs_the_command():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["scripts"] == {"opsd": "opsd.command:main"}
+    assert set(command.SUBCOMMANDS) == set(ENTRY_POINTS)
+
+
+def test_opsd_help_lists_each_subcommand_on_one_line():
+    result = opsd("--help")
+    assert result.returncode == 0 and result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert lines[0] == "usage: opsd SUBCOMMAND [ARGS ...]"
+    listed = lines[lines.index("subcommands:") + 1:lines.index("options:") - 1]
+    assert [line.split()[0] for line in listed] == list(command.SUBCOMMANDS)
+    assert all(len(line.split()) > 3 and line.startswith("  ") for line in listed)
+
+
+def test_opsd_config_variables_is_the_modules_own():
+    result = opsd("config", "variables")
+    assert result.returncode == 0 and result.stdout == same_as("config", "variables").stdout
+    assert result.stdout.startswith("OPSD_CLIP_MODE ")
+
+
+def test_opsd_grid_help_is_research_grids_own_under_its_name():
+    """The arguments go through unchanged, so subcommands research.grid gains arrive as they are."""
+    result, own = opsd("grid", "--help"), same_as("grid", "--help")
+    assert result.returncode == 0 and result.stdout.startswith("usage: opsd grid ")
+    renamed = own.stdout.replace("python -m research.grid", "opsd grid")
+    assert " ".join(result.stdout.split()) == " ".join(renamed.split())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["nope"], "error: 'nope' is not an opsd subcommand; expected one of: " + ", ".join(command.SUBCOMMANDS)),
+    ([], "error: opsd needs a subcommand: " + ", ".join(command.SUBCOMMANDS) + " (opsd --help)"),
+], ids=["unknown", "none"])
+def test_a_missing_or_unknown_subcommand_is_one_line_exit_2(args, message):
+    result = opsd(*args)
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", message + "\n")
+
+
+def test_opsd_doctor_is_the_gpu_stack_check(tmp_path):
+    """Here (the CPU stack, no vLLM) the check finds differences: exit 1, as checks/check_gpu_stack.py."""
+    result, own = opsd("doctor"), same_as("doctor")
+    assert result.returncode == own.returncode == 1 and result.stdout == own.stdout
+    result = opsd("doctor", str(tmp_path / "no.txt"))
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1 and "no.txt" in result.stderr
+
+
+@pytest.mark.parametrize("name", list(ENTRY_POINTS))
+def test_each_subcommand_passes_its_arguments_and_its_name_to_the_modules_main(name, monkeypatch):
+    import importlib
+
+    module = importlib.import_module(ENTRY_POINTS[name][0])
+    calls = []
+    monkeypatch.setattr(module, "main", lambda argv, prog: calls.append((argv, prog)) or 7)
+    args = ["status", "--out", "x y", "--", "-h"]
+    assert command.main([name, *args]) == 7
+    assert calls == [(args, f"opsd {name}")]
+
+
+@pytest.mark.parametrize("name", list(ENTRY_POINTS))
+def test_each_subcommand_help_is_the_modules_own_with_its_name(name, capsys):
+    try:
+        status = command.main([name, "--help"])
+    except SystemExit as exit:  # argparse's --help
+        status = exit.code
+    assert status == 0
+    assert capsys.readouterr().out.startswith(f"usage: opsd {name} ")
+
+
+def test_the_help_and_config_load_neither_torch_nor_trl():
+    code = ("import sys; from opsd import command; command.run(['--help']); command.run(['config', 'variables']); "
+            "print(sorted(m for m in ('torch', 'trl', 'transformers') if m in sys.modules), file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stderr.strip() == "[]", result.stderr
