@@ -50,7 +50,7 @@ from opsd.objective import RowRewards, build_objective, objective_settings
 from opsd.prompts import PromptBuilder
 from opsd.rewards import grader_rewards
 from opsd.run_folder import STAGING_DIR, CheckpointWriteError, pause_in_save, remove_if_empty
-from opsd.run_log import SAMPLED_TOKENS_KEY
+from opsd.run_log import BACKWARD_TOKENS_KEY, FORWARD_TOKENS_KEY, SAMPLED_TOKENS_KEY
 from opsd.sampling import ROLLOUT_STREAMS, SamplingSettings, on_policy_step, rollout_seed, to_completion
 from opsd.scoring import (
     ScoringForwards,
@@ -130,6 +130,7 @@ class OPSDTrainer(DistillationTrainer):
         self._compiled_layers: CompiledLayers | None = None
         self._adapter_layers: AdapterLayers | None = None
         self._sampled_tokens: int | None = None  # tokens/sampled; read from the log history at the first rollout
+        self._pass_tokens: list[int] | None = None  # tokens/forward, tokens/backward; as _sampled_tokens
         self._unchecked_losses: list[torch.Tensor] = []  # micro-batch losses not yet checked on the host
         self._pending_stats: dict[str, list] = {"train": [], "eval": []}  # (names, device values) not yet logged
 
@@ -156,6 +157,7 @@ class OPSDTrainer(DistillationTrainer):
         teacher_ids = [self.prompts.teacher_prompt_ids(row, rationale=r) for row, r in zip(rows, rationales)]
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
         self._log_rollout(student_ids, lengths, torch.tensor(truncated), seconds)
+        self._log_pass_tokens(student_ids, teacher_ids, completions)
         # The first value must be a tensor: TRL's split_tensor_dict reads its shape.
         return {
             "completion_lengths": lengths,
@@ -182,6 +184,7 @@ class OPSDTrainer(DistillationTrainer):
         n, rank = len(rows), accelerator.process_index
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
         total = self._log_rollout(student_ids, lengths, torch.tensor(truncated), seconds)
+        self._log_pass_tokens(student_ids, None, completions)
         # dapo's normaliser: the generation batch's completion tokens, per process and micro-batch.
         num_items = total / (accelerator.num_processes * self.args.gradient_accumulation_steps)
         return {
@@ -314,6 +317,29 @@ class OPSDTrainer(DistillationTrainer):
         if seconds is not None:  # this process's own figure (not gathered), sampled steps only
             self._metrics[mode]["timing/rollout_s"].append(seconds)
         return total
+
+    def _log_pass_tokens(self, student_ids, teacher_ids, completions) -> None:
+        """Log the run's cumulative forward and backward tokens (all processes) after this
+        generation batch: the student's forward and backward over prompt + completion of each
+        row, the teacher's forward over its prompt + the same completion when the objective
+        reads the teacher (OPSD, and SFT for its KL diagnostics; not GRPO: `teacher_ids` None).
+        Real tokens only: padding and the rollouts' own forwards are not counted (the rollouts
+        are `tokens/sampled`)."""
+        if not self.model.training:
+            return
+        student = sum(len(p) + len(c) for p, c in zip(student_ids, completions))
+        teacher = 0
+        if teacher_ids is not None and self.objective_settings.uses_teacher:
+            teacher = sum(len(p) + len(c) for p, c in zip(teacher_ids, completions))
+        counts = self.accelerator.gather(torch.tensor([[student + teacher, student]], device=self.accelerator.device))
+        forward, backward = (int(v) for v in counts.sum(0).tolist())
+        if self._pass_tokens is None:  # a resumed run continues its logged counts
+            logged = [r for r in self.state.log_history if FORWARD_TOKENS_KEY in r and BACKWARD_TOKENS_KEY in r]
+            self._pass_tokens = [int(logged[-1][FORWARD_TOKENS_KEY]), int(logged[-1][BACKWARD_TOKENS_KEY])] \
+                if logged else [0, 0]
+        self._pass_tokens = [self._pass_tokens[0] + forward, self._pass_tokens[1] + backward]
+        self._metrics["train"][FORWARD_TOKENS_KEY] = [self._pass_tokens[0]]
+        self._metrics["train"][BACKWARD_TOKENS_KEY] = [self._pass_tokens[1]]
 
     # ------------------------------------------------------------------ loss
 

@@ -6,6 +6,10 @@ of completion tokens the student sampled so far in the run (all processes; 0 for
 reference solutions, so an SFT run stays at 0; GRPO counts all G completions of a prompt;
 continued across a resume). A checkpoint at step s has sampled the value logged at step s.
 
+Beside it, the run's compute: `tokens/forward` and `tokens/backward`, the cumulative real
+tokens through the training forwards (student and teacher) and the backward (student), read by
+`read_pass_tokens` the same way.
+
 A run that does not record it (a run from before the key, or one resumed across it: its first
 logged step lacks the key, so later values would miss the earlier steps' tokens) reads as
 None, "not recorded", never as 0. `grid_table` puts an `research/grid.py` folder's arms on
@@ -21,7 +25,7 @@ from pathlib import Path
 
 from opsd.jsonl import read_jsonl
 from opsd.run_folder import METRICS_FILE
-from opsd.run_log import SAMPLED_TOKENS_KEY
+from opsd.run_log import BACKWARD_TOKENS_KEY, FORWARD_TOKENS_KEY, SAMPLED_TOKENS_KEY
 
 NOT_RECORDED = "not recorded"
 
@@ -35,6 +39,17 @@ def read_sampled_tokens(run_dir) -> dict[int, int] | None:
     did not record them: no metrics.jsonl, or its first logged step has no `tokens/sampled`
     (an older run). A later step without the key is left out. A malformed line or value is a
     TokensError naming the file and line."""
+    return read_logged_tokens(run_dir, SAMPLED_TOKENS_KEY)
+
+
+def read_pass_tokens(run_dir) -> tuple[dict[int, int] | None, dict[int, int] | None]:
+    """The run's compute: ({step: cumulative forward tokens}, {step: cumulative backward tokens}),
+    each None when not recorded (runs from before the keys), as `read_sampled_tokens`."""
+    return read_logged_tokens(run_dir, FORWARD_TOKENS_KEY), read_logged_tokens(run_dir, BACKWARD_TOKENS_KEY)
+
+
+def read_logged_tokens(run_dir, key: str) -> dict[int, int] | None:
+    """{step: the cumulative token count `key` logged at that step} (`read_sampled_tokens`)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return None
@@ -46,12 +61,12 @@ def read_sampled_tokens(run_dir) -> dict[int, int] | None:
         if type(step) is not int:
             raise TokensError(f"{path}:{number}: expected a JSON object with an integer 'step'")
         first_step = step if first_step is None else min(first_step, step)
-        if SAMPLED_TOKENS_KEY not in record:
+        if key not in record:
             continue
-        value = record[SAMPLED_TOKENS_KEY]
+        value = record[key]
         if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
                 or value < 0 or value != int(value)):
-            raise TokensError(f"{path}:{number}: {SAMPLED_TOKENS_KEY} must be a whole number >= 0, got {value!r}")
+            raise TokensError(f"{path}:{number}: {key} must be a whole number >= 0, got {value!r}")
         by_step[step] = int(value)  # a step logged twice (should not happen: resume cuts the file back): the last
     if first_step is None or first_step not in by_step:
         return None

@@ -108,6 +108,10 @@ KL_KEY, ENTROPY_KEY = "opsd/true_kl", "opsd/student_entropy"
 # The student's sampled completion tokens so far in the run, all processes (0 while it samples
 # none: SFT, off-policy steps); every metrics.jsonl record of a run that samples has it.
 SAMPLED_TOKENS_KEY = "tokens/sampled"
+# Compute beside it, cumulative over the run (all processes): real (unpadded) tokens through the
+# training forwards, every role (student, teacher), and through the backward (the student).
+FORWARD_TOKENS_KEY = "tokens/forward"
+BACKWARD_TOKENS_KEY = "tokens/backward"
 # The clip share that climbs in a collapse: the teacher's argmax entry clipped (entry clip), the
 # token clipped (token clip; the entry clip's argmax share is 0 there by construction).
 COLLAPSE_SHARE_KEYS = {"entry": "opsd/teacher_argmax_clipped_frac", "token": "opsd/clipped_token_frac"}

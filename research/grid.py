@@ -136,22 +136,30 @@ def _mean_per_step(cells: list[Cell]) -> dict[str, float]:
 def _sampled_tokens(grid: Grid, done: list[Cell], per_step: dict | None) -> dict:
     """An arm's sampled tokens (analysis.tokens): each finished seed's cumulative `tokens/sampled`
     at its last checkpoint (None: its run did not record it) and their mean (None unless every seed
-    recorded it), and with a sweep the mean at each swept step; an untrained arm samples none."""
+    recorded it), and with a sweep the mean at each swept step; an untrained arm samples none.
+    Its compute likewise: `forward_tokens` / `backward_tokens` (and per run), the cumulative
+    `tokens/forward` / `tokens/backward` at the last checkpoint."""
     from analysis import tokens as run_tokens
 
     if not done:
         return {}
     if not done[0].arm.train:
-        return {"sampled_tokens": 0, "sampled_tokens_per_run": [0]}
-    by_seed = []
+        return {"sampled_tokens": 0, "sampled_tokens_per_run": [0], "forward_tokens": 0, "backward_tokens": 0}
+    by_seed, passes = [], []
     for cell in done:
         try:
-            by_seed.append(run_tokens.read_sampled_tokens(cell.folder / "run"))
-        except run_tokens.TokensError as exc:  # the results stand without this column
+            sampled, forward_backward = (run_tokens.read_sampled_tokens(cell.folder / "run"),
+                                         run_tokens.read_pass_tokens(cell.folder / "run"))
+        except run_tokens.TokensError as exc:  # the results stand without these columns
             print(f"warning: sampled tokens of {cell.name} not read: {exc}", file=sys.stderr)
-            by_seed.append(None)
+            sampled, forward_backward = None, (None, None)
+        by_seed.append(sampled)
+        passes.append(forward_backward)
     last = [run_tokens.tokens_at(t, grid.budget["max_steps"]) for t in by_seed]
     entry = {"sampled_tokens": run_tokens.mean_or_none(last), "sampled_tokens_per_run": last}
+    for i, name in enumerate(("forward_tokens", "backward_tokens")):
+        per_run = [run_tokens.tokens_at(p[i], grid.budget["max_steps"]) for p in passes]
+        entry.update({name: run_tokens.mean_or_none(per_run), f"{name}_per_run": per_run})
     if per_step is not None:
         entry["per_step_sampled_tokens"] = {
             step: run_tokens.mean_or_none(run_tokens.tokens_at(t, int(step)) for t in by_seed) for step in per_step}
@@ -163,15 +171,17 @@ def markdown(table: dict) -> str:
     metric = next((a["metric"] for a in table["arms"].values() if "metric" in a), "avg@k")
     lines = [f"Eval set `{g['eval_data'] or 'default'}`, {metric}; budget {g['budget']}; seeds {g['seeds']}; "
              f"baseline `{g['baseline']}`.", "",
-             f"| arm | runs | {metric} per run | mean | sampled tokens | vs {g['baseline']} (95% CI) | verdict |",
-             "|---|---|---|---|---|---|---|"]
+             f"| arm | runs | {metric} per run | mean | sampled tokens | forward + backward tokens "
+             f"| vs {g['baseline']} (95% CI) | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, a in table["arms"].items():
         per_run = ", ".join(f"{v:.2f}" for v in a.get("per_run", [])) or "-"
         mean = f"{a['mean']:.2f}" if "mean" in a else "-"
         diff = f"{a['difference']:+.2f} [{a['ci'][0]:+.2f}, {a['ci'][1]:+.2f}]" if "difference" in a else "-"
         verdict = a.get("verdict_sentence", "-")  # its numbers are the CI column
         tokens = _tokens_cell(a)
-        lines.append(f"| {name} | {a['runs']} | {per_run} | {mean} | {tokens} | {diff} | {verdict} |")
+        lines.append(f"| {name} | {a['runs']} | {per_run} | {mean} | {tokens} | {_compute_cell(a)} | {diff} "
+                     f"| {verdict} |")
     swept = {name: a["per_step"] for name, a in table["arms"].items() if a.get("per_step")}
     if swept:
         steps = sorted({int(step) for per_step in swept.values() for step in per_step})
@@ -185,7 +195,11 @@ def markdown(table: dict) -> str:
         lines += ["", "sampled tokens: completion tokens the student sampled up to the last checkpoint "
                       "(`tokens/sampled` of each seed's metrics.jsonl), mean over the seeds; 0 for an arm trained "
                       "on reference solutions (SFT), - for the untrained arm, not recorded for runs that did not "
-                      "log it. Accuracy against them: `python -m analysis.stats tokens GRID_DIR`."]
+                      "log it. Accuracy against them: `python -m analysis.stats tokens GRID_DIR`. Forward + "
+                      "backward tokens: the compute of training up to the last checkpoint (`tokens/forward`, "
+                      "`tokens/backward`, mean over the seeds): real tokens through the training forwards "
+                      "(the student's prompt + completion, and the teacher's privileged prompt + completion for "
+                      "OPSD and SFT) and through the backward (the student's); rollouts not included."]
     if any("verdict" in a for a in table["arms"].values()):
         from analysis.stats import CHECKPOINTS_VS_ARMS
 
@@ -195,6 +209,17 @@ def markdown(table: dict) -> str:
         lines += ["", f"Missing cells (no results yet, not in the table): {', '.join(table['missing'])}; "
                       "re-run the same command to run them."]
     return "\n".join(lines) + "\n"
+
+
+def _compute_cell(arm: dict) -> str:
+    from analysis.tokens import format_tokens
+
+    if "forward_tokens" not in arm or not arm.get("trained", True):
+        return "-"
+    forward, backward = arm["forward_tokens"], arm["backward_tokens"]
+    if forward is None or backward is None:
+        return format_tokens(None)  # not recorded
+    return f"{format_tokens(forward)} + {format_tokens(backward)}"
 
 
 def _tokens_cell(arm: dict) -> str:

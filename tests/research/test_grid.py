@@ -211,7 +211,7 @@ def test_results_give_each_arms_sampled_tokens_next_to_its_accuracy(tmp_path, ca
     assert a["old"]["sampled_tokens"] is None and a["old"]["sampled_tokens_per_run"] == [None]
     assert a["base"]["sampled_tokens"] == 0 and not a["base"]["trained"]
     text = research.grid.markdown(table)
-    assert "| mean | sampled tokens | vs base (95% CI) |" in text
+    assert "| mean | sampled tokens | forward + backward tokens | vs base (95% CI) |" in text
     rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
     assert rows["| opsd"][4] == "8 k" and rows["| opsd"][3] == f"{a['opsd']['mean']:.2f}"
     assert rows["| sft"][4] == "0" and rows["| old"][4] == "not recorded" and rows["| base"][4] == "-"
