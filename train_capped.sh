@@ -11,7 +11,7 @@
 #   OPSD_NUM_PROCESSES  processes, one per GPU, default = visible GPUs (1 without GPUs); fewer than
 #                       the visible GPUs train on the first ones (CUDA_VISIBLE_DEVICES is narrowed)
 #   OPSD_MAIN_PORT      across nodes (`srun`, one task a node: slurm/train_capped.sbatch): the main
-#                       process's port, default 29500 + SLURM job id % 2000; each task is one machine
+#                       process's port, default 29500 + SLURM job id % 2000; each node is one machine
 #   OPSD_ACCELERATE_CONFIG  the multi-GPU engine: ddp (default), fsdp2, zero2, zero3, or the path of
 #                       an accelerate config file (`python -m opsd.config accelerate-config -h`)
 #   OPSD_PER_DEVICE_BATCH  micro-batch per process, default 4; accumulation fills up to 32
@@ -34,7 +34,9 @@
 # an OPSD_* variable that is none of these (`python -m opsd.config variables` lists them all).
 # A run folder that already holds checkpoint-N of the same configuration resumes from the newest
 # one; a folder of another configuration is refused. SIGTERM / Ctrl-C stop at a step boundary
-# with a checkpoint (exit 143 / 130); re-running resumes.
+# with a checkpoint (exit 143 / 130; a repeated SIGTERM is the same request, a second Ctrl-C stops
+# at once); re-running resumes. With several processes the launcher gives them
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default here 150) for that step and checkpoint.
 set -euo pipefail
 repo="$(cd "$(dirname "$(realpath -- "${BASH_SOURCE[0]}")")" && pwd)"
 
@@ -149,14 +151,54 @@ if (( server_mode || (${#gpus[@]} > 0 && nproc < ${#gpus[@]}) )); then
   fi
 fi
 
-# Across nodes: inside a SLURM allocation, `srun` with one task per node runs this script once per
-# node (slurm/train_capped.sbatch); each task is one accelerate machine with this node's processes.
+# The launcher's grace for its processes once told to stop (SIGTERM, Ctrl-C): they finish the step
+# and write a checkpoint, and it SIGKILLs them after this many seconds. torch's 30 s can be less than
+# a real step and save; keep it below a cluster's signal lead (slurm/train_capped.sbatch: 180 s).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-150}"
+if ! [[ "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT" =~ ^[0-9]+$ ]]; then
+  echo "error: TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be whole seconds, got '$TORCH_ELASTIC_SHUTDOWN_TIMEOUT'" >&2
+  exit 2
+fi
+
+# Across nodes: inside a SLURM job step of several tasks (`srun`, slurm/train_capped.sbatch), each
+# node runs this script once and is one accelerate machine with its processes. Only a step's tasks
+# count (SLURM_STEP_*): the batch script itself, outside `srun`, is one machine.
 machines=1; machine_rank=0
-if [[ -n "${SLURM_STEP_NUM_TASKS:-}" && "${SLURM_STEP_NUM_TASKS}" -gt 1 ]]; then
-  machines=$SLURM_STEP_NUM_TASKS; machine_rank=${SLURM_PROCID:-0}
-  main_ip=$(scontrol show hostnames "${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" | head -n 1)
+if [[ -n "${SLURM_STEP_NUM_TASKS:-}" ]] && (( SLURM_STEP_NUM_TASKS > 1 )); then
+  nodes="${SLURM_STEP_NUM_NODES:-${SLURM_NNODES:-1}}"
+  if (( SLURM_STEP_NUM_TASKS == nodes )); then
+    machines=$nodes; machine_rank="${SLURM_NODEID:-0}"
+  else
+    # Several tasks on a node: each would start one process per GPU it sees, so tasks seeing the same
+    # GPUs would share them. Only tasks that SLURM gave GPUs of their own (--gpus-per-task binds each
+    # task to its share) or that run on CPUs are each one machine.
+    per_task="${SLURM_GPUS_PER_TASK:-}"; per_task="${per_task##*:}"  # `4` or `h100:4`
+    if (( ${#visible[@]} > 0 )) && ! [[ "$per_task" =~ ^[1-9][0-9]*$ && ${#visible[@]} -le $per_task ]]; then
+      echo "error: SLURM runs $SLURM_STEP_NUM_TASKS tasks on $nodes node(s) (SLURM_STEP_TASKS_PER_NODE=${SLURM_STEP_TASKS_PER_NODE:-?}) and this task sees GPUs ${visible[*]}: tasks of one node would train on the same GPUs; run one task a node (srun --ntasks-per-node=1, as slurm/train_capped.sbatch) or give each task GPUs of its own (--gpus-per-task)" >&2
+      exit 2
+    fi
+    machines=$SLURM_STEP_NUM_TASKS; machine_rank="${SLURM_PROCID:-0}"
+  fi
+  # The main process runs on the step's first node; the other nodes reach it by address. A name that
+  # resolves to a loopback address (Debian's /etc/hosts maps the host's own name to 127.0.1.1)
+  # works on one node only: elsewhere gloo and NCCL would connect to themselves.
+  node_list="${SLURM_STEP_NODELIST:-${SLURM_JOB_NODELIST:-}}"
+  hosts=$(scontrol show hostnames "$node_list" 2> /dev/null || true)  # not `| head`: pipefail and SIGPIPE
+  main_node="${hosts%%$'\n'*}"
+  if [[ -z "$main_node" ]]; then
+    echo "error: 'scontrol show hostnames $node_list' named no node (SLURM_STEP_NODELIST): is scontrol on PATH?" >&2
+    exit 2
+  fi
+  main_ip=$(getent ahostsv4 "$main_node" | awk 'NR == 1 { print $1 }' || true)
+  if [[ -z "$main_ip" ]]; then
+    echo "error: the main node $main_node (first of SLURM_STEP_NODELIST=$node_list) has no IPv4 address (getent ahostsv4 $main_node)" >&2
+    exit 2
+  elif [[ "$main_ip" == 127.* ]] && (( nodes > 1 )); then
+    echo "error: the main node $main_node resolves to the loopback address $main_ip (getent ahostsv4 $main_node; /etc/hosts on Debian), which the other nodes cannot reach: map $main_node to its network address in /etc/hosts or DNS" >&2
+    exit 2
+  fi
   main_port="${OPSD_MAIN_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 2000))}"  # one port a job: jobs may share a node
-  echo "[OPSD] SLURM: machine $machine_rank of $machines, main process on $main_ip:$main_port"
+  echo "[OPSD] SLURM: machine $machine_rank of $machines, main process on $main_node ($main_ip):$main_port"
 fi
 world=$((nproc * machines))
 per_step=$((per_device * world))
