@@ -204,6 +204,13 @@ def train_command(grid: Grid, cell: Cell, processes: int = 1, port: int | None =
     return command
 
 
+# The launcher's grace for a multi-GPU cell's processes once a SIGTERM stops the cell: they finish the
+# step and write a checkpoint, then the launcher SIGKILLs them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, torch's
+# default 30 s, less than a real step and save). Below research/slurm_grid.py's CHECKPOINT_WAIT_S, so
+# that on SLURM the launcher, not SlurmCell.checkpoint's kill of the launcher alone, ends them.
+LAUNCHER_GRACE_S = 90
+
+
 def save_every(grid: Grid) -> int:
     """Checkpoint interval: the sweep's, else a quarter of the budget, so that an interrupted,
     preempted or timed-out cell resumes from at most a quarter back (resuming is exact)."""
@@ -271,7 +278,8 @@ def run_cell(grid: Grid, cell: Cell, log, gpus: tuple[str, ...] | None = None, p
         return "skipped"
     cell.folder.mkdir(parents=True, exist_ok=True)
     write_text_atomic(cell.folder / "cell.json", json.dumps(cell_identity(grid, cell), indent=1) + "\n")
-    env = {**os.environ, **cell.arm.env, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **cell.arm.env, "PYTHONUNBUFFERED": "1",
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(LAUNCHER_GRACE_S)}
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     steps = []

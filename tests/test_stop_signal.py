@@ -53,6 +53,38 @@ def test_a_repeated_sigterm_is_one_request_and_a_second_ctrl_c_stops_at_once(cap
                                                    f"[OPSD] SIGINT {stopping} (Ctrl-C again stops at once)"]
 
 
+def test_a_grid_cells_launcher_waits_for_the_checkpoint_within_slurms_wait(tmp_path, monkeypatch):
+    """A 2-GPU grid cell trains under accelerate launch with the launcher's grace set (not torch's
+    30 s), and shorter than SlurmCell.checkpoint's wait, which then kills the launcher."""
+    from research import cell as research_cell
+    from research import slurm_grid
+
+    class Launched(Exception):
+        pass
+
+    real_run, real_popen, seen = subprocess.run, subprocess.Popen, {}
+
+    def record(real):
+        def call(command, *args, **kwargs):
+            if "accelerate.commands.launch" in command:
+                seen.update(kwargs["env"])
+                raise Launched
+            return real(command, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(subprocess, "run", record(real_run))
+    monkeypatch.setattr(subprocess, "Popen", record(real_popen))
+    grid_file = tmp_path / "grid.json"
+    grid_file.write_text(json.dumps({"preset": "tiny", "seeds": [0], "arms": {"entry": {}},
+                                     "budget": {"max_steps": 4, "global_batch": 4, "per_device_batch": 2}}))
+    grid = research_cell.load_grid(str(grid_file))
+    (cell,) = research_cell.cells(grid, tmp_path / "out")
+    with pytest.raises(Launched):
+        research_cell.run_cell(grid, cell, print, gpus=("0", "1"), port=29555)
+    grace = int(seen["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+    assert 30 < grace < slurm_grid.CHECKPOINT_WAIT_S
+
+
 def launch(out: Path) -> list[str]:
     """The 2-process launch train_capped.sh builds (accelerate launch, the DDP config, a free port)
     on the tiny preset's small random model; no periodic checkpoint, so only the signal writes one."""
