@@ -322,6 +322,8 @@ def run_identity(script_args: ScriptArguments, config, dataset, world_size: int 
     if config.loss_type == "grpo":
         identity.update(grpo_loss_type=config.grpo_loss_type, scale_rewards=config.scale_rewards,
                         epsilon=config.epsilon, epsilon_high=config.epsilon_high)
+        if config.grpo_beta:  # only when on: runs from before the KL keep their identity
+            identity["grpo_beta"] = config.grpo_beta
     identity.update({
         "seed": config.seed,
         "global_batch": per_device * accumulation * world,

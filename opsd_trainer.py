@@ -184,7 +184,7 @@ class OPSDTrainer(DistillationTrainer):
         n, rank = len(rows), accelerator.process_index
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
         total = self._log_rollout(student_ids, lengths, torch.tensor(truncated), seconds)
-        self._log_pass_tokens(student_ids, None, completions)
+        self._log_pass_tokens(student_ids, student_ids, completions)  # the reference's forward, with a KL
         # dapo's normaliser: the generation batch's completion tokens, per process and micro-batch.
         num_items = total / (accelerator.num_processes * self.args.gradient_accumulation_steps)
         return {
@@ -322,14 +322,15 @@ class OPSDTrainer(DistillationTrainer):
         """Log the run's cumulative forward and backward tokens (all processes) after this
         generation batch: the student's forward and backward over prompt + completion of each
         row, the teacher's forward over its prompt + the same completion when the objective
-        reads the teacher (OPSD, and SFT for its KL diagnostics; not GRPO: `teacher_ids` None).
+        reads the teacher (OPSD, and SFT for its KL diagnostics) and GRPO's reference forward
+        over the student's prompt + completion when its KL is on (`grpo_beta`).
         Real tokens only: padding and the rollouts' own forwards are not counted (the rollouts
         are `tokens/sampled`)."""
         if not self.model.training:
             return
         student = sum(len(p) + len(c) for p, c in zip(student_ids, completions))
         teacher = 0
-        if teacher_ids is not None and self.objective_settings.uses_teacher:
+        if self.objective_settings.uses_teacher:
             teacher = sum(len(p) + len(c) for p, c in zip(teacher_ids, completions))
         counts = self.accelerator.gather(torch.tensor([[student + teacher, student]], device=self.accelerator.device))
         forward, backward = (int(v) for v in counts.sum(0).tolist())
@@ -487,8 +488,13 @@ class OPSDTrainer(DistillationTrainer):
         teacher_msg = check_alignment(teacher, completions)
         if not torch.equal(student.completion_mask, teacher.completion_mask):
             raise AssertionError("[OPSD align] student and teacher supervise different completion spans")
-        # GRPO's "teacher" rows are the student's own (no teacher forward): nothing to report.
-        teacher_part = f"teacher: {teacher_msg}" if self.objective_settings.uses_teacher else "no teacher (GRPO)"
+        # GRPO's "teacher" rows are the student's own: no teacher forward, or the KL's reference's.
+        if self.objective_settings.objective != "grpo":
+            teacher_part = f"teacher: {teacher_msg}"
+        elif self.objective_settings.uses_teacher:
+            teacher_part = f"reference (adapter disabled, GRPO's KL): {teacher_msg}"
+        else:
+            teacher_part = "no teacher (GRPO)"
         if self.accelerator.is_main_process:
             print(f"[OPSD align] pad_side={student.pad_side} student: {student_msg} | {teacher_part}")
         self._alignment_checked = True

@@ -3,10 +3,10 @@ loss implementation (docs/SPEC.md §2).
 
 An objective is `objective(student_hidden, teacher_hidden, batch, head, rewards) -> (loss,
 stats)`: the hidden states are [B, C, H] at the completion positions (the teacher's None for
-GRPO, which has no teacher), `batch` is the student's `opsd.scoring.ScoringBatch` (which
-completion tokens are real, their ids), `head` is the LM head and `rewards` the micro-batch's
-`RowRewards` (GRPO's advantages; None for the others). The per-step code calls it without
-looking at the config again.
+GRPO, which has no teacher; with GRPO's KL they are the reference's), `batch` is the student's
+`opsd.scoring.ScoringBatch` (which completion tokens are real, their ids), `head` is the LM
+head and `rewards` the micro-batch's `RowRewards` (GRPO's advantages; None for the others).
+The per-step code calls it without looking at the config again.
 
 `BUILDERS` maps (objective, implementation) to the function that builds it from the typed
 `ObjectiveSettings`; a new objective is one per-token function in `opsd.loss` (with its
@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from opsd.chunked_loss import chunked_divergence_loss, chunked_grpo_loss, chunked_nll_loss, chunked_tinker_loss
-from opsd.grpo import grpo_loss, per_token_advantages, token_weights
+from opsd.grpo import grpo_loss, per_token_advantages, sampled_log_probs, token_weights
 from opsd.loss import DivergenceConfig, compute_dtype, divergence_loss, nll_loss, tinker_loss
 from opsd.scoring import ScoringBatch, select_completion_tokens
 
@@ -52,6 +52,7 @@ class GRPOSettings:
     epsilon_low: float
     epsilon_high: float | None
     max_completion_length: int  # dr_grpo's normaliser
+    beta: float = 0.0  # TRL's GRPO beta: the k3 KL to the reference (the adapter disabled); 0 = no reference forward
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,9 @@ class ObjectiveSettings:
 
     @property
     def uses_teacher(self) -> bool:
-        return self.objective != "grpo"
+        """Whether the trainer runs the second (no-grad) forward: the teacher's, or for GRPO
+        with a KL the reference's (the student's prompt, the adapter disabled)."""
+        return self.objective != "grpo" or bool(self.grpo.beta)
 
 
 def objective_settings(args) -> ObjectiveSettings:
@@ -81,7 +84,7 @@ def objective_settings(args) -> ObjectiveSettings:
     grpo = None
     if objective == "grpo":
         grpo = GRPOSettings(loss_type=args.grpo_loss_type, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
-                            max_completion_length=args.max_completion_length)
+                            max_completion_length=args.max_completion_length, beta=args.grpo_beta)
     return ObjectiveSettings(objective=objective, implementation=args.loss_implementation, divergence=divergence,
                              chunk_size=args.loss_chunk_size, compile=bool(args.compile_loss), grpo=grpo)
 
@@ -156,8 +159,21 @@ def logits_sft(s: ObjectiveSettings) -> Objective:
     return objective
 
 
-# GRPO: the student's sampled-token log-probs only (no teacher), weighted per token by
-# grpo_loss_type (opsd.grpo.token_weights) and by each row's advantage.
+# GRPO: the student's sampled-token log-probs, weighted per token by grpo_loss_type
+# (opsd.grpo.token_weights) and by each row's advantage. With a KL (beta > 0) the "teacher"
+# hidden states are the reference's (the trainer's no-grad forward of the student's prompt with
+# the adapter disabled), read only for the reference log-probs of the sampled tokens.
+
+
+@torch.no_grad()
+def reference_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+                        temperature: float, chunk_size: int) -> torch.Tensor:
+    """log softmax((h W^T + b) / T)[ids] for hidden [N, H], chunk by chunk (never [N, V] at once)."""
+    out = []
+    for start in range(0, hidden.shape[0], chunk_size):
+        logits = torch.nn.functional.linear(hidden[start:start + chunk_size], weight, bias)
+        out.append(sampled_log_probs(logits, ids[start:start + chunk_size], temperature)[0])
+    return torch.cat(out) if out else hidden.new_zeros(0)
 
 def chunked_grpo(s: ObjectiveSettings) -> Objective:
     g = s.grpo
@@ -167,9 +183,15 @@ def chunked_grpo(s: ObjectiveSettings) -> Objective:
         weights = token_weights(mask, g.loss_type, g.max_completion_length, rewards.num_items)
         advantages = per_token_advantages(rewards.advantages.to(weights.dtype), mask)
         student, ids, advantages, weights = _tokens(student, batch.completion_ids, advantages, weights, batch=batch)
+        ref_logp = None
+        if g.beta:
+            (reference,) = _tokens(teacher, batch=batch)
+            ref_logp = reference_log_probs(reference, _whole(head.weight), _whole(head.bias), ids,
+                                           s.divergence.temperature, s.chunk_size)
         return chunked_grpo_loss(student, _whole(head.weight), ids, advantages, weights,
                                  temperature=s.divergence.temperature, epsilon_low=g.epsilon_low,
-                                 epsilon_high=g.epsilon_high, chunk_size=s.chunk_size, lm_head_bias=_whole(head.bias))
+                                 epsilon_high=g.epsilon_high, ref_logp=ref_logp, beta=g.beta,
+                                 chunk_size=s.chunk_size, lm_head_bias=_whole(head.bias))
     return objective
 
 
@@ -178,10 +200,14 @@ def logits_grpo(s: ObjectiveSettings) -> Objective:
 
     def objective(student, teacher, batch, head, rewards=None):
         mask = batch.completion_mask.to(compute_dtype(student))
+        ref_logp = None
+        if g.beta:
+            with torch.no_grad():
+                ref_logp = sampled_log_probs(head(teacher), batch.completion_ids, s.divergence.temperature)[0]
         return grpo_loss(head(student), batch.completion_ids, mask, rewards.advantages,
                          loss_type=g.loss_type, temperature=s.divergence.temperature, epsilon_low=g.epsilon_low,
                          epsilon_high=g.epsilon_high, max_completion_length=g.max_completion_length,
-                         num_items=rewards.num_items)
+                         num_items=rewards.num_items, ref_logp=ref_logp, beta=g.beta)
     return objective
 
 

@@ -9,6 +9,7 @@ before `__post_init__`, which validates them once (opsd_train.layered_defaults).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -103,6 +104,12 @@ class OPSDConfig(DistillationConfig):
         metadata={"help": f"GRPO's advantage scaling, TRL's scale_rewards: {', '.join(REWARD_SCALES)} (the reward "
                           "std of the group, of the batch, or none)."},
     )
+    grpo_beta: float = field(
+        default=0.0,
+        metadata={"help": "GRPO's KL coefficient (TRL's GRPOConfig.beta, default 0): adds beta x the k3 estimate "
+                          "exp(ref - logp) - (ref - logp) - 1 per token, ref the log-prob under the reference, the "
+                          "base weights with the adapter disabled (one more no-grad forward a micro-batch). --beta "
+                          "is the OPSD divergence's weight, not this."})
     # TRL's names, kept so that a TRL command line is refused in one line, not silently ignored.
     epsilon: float = field(
         default=GRPO_EPSILON,
@@ -267,8 +274,13 @@ class OPSDConfig(DistillationConfig):
             raise ValueError(f"lmbda={self.lmbda}: GRPO trains on its own samples only (lmbda 1)")
         # Knobs TRL has that would do nothing here: refused rather than silently ignored.
         if self.beta != 0:
-            raise ValueError(f"beta={self.beta}: GRPO here has no KL term (beta is the OPSD divergence's JSD "
-                             "weight; TRL's GRPO beta, a KL to the reference model, is not implemented): leave beta 0")
+            raise ValueError(f"beta={self.beta}: beta is the OPSD divergence's JSD weight and does nothing in GRPO; "
+                             "GRPO's KL coefficient (TRL's beta) is grpo_beta")
+        if not (self.grpo_beta >= 0 and math.isfinite(self.grpo_beta)):
+            raise ValueError(f"grpo_beta={self.grpo_beta}: a KL coefficient >= 0")
+        if self.grpo_beta and (self.use_ema_teacher or not self.fixed_teacher):
+            raise ValueError(f"grpo_beta={self.grpo_beta}: the KL's reference is the base weights (the adapter "
+                             "disabled, fixed_teacher true); use_ema_teacher / fixed_teacher false would change it")
         if self.epsilon != GRPO_EPSILON or self.epsilon_high is not None:
             raise ValueError(f"epsilon={self.epsilon}, epsilon_high={self.epsilon_high}: the clip cannot act with one "
                              "update per generation batch (TRL's num_iterations 1: the importance ratio is 1); leave "

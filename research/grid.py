@@ -199,7 +199,8 @@ def markdown(table: dict) -> str:
                       "backward tokens: the compute of training up to the last checkpoint (`tokens/forward`, "
                       "`tokens/backward`, mean over the seeds): real tokens through the training forwards "
                       "(the student's prompt + completion, and the teacher's privileged prompt + completion for "
-                      "OPSD and SFT) and through the backward (the student's); rollouts not included."]
+                      "OPSD and SFT, the reference's for GRPO with --grpo_beta) and through the backward (the "
+                      "student's); rollouts not included."]
     if any("verdict" in a for a in table["arms"].values()):
         from analysis.stats import CHECKPOINTS_VS_ARMS
 

@@ -52,7 +52,7 @@ def test_the_trainers_grpo_loss_is_the_weighted_policy_gradient_of_the_student_a
     value (ratio 1; its gradient is checked in tests/opsd/test_grpo.py), and the teacher never runs."""
     trainer = make_trainer(tmp_path, "--grpo_loss_type", "grpo")
     rows = [trainer.train_dataset[i] for i in (0, 0, 1, 1)]
-    prompts = [trainer.prompts.student_prompt_ids(r) for r in rows]
+    prompts = trainer.collator.student_prompts(rows)
     completions = [[10, 11, 12], [13, 14], [15], [16, 17, 18, 19]]
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
     inputs = {"completion_lengths": torch.tensor([3, 2, 1, 4]), "student_prompt_ids": prompts,
@@ -108,7 +108,9 @@ def test_rewards_come_from_the_grader_and_an_ungradable_row_is_an_error():
     (["--token_mean_rows", "4"], "token_mean_rows groups the OPSD loss's token means"),
     (["--lmbda", "0.5"], "lmbda=0.5: GRPO trains on its own samples only"),
     (["--grpo_loss_type", "ppo"], "grpo_loss_type='ppo': expected one of grpo, bnpo, dr_grpo, dapo"),
-    (["--beta", "0.5"], "beta=0.5: GRPO here has no KL term"),
+    (["--beta", "0.5"], "beta=0.5: beta is the OPSD divergence's JSD weight and does nothing in GRPO; GRPO's KL"),
+    (["--grpo_beta", "-0.1"], "grpo_beta=-0.1: a KL coefficient >= 0"),
+    (["--grpo_beta", "0.1", "--fixed_teacher", "false"], "grpo_beta=0.1: the KL's reference is the base weights"),
     (["--epsilon", "0.3"], "epsilon=0.3, epsilon_high=None: the clip cannot act with one update per generation"),
     (["--epsilon_high", "0.28"], "epsilon=0.2, epsilon_high=0.28: the clip cannot act"),
     (["--use_vllm", "true"], "loss_type=grpo with use_vllm: TRL's vllm_importance_sampling_correction"),
@@ -126,3 +128,70 @@ def test_a_dataset_without_reference_answers_is_refused_before_the_model_loads(t
     assert opsd_train.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no reference answer" in err[0] and str(data) in err[0], err
+
+
+def _trl_compute_loss():
+    """tests/opsd/test_grpo.py's stand-in call of TRL 1.16's own GRPOTrainer._compute_loss."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent / "opsd" / "test_grpo.py"
+    spec = importlib.util.spec_from_file_location("grpo_tests", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.trl_compute_loss
+
+
+@pytest.mark.parametrize("implementation", ["chunked", "logits"])
+def test_grpo_beta_is_trls_kl_to_the_model_with_the_adapter_disabled(tmp_path, implementation):
+    """--grpo_beta: the trainer's loss on a hand-made micro-batch equals TRL's own _compute_loss
+    (beta, the k3 KL) fed the policy's logits and, as ref_per_token_logps, the log-probs of a
+    plain forward of each row with peft's adapter disabled; the reference forward is counted."""
+    trainer = make_trainer(tmp_path, "--grpo_loss_type", "grpo", "--grpo_beta", "0.2",
+                           "--loss_implementation", implementation)
+    model, temperature = trainer.model, trainer.args.temperature
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # an adapter away from zero: the policy is not the reference
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    rows = [trainer.train_dataset[i] for i in (0, 0, 1, 1)]
+    prompts = trainer.collator.student_prompts(rows)
+    completions = [[10, 11, 12], [13, 14], [15], [16, 17, 18, 19]]
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    inputs = {"completion_lengths": torch.tensor([3, 2, 1, 4]), "student_prompt_ids": prompts,
+              "teacher_prompt_ids": prompts, "completion_ids": completions, "advantages": advantages,
+              "num_items": torch.full((4,), 10.0)}
+    loss = trainer.compute_loss(model, inputs)
+
+    def completion_logits():  # row by row, no padding: the logits that predict each completion token
+        out = torch.zeros(4, 4, model.config.vocab_size)
+        for b, (prompt, completion) in enumerate(zip(prompts, completions)):
+            logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float()
+            out[b, :len(completion)] = logits[len(prompt) - 1:len(prompt) - 1 + len(completion)]
+        return out
+
+    with torch.no_grad():
+        policy = completion_logits()
+        with model.disable_adapter():
+            reference = completion_logits()
+    ids = torch.tensor([c + [0] * (4 - len(c)) for c in completions])
+    mask = torch.tensor([[1] * len(c) + [0] * (4 - len(c)) for c in completions])
+    ref_logp = torch.log_softmax(reference / temperature, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    trl_loss, metrics = _trl_compute_loss()(policy.double(), ids, mask, advantages.double(), loss_type="grpo",
+                                            temperature=temperature, ref=ref_logp.double(), beta=0.2)
+    assert metrics["kl"][-1] > 1e-4  # the KL term is not vanishing here
+    assert loss.item() == pytest.approx(trl_loss.item(), rel=1e-4, abs=1e-6)
+    no_kl, _ = _trl_compute_loss()(policy.double(), ids, mask, advantages.double(), loss_type="grpo",
+                                   temperature=temperature)
+    assert abs(trl_loss.item() - no_kl.item()) > 1e-4  # ... and it moves the loss
+    assert trainer.objective_settings.uses_teacher  # the trainer ran the reference forward
+
+
+def test_grpo_beta_is_in_the_run_identity_only_when_on(tmp_path):
+    _, config, dataset = opsd_train.parse(grpo_argv(tmp_path, 1, "--grpo_beta", "0.04"), env={})
+    assert config.grpo_beta == 0.04
+    script_args, plain, _ = opsd_train.parse(grpo_argv(tmp_path, 1), env={})
+    assert plain.grpo_beta == 0.0
+    assert opsd_train.run_identity(script_args, config, dataset)["grpo_beta"] == 0.04
+    assert "grpo_beta" not in opsd_train.run_identity(script_args, plain, dataset)

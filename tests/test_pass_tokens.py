@@ -29,7 +29,9 @@ def row_tokens(prompts, completions):
 
 
 @pytest.mark.parametrize("extra, teacher", [((), True), (("--loss_type", "sft"), True),
-                                             (("--loss_type", "grpo", "--num_generations", "2"), False)])
+                                             (("--loss_type", "grpo", "--num_generations", "2"), False),
+                                             (("--loss_type", "grpo", "--num_generations", "2", "--grpo_beta", "0.1"),
+                                              True)])  # GRPO's KL: the reference's forward of the student's rows
 def test_forward_and_backward_tokens_are_counted_per_role_and_cumulated(tmp_path, extra, teacher):
     trainer = make_trainer(tmp_path, *extra)
     assert trainer.objective_settings.uses_teacher == teacher
@@ -43,7 +45,9 @@ def test_forward_and_backward_tokens_are_counted_per_role_and_cumulated(tmp_path
         expected_backward += student
         assert trainer._metrics["train"][FORWARD_TOKENS_KEY] == [expected_forward]
         assert trainer._metrics["train"][BACKWARD_TOKENS_KEY] == [expected_backward]
-    if teacher:  # the teacher prompt (with the reference solution) is longer than the student's
+    if "grpo" in extra and teacher:  # the reference reads the student's own rows
+        assert expected_forward == 2 * expected_backward
+    elif teacher:  # the teacher prompt (with the reference solution) is longer than the student's
         assert expected_forward > 2 * expected_backward
     else:
         assert expected_forward == expected_backward
