@@ -443,9 +443,13 @@ class _StopRequest:
         if first or signum == signal.SIGINT:
             then = "Ctrl-C again stops at once" if signum == signal.SIGINT else "a second Ctrl-C stops at once"
             # os.write, not print: the handler may interrupt a print, and a buffered stream
-            # written to from inside its own write raises "reentrant call".
-            os.write(sys.stdout.fileno(), f"[OPSD] {signal.Signals(signum).name} received: stopping after this "
-                                          f"step with a checkpoint ({then})\n".encode())
+            # written to from inside its own write raises "reentrant call". A closed stdout (a
+            # reader gone) must not turn the request into an exception in the middle of a step.
+            try:
+                os.write(sys.stdout.fileno(), f"[OPSD] {signal.Signals(signum).name} received: stopping after "
+                                              f"this step with a checkpoint ({then})\n".encode())
+            except (OSError, ValueError):
+                pass
 
     def __exit__(self, *exc):
         for signum, handler in self._previous.items():
