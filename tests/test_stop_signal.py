@@ -53,6 +53,17 @@ def test_a_repeated_sigterm_is_one_request_and_a_second_ctrl_c_stops_at_once(cap
                                                    f"[OPSD] SIGINT {stopping} (Ctrl-C again stops at once)"]
 
 
+def test_a_stop_request_with_stdout_gone_is_still_one(monkeypatch):
+    """Its line cannot be written (the reader of stdout is gone): the request holds, no exception."""
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "w") as gone:
+        monkeypatch.setattr(sys, "stdout", gone)
+        with _StopRequest() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signum == signal.SIGTERM
+
+
 def test_a_grid_cells_launcher_waits_for_the_checkpoint_within_slurms_wait(tmp_path, monkeypatch):
     """A 2-GPU grid cell trains under accelerate launch with the launcher's grace set (not torch's
     30 s), and shorter than SlurmCell.checkpoint's wait, which then kills the launcher."""
