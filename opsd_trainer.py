@@ -17,9 +17,10 @@ sync, metric averaging and the training loop. What we replace: prompt building
 loss (per-entry clip, which TRL's fused divergence cannot express).
 
 This file is the trainer; its parts live in the method library: the config
-(opsd.train_config), the objective (opsd.objective), the prompts (opsd.prompts), the
-scoring batches and forwards (opsd.scoring), the callbacks (opsd.callbacks), the
-checkpoint's card (opsd.model_card); the patches of TRL's vLLM code in rollout.trl_patches.
+(opsd.train_config), the objective (opsd.objective), each role's prompts and padding geometry
+(data_collator.py, on opsd.prompts and opsd.scoring), the scoring forwards (opsd.scoring), the
+callbacks (opsd.callbacks), the checkpoint's card (opsd.model_card); the patches of TRL's
+vLLM code in rollout.trl_patches.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from trl import DistillationTrainer
 from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import RepeatSampler
 
+from data_collator import OPSDCollator
 from opsd import model_card, run_folder
 from opsd.adapter_layers import AdapterLayers
 from opsd.callbacks import CollapseWatch, EMAUpdate, ProgressBarOnly, RunLog, StopOnSignal
@@ -47,7 +49,6 @@ from opsd.ema_teacher import EMA_FILE, AdapterEMA
 from opsd.grpo import group_advantages, reward_stats
 from opsd.model_utils import checkpointing_is_on, peft_wrapping, set_checkpointing
 from opsd.objective import RowRewards, build_objective, objective_settings
-from opsd.prompts import PromptBuilder
 from opsd.rewards import grader_rewards
 from opsd.run_folder import STAGING_DIR, CheckpointWriteError, pause_in_save, remove_if_empty
 from opsd.run_log import BACKWARD_TOKENS_KEY, FORWARD_TOKENS_KEY, SAMPLED_TOKENS_KEY
@@ -55,7 +56,6 @@ from opsd.sampling import ROLLOUT_STREAMS, SamplingSettings, on_policy_step, rol
 from opsd.scoring import (
     ScoringForwards,
     bf16_autocast,
-    build_scoring_batch,
     check_alignment,
     completion_hidden_states,
     lm_head,
@@ -101,7 +101,7 @@ class OPSDTrainer(DistillationTrainer):
         sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         resolve_engine_defaults(args, sharded, zero_stage)  # the engine is chosen in accelerate's config
-        self.prompts = prompt_builder(self._tokenizer, args)
+        self.collator = OPSDCollator.from_config(self._tokenizer, args)  # each role's prompts and padding
         self.objective_settings = objective_settings(args)
         self.objective = build_objective(self.objective_settings)
         self.sampling = SamplingSettings(
@@ -143,7 +143,7 @@ class OPSDTrainer(DistillationTrainer):
         `_opsd_loss`, so each micro-batch is padded only to its own maximum.
         """
         rows = inputs
-        student_ids = [self.prompts.student_prompt_ids(row) for row in rows]
+        student_ids = self.collator.student_prompts(rows)
         seconds = None  # wall time of the student's sampling, on steps that sample
         if self.args.loss_type == "grpo":
             return self._grpo_rollouts(rows, student_ids)
@@ -154,7 +154,7 @@ class OPSDTrainer(DistillationTrainer):
         else:  # off-policy batch (GKD's lmbda): the reference solution is the completion
             completions, truncated = self._reference_completions(rows)
         rationales = self._teacher_rationales(rows) if self.args.reason_first else [None] * len(rows)
-        teacher_ids = [self.prompts.teacher_prompt_ids(row, rationale=r) for row, r in zip(rows, rationales)]
+        teacher_ids = self.collator.teacher_prompts(rows, rationales)
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
         self._log_rollout(student_ids, lengths, torch.tensor(truncated), seconds)
         self._log_pass_tokens(student_ids, teacher_ids, completions)
@@ -287,7 +287,7 @@ class OPSDTrainer(DistillationTrainer):
 
     def _teacher_rationales(self, rows: list[dict]) -> list[str]:
         """reason_first: the teacher (its own weights) first analyses the reference."""
-        prompt_ids = [self.prompts.reason_first_prompt_ids(row) for row in rows]
+        prompt_ids = self.collator.reason_first_prompts(rows)
         with self._teacher_weights(self.accelerator.unwrap_model(self.model)):
             ids, _ = self._sample(prompt_ids, stream="reason_first")
         return self._tokenizer.batch_decode(ids, skip_special_tokens=True)
@@ -439,15 +439,10 @@ class OPSDTrainer(DistillationTrainer):
         completions = inputs["completion_ids"]
         rows = rows or self.args.token_mean_rows or len(completions)
         groups = [slice(start, start + rows) for start in range(0, len(completions), rows)]
-        geometry = {
-            "pad_id": self._tokenizer.pad_token_id,
-            "pad_side": pad_side or self.args.pad_side,
-            "pad_to_multiple_of": self.args.pad_to_multiple_of,
-        }
 
         def batches(role):
-            return [to_device(build_scoring_batch(inputs[f"{role}_prompt_ids"][g], completions[g], **geometry), device)
-                    for g in groups]
+            return [to_device(self.collator.scoring_batch(inputs[f"{role}_prompt_ids"][g], completions[g], pad_side),
+                              device) for g in groups]
 
         students, teachers = batches("student"), batches("teacher")
         if not self._alignment_checked:
@@ -461,10 +456,10 @@ class OPSDTrainer(DistillationTrainer):
             # the versions of saved tensors).
             if self.objective_settings.uses_teacher:
                 with torch.no_grad(), self._teacher_weights(unwrapped):
-                    teacher_hidden = completion_hidden_states(unwrapped, teachers, geometry["pad_id"])
+                    teacher_hidden = completion_hidden_states(unwrapped, teachers, self.collator.pad_id)
             else:  # GRPO: the student alone
                 teacher_hidden = [None] * len(teachers)
-            student_hidden = completion_hidden_states(unwrapped, students, geometry["pad_id"])
+            student_hidden = completion_hidden_states(unwrapped, students, self.collator.pad_id)
         return [ScoringForwards(*four) for four in zip(students, teachers, student_hidden, teacher_hidden)]
 
     def _adapters(self, unwrapped) -> AdapterLayers:
@@ -589,15 +584,3 @@ class OPSDTrainer(DistillationTrainer):
         """The project's card (opsd.model_card), not TRL's template (which TRL's _save_checkpoint
         writes into the run folder): the run folder gets its card with each checkpoint
         (`_save_checkpoint`) and with the final adapter (`_save`)."""
-
-
-def prompt_builder(tokenizer, args: OPSDConfig) -> PromptBuilder:
-    """The prompt builder for both roles, as configured by the switches."""
-    return PromptBuilder(
-        tokenizer,
-        student_prompt=args.student_prompt,
-        teacher_context=args.teacher_context,
-        teacher_thinking=args.teacher_thinking,
-        max_prompt_length=args.max_prompt_length,
-        max_teacher_prompt_length=args.max_teacher_prompt_length,
-    )

@@ -415,14 +415,14 @@ class Scorer:
     def score(self, config) -> tuple[list[RowScores], dict]:
         import torch
 
+        from data_collator import OPSDCollator
         from opsd.objective import objective_settings
         from opsd.scoring import lm_head
-        from opsd_trainer import prompt_builder
 
-        prompts = prompt_builder(self.tokenizer, config)
+        collator = OPSDCollator.from_config(self.tokenizer, config)  # this configuration's prompts
         rows = self.rows_by_context[config.teacher_context]
-        student_ids = [prompts.student_prompt_ids(row) for row in rows]
-        teacher_ids = [prompts.teacher_prompt_ids(row) for row in rows]
+        student_ids = collator.student_prompts(rows)
+        teacher_ids = collator.teacher_prompts(rows)
         divergence = objective_settings(config).divergence
         head = lm_head(self.model)
         answers = [_first_token(self.tokenizer, reference_answer(row)) for row in rows]
@@ -564,7 +564,7 @@ def run(plan: Plan) -> tuple[str, dict, list[dict]]:
     rows_by_context = {ctx: [data[i] for i in plan.indices] for ctx, data in plan.datasets.items()}
     baseline_rows = rows_by_context[config.teacher_context]
     if plan.rollouts is None:
-        prompts = [trainer.prompts.student_prompt_ids(row) for row in baseline_rows]
+        prompts = trainer.collator.student_prompts(baseline_rows)
         trainer.sampling = dataclasses.replace(trainer.sampling, seed=config.seed)
         with torch.no_grad():
             completions, truncated = trainer._sample(prompts)  # the trainer's own rollout code, seeded

@@ -90,7 +90,7 @@ def _rollouts_of_rank(trainer, rank: int) -> list[list[int]]:
     """What rank `rank` samples now: its own two prompts, ROLLOUT_TOKENS[rank] new tokens, on
     its seed (the trainer's rollout seed of (seed, rank, step))."""
     trainer.sampling = dataclasses.replace(trainer.sampling, max_new_tokens=ROLLOUT_TOKENS[rank])
-    prompts = [trainer.prompts.student_prompt_ids(trainer.train_dataset[i]) for i in (2 * rank, 2 * rank + 1)]
+    prompts = trainer.collator.student_prompts([trainer.train_dataset[i] for i in (2 * rank, 2 * rank + 1)])
     seed_of = opsd_trainer.rollout_seed
     opsd_trainer.rollout_seed = lambda seed, _, step, stream: seed_of(seed, rank, step, stream)
     try:

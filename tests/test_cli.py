@@ -5,8 +5,8 @@ import pytest
 from test_trainer import _fake_tracker, _without_report_to, tiny_argv
 
 import opsd_train
+from data_collator import prompt_builder
 from opsd import train_config
-from opsd_trainer import prompt_builder
 from tiny_default import build_qwen3_tokenizer
 
 SWITCHES = [

@@ -77,14 +77,15 @@ def test_shared_helpers_live_in_leaf_modules():
 
 
 # The layers, bottom up (README "Layout"): a module imports only from a lower layer or from
-# inside its own package. The root's research-fork files (the trainer and the CLI)
-# are one layer: the research tools build and drive the trainer. The `opsd` command
+# inside its own package. The root's research-fork files (the trainer, the CLI and the
+# collator the trainer takes its prompts and padding from) are one layer: the research tools
+# build and drive the trainer. The `opsd` command
 # (opsd.command) is installed with opsd but is the top layer of its own: it starts the entry
 # points of every layer (lazily), and nothing imports it.
 COMMAND = "opsd.command"
 LAYERS = (("tiny_default",), ("opsd",), ("rollout", "analysis"), ("evaluation",),
-          ("opsd_trainer", "opsd_train"), ("research",), (COMMAND,))
-ROOT_FILES = {"opsd_trainer", "opsd_train"}
+          ("opsd_trainer", "opsd_train", "data_collator"), ("research",), (COMMAND,))
+ROOT_FILES = {"opsd_trainer", "opsd_train", "data_collator"}
 
 
 def layer_of(name: str) -> int:

@@ -4,6 +4,7 @@ Runs go through `opsd_train.main`, the code path `train_capped.sh` launches, so
 what is tested here is what users run.
 """
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -645,7 +646,7 @@ def test_each_rank_samples_with_its_own_reproducible_seed(tmp_path, monkeypatch)
     completions on another rank or at another step, and the same ones again on the same rank
     and step (a resumed run samples what the uninterrupted one did)."""
     trainer = make_trainer(tmp_path, 1, "--max_completion_length", "8")
-    prompts = [trainer.prompts.student_prompt_ids(row) for row in _rows(trainer)]
+    prompts = trainer.collator.student_prompts(_rows(trainer))
 
     def sample(rank, step, global_seed=0):
         monkeypatch.setattr(type(trainer.accelerator), "process_index", property(lambda self: rank))
@@ -760,7 +761,7 @@ def test_tail_padding_leaves_the_step_unchanged(tmp_path):
     inputs = trainer._generate_and_score_completions(_rows(trainer))
     results = {}
     for multiple in (None, 64):
-        trainer.args.pad_to_multiple_of = multiple
+        trainer.collator = dataclasses.replace(trainer.collator, pad_to_multiple_of=multiple)
         trainer.model.zero_grad()
         loss, _ = trainer._opsd_loss(trainer.model, inputs)
         loss.backward()

@@ -56,8 +56,8 @@ def trainer_step_loss(tmp, env, rollouts, adapter_seed=None, save_adapter_to=Non
                     param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
         trainer.model.save_pretrained(save_adapter_to)
     rows = [data[r["index"]] for r in rollouts]
-    inputs = {"student_prompt_ids": [trainer.prompts.student_prompt_ids(row) for row in rows],
-              "teacher_prompt_ids": [trainer.prompts.teacher_prompt_ids(row) for row in rows],
+    inputs = {"student_prompt_ids": trainer.collator.student_prompts(rows),
+              "teacher_prompt_ids": trainer.collator.teacher_prompts(rows),
               "completion_ids": [r["completion_ids"] for r in rollouts]}
     with torch.no_grad():
         loss, stats = trainer._opsd_loss(trainer.model, inputs)
