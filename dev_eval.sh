@@ -23,7 +23,7 @@ environment:
   OPSD_EVAL_ENGINE   the transformers backend's engine: auto | dynamic | paged | static | graph | graph_compiled
                      (default auto: paged with CUDA, else and with OPSD_PRESET=tiny dynamic;
                      python -m evaluation -h says more)
-  OPSD_EVAL_PAGED_GIB  the paged engine's KV pool in GiB (default half the GPU's memory)
+  OPSD_EVAL_PAGED_GIB  the paged engine's KV pool in GiB (default half the GPU's total memory, a quarter of RAM on CPU)
   OPSD_EVAL_OUT      output folder for eval_<name>.json   (default <repo>/outputs/eval/<dataset>)
   OPSD_PRESET=tiny   embedded tiny model and its 30-problem eval set, 8 samples of at most 96 tokens each
                      (OPSD_MODEL / OPSD_EVAL_DATA, when set, still win)
@@ -57,7 +57,6 @@ checkpoint="$1"
 [[ "$checkpoint" == base ]] || checkpoint="$(realpath -m -- "$checkpoint")"  # always a local folder
 
 args=("$checkpoint" --backend "${OPSD_EVAL_BACKEND:-auto}" --engine "${OPSD_EVAL_ENGINE:-auto}")
-if [[ -n "${OPSD_EVAL_PAGED_GIB:-}" ]]; then args+=(--paged-cache-gib "$OPSD_EVAL_PAGED_GIB"); fi
 if [[ -n "${OPSD_PRESET:-}" ]]; then args+=(--preset "$OPSD_PRESET"); fi
 # Only variables that are set are passed: the rest is python -m evaluation's to decide (the
 # defaults above, the preset's, or those of the run a checkpoint's run_config.json records).
@@ -65,5 +64,10 @@ if [[ -n "${OPSD_MODEL:-}" ]]; then args+=(--model "$(absolute_if_path "$OPSD_MO
 if [[ -n "${OPSD_EVAL_DATA:-}" ]]; then args+=(--dataset "$(absolute_if_path "$OPSD_EVAL_DATA")"); fi
 if [[ -n "${OPSD_EVAL_OUT:-}" ]]; then args+=(--output-dir "$(realpath -m -- "$OPSD_EVAL_OUT")"); fi
 
+# A run of the tiny preset (its run_config.json, the run folder's or the checkpoint's) learns
+# nothing at the released learning rate: say so, lest its +0.00 read as the method's result.
+if [[ "$checkpoint" != base ]] && grep -qs '"preset": "tiny"' "$checkpoint/run_config.json" "$checkpoint/../run_config.json"; then
+  echo "[eval] the tiny preset is a pipeline check: its 8 steps at the released learning rate leave the model at base accuracy; bash quickstart.sh shows a run that learns"
+fi
 cd "$repo"
 exec python -m evaluation "${args[@]}"

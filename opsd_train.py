@@ -527,25 +527,16 @@ def _help_width() -> int:
     return max(shutil.get_terminal_size().columns - 2, 40)
 
 
-def help_text(prog: str = "python opsd_train.py") -> str:
-    """`--help` (its usage line names `prog`): this script's settings, the OPSD_* variables and the precedence first,
-    then the flags inherited from TRL / transformers; every line wrapped to the terminal."""
-    from trl import DistillationConfig, TrlParser
+def _describe(f, default, width: int, recipe_keys: set[str]) -> str:
+    """One flag of the help: `--name (default ...)`, its help indented below."""
+    text = (f.metadata.get("help", "") + (" [recipe key]" if f.name in recipe_keys else "")).strip()
+    flag = f"  --{f.name} (default {default!r})"
+    return "\n".join([flag, *textwrap.wrap(text, width, initial_indent=" " * 8, subsequent_indent=" " * 8,
+                                          break_on_hyphens=False)])
 
-    from opsd.train_config import OPSDConfig
 
-    recipe_keys = {f.name for f in dataclasses.fields(Recipe)}
-    width = _help_width()
-
-    def describe(f, default) -> str:
-        text = (f.metadata.get("help", "") + (" [recipe key]" if f.name in recipe_keys else "")).strip()
-        flag = f"  --{f.name} (default {default!r})"
-        return "\n".join([flag, *textwrap.wrap(text, width, initial_indent=" " * 8, subsequent_indent=" " * 8,
-                                              break_on_hyphens=False)])
-
-    own = [f for f in dataclasses.fields(OPSDConfig) if f.name in vars(OPSDConfig).get("__annotations__", {})]
-    base = {f.name for f in dataclasses.fields(DistillationConfig)}
-    lines = [
+def _help_head(prog: str, width: int) -> list[str]:
+    return [
         f"usage: {prog} [--preset tiny] [--recipe FILE] [FLAG VALUE ...]",
         "",
         "On-Policy Self-Distillation of a LoRA student against its own teacher role.",
@@ -556,20 +547,61 @@ def help_text(prog: str = "python opsd_train.py") -> str:
             "different recipe or variable value is reported. Budget knobs in a recipe are ignored (warned). "
             "Everything is checked before a model loads: bad input is one `error:` line, exit 2.", width,
             break_on_hyphens=False),
-        "",
-        "OPSD settings:",
     ]
-    lines += [describe(f, f.default) for f in dataclasses.fields(ScriptArguments)]
-    lines += [describe(f, f.default) for f in own if f.name not in base]
-    lines += ["", "Inherited settings whose defaults are the released recipe's (docs/SPEC.md §6):"]
-    lines += [describe(f, f.default) for f in own if f.name in base]
-    lines += ["", "OPSD_* variables (the ablation switches; default first):"]
+
+
+def _help_variables(width: int) -> list[str]:
+    lines = ["", "OPSD_* variables (the ablation switches; default first):"]
     for name, var in SWITCH_VARIABLES.items():
         allowed = switch_values_text(name).replace("`", "")
         lines += textwrap.wrap(f"{var:<22} {allowed}  (sets {name})", width, initial_indent="  ",
                                subsequent_indent=" " * 25, break_on_hyphens=False)
     lines += textwrap.wrap(f"{REPORT_TO_VARIABLE:<22} {', '.join(REPORT_TO_VALUES)}  (sets report_to; not a switch)",
                            width, initial_indent="  ", subsequent_indent=" " * 25, break_on_hyphens=False)
+    return lines
+
+
+def short_help(prog: str = "python opsd_train.py") -> str:
+    """`--help`: this script's own options, the recipe's keys and the switches, without importing
+    TRL or torch (instant); every setting, the inherited flags included, is `--help-all`."""
+    width = _help_width()
+    recipe_keys = {f.name for f in dataclasses.fields(Recipe)}
+    lines = [*_help_head(prog, width), "", "This script's options:"]
+    lines += [_describe(f, f.default, width, recipe_keys) for f in dataclasses.fields(ScriptArguments)]
+    lines += ["", *textwrap.wrap("Recipe keys (KEY=VALUE lines of a --recipe file, most also a flag of that name; "
+                                 "defaults the released recipe's, docs/SPEC.md §6):", width, break_on_hyphens=False)]
+    lines += textwrap.wrap(", ".join(sorted(recipe_keys)), width, initial_indent="  ", subsequent_indent="  ",
+                           break_on_hyphens=False)
+    lines += _help_variables(width)
+    lines += ["", *textwrap.wrap(
+        "Common flags: --output_dir, --max_steps, --per_device_train_batch_size, --gradient_accumulation_steps, "
+        "--seed, --save_steps; --loss_type opsd (default), sft or grpo (the baselines). Every setting with its "
+        f"help and default (the OPSD settings, the recipe keys, the flags inherited from TRL and transformers): {prog} "
+        "--help-all", width, break_on_hyphens=False)]
+    return "\n".join(lines)
+
+
+def help_text(prog: str = "python opsd_train.py") -> str:
+    """`--help-all` (its usage line names `prog`): this script's settings, the OPSD_* variables and the
+    precedence first, then the flags inherited from TRL / transformers; every line wrapped to the terminal."""
+    from trl import DistillationConfig, TrlParser
+
+    from opsd.train_config import OPSDConfig
+
+    recipe_keys = {f.name for f in dataclasses.fields(Recipe)}
+    width = _help_width()
+
+    def describe(f, default) -> str:
+        return _describe(f, default, width, recipe_keys)
+
+    own = [f for f in dataclasses.fields(OPSDConfig) if f.name in vars(OPSDConfig).get("__annotations__", {})]
+    base = {f.name for f in dataclasses.fields(DistillationConfig)}
+    lines = [*_help_head(prog, width), "", "OPSD settings:"]
+    lines += [describe(f, f.default) for f in dataclasses.fields(ScriptArguments)]
+    lines += [describe(f, f.default) for f in own if f.name not in base]
+    lines += ["", "Inherited settings whose defaults are the released recipe's (docs/SPEC.md §6):"]
+    lines += [describe(f, f.default) for f in own if f.name in base]
+    lines += _help_variables(width)
     lines += ["", "Inherited flags (TRL DistillationConfig, transformers TrainingArguments):"]
     lines.append(TrlParser((DistillationConfig,), prog="opsd_train.py", formatter_class=_InheritedHelp).format_help())
     return "\n".join(lines)
@@ -577,8 +609,11 @@ def help_text(prog: str = "python opsd_train.py") -> str:
 
 def main(argv=None, prog: str = "python opsd_train.py") -> int:
     argv, check_only, world_size = _launcher_flags(list(sys.argv[1:] if argv is None else argv))
-    if "-h" in argv or "--help" in argv:
+    if "--help-all" in argv:
         print(help_text(prog))
+        return 0
+    if "-h" in argv or "--help" in argv:
+        print(short_help(prog))  # short and instant: --help-all has the 900 lines of every inherited flag
         return 0
     try:
         script_args, config, dataset = parse(argv, quiet=check_only)

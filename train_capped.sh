@@ -96,11 +96,12 @@ elif (( ${#visible[@]} > 0 )); then
 else
   use_vllm=0; why="no GPU visible"
 fi
+# Printed once every input is checked (below): a bad input's one `error:` line comes alone.
 if [[ "$use_vllm" == "1" ]]; then
   extra+=(--use_vllm true --vllm_mode "$vllm_mode")
-  echo "[OPSD] rollouts: vLLM $vllm_mode ($why)"
+  rollouts_line="[OPSD] rollouts: vLLM $vllm_mode ($why)"
 else
-  echo "[OPSD] rollouts: own engine ($why)"
+  rollouts_line="[OPSD] rollouts: own engine ($why)"
 fi
 gpus=("${visible[@]}")
 server_gpus="${OPSD_VLLM_SERVER_GPU:-0}"
@@ -219,6 +220,11 @@ fi
 # launch: accelerate would wrap a child's exit status 2 in its own traceback.
 python "$repo/opsd_train.py" --check_only --world_size "$world" "${args[@]}"
 
+echo "$rollouts_line"
+if [[ "${OPSD_PRESET:-}" == "tiny" ]]; then
+  # At the released learning rate 8 steps leave the model where it was: say so before it runs.
+  echo "[OPSD] the tiny preset is a pipeline check: its 8 steps at the released learning rate leave the model at base accuracy; bash quickstart.sh shows a run that learns"
+fi
 echo "[OPSD] budget: $steps steps x global batch $global_batch = $per_device per device x $accum accumulation x $world processes -> $output"
 if (( machines > 1 )); then
   # Every machine runs the same launcher; accelerate joins them at the main process (rank 0's node).

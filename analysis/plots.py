@@ -9,9 +9,11 @@ true KL, divergence before the clip, clip shares, teacher mass removed, entropie
 completion lengths, learning rate, gradient norm; a quantity the run did not log is left
 out). Default output: `RUN_DIR/curves.png`, which `opsd_train.py` also draws at the end of
 every run. `overlay` draws one panel per metric with one line per run folder or, with
-`--grid`, one line per arm of an `research/grid.py` folder: the mean over the arm's seeds, with
+`--grid`, one line per arm of a research.grid folder: the mean over the arm's seeds, with
 a band from the lowest to the highest seed at each step (default output
-`GRID_DIR/curves.png`, which `research/grid.py` also draws). A metric is a `metrics.jsonl` key
+`GRID_DIR/curves.png`, which `research/grid.py` also draws); there, a first panel gives each
+arm's accuracy (the grid's results.json), and without `--metric` a curve that stays flat in
+every arm (teacher mass removed at 0 under the token clip) is left out. A metric is a `metrics.jsonl` key
 (`opsd/true_kl`) or its `[OPSD kl]` label (`true_kl`). `python -m analysis.stats ... --plot FILE.png`
 draws its arms with the intervals it prints, through `plot_intervals`; `plot_sweep` draws a
 run's accuracy per checkpoint (`dev_eval.sh RUN_FOLDER`, evaluation/sweep.py);
@@ -350,14 +352,89 @@ def curve_colors(curves: dict[str, list[Curve]]) -> dict[str, str]:
     return colors
 
 
-def plot_overlay(curves: dict[str, list[Curve]], out, title: str = "") -> list[tuple[str, str]]:
-    """One panel per metric, one line per Curve (with its band, if any). Returns the
-    (metrics.jsonl key, curve label) pairs drawn."""
+@dataclass(frozen=True)
+class ArmAccuracy:
+    """One arm's evaluated accuracy (a grid's results.json): its mean over the seeds and each seed's."""
+    arm: str
+    mean: float
+    per_run: tuple[float, ...]
+    trained: bool
+
+
+@dataclass(frozen=True)
+class AccuracyPanel:
+    """The grid's answer, drawn before its training curves: each arm's accuracy on the eval set."""
+    title: str
+    xlabel: str
+    arms: tuple[ArmAccuracy, ...]
+
+
+def grid_accuracy(grid_dir) -> AccuracyPanel | None:
+    """The accuracy panel of a research.grid folder, from its results.json (written before the
+    figure); None without one or without an evaluated arm."""
+    import json
+
+    path = Path(grid_dir) / "results.json"
+    try:
+        table = json.loads(path.read_text(encoding="utf-8"))
+        arms = tuple(ArmAccuracy(name, float(a["mean"]), tuple(float(v) for v in a["per_run"]),
+                                 bool(a.get("trained", True)))
+                     for name, a in table["arms"].items() if "mean" in a)
+        grid = table["grid"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # an older or hand-made folder: the training curves alone
+    if not arms:
+        return None
+    metric = next((a["metric"] for a in table["arms"].values() if "metric" in a), "accuracy")
+    return AccuracyPanel(f"accuracy on {grid.get('eval_data') or 'the eval set'} (higher is better)",
+                         f"{metric} accuracy (%): bar = mean, dots = seeds", arms)
+
+
+def informative(curves: dict[str, list[Curve]]) -> dict[str, list[Curve]]:
+    """The panels whose lines move: a metric that stays at one value in every run (teacher mass
+    removed at 0 under the token clip) says nothing a reader needs."""
+    def moves(curve: Curve) -> bool:
+        values = [v for v in curve.values if math.isfinite(v)]
+        return bool(values) and max(values) - min(values) > 1e-12 * max(1.0, abs(max(values)))
+
+    return {key: lines for key, lines in curves.items() if any(moves(c) for c in lines)}
+
+
+def _draw_accuracy(ax, panel: AccuracyPanel, colors: dict[str, str]) -> list[tuple[str, str]]:
+    """Horizontal bars, one per arm in the grid's order (top to bottom), the value written beside."""
+    drawn = []
+    rows = list(panel.arms)
+    for y, arm in enumerate(reversed(rows)):
+        color = next((c for label, c in colors.items() if label.split(" (")[0] == arm.arm), "0.55")
+        ax.barh(y, arm.mean, color=color, alpha=0.6, height=0.6)
+        if len(arm.per_run) > 1:
+            ax.plot(arm.per_run, [y] * len(arm.per_run), "o", color="black", markersize=3)
+        ax.text(arm.mean, y, f" {arm.mean:.2f}", va="center", fontsize=9)
+        drawn.append(("accuracy", arm.arm))
+    ax.set_yticks(range(len(rows)), [f"{a.arm}{'' if a.trained else ' (untrained)'}" for a in reversed(rows)],
+                  fontsize=9)
+    top = max(max(a.mean, *a.per_run) for a in rows)
+    ax.set_xlim(0, min(100.0, max(10.0, top * 1.25)))
+    ax.set_title(panel.title, fontsize=10)
+    ax.set_xlabel(panel.xlabel, fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3, axis="x")
+    return list(reversed(drawn))
+
+
+def plot_overlay(curves: dict[str, list[Curve]], out, title: str = "",
+                 accuracy: AccuracyPanel | None = None) -> list[tuple[str, str]]:
+    """One panel per metric, one line per Curve (with its band, if any); with `accuracy`, that
+    panel first. Returns the (metrics.jsonl key, curve label) pairs drawn, ("accuracy", arm)
+    for the accuracy panel's bars."""
     out = check_output(out)
-    fig, axes = _figure(len(curves))
+    fig, axes = _figure(len(curves) + (accuracy is not None))
     colors = curve_colors(curves)
     drawn = []
-    for ax, (key, lines) in zip(axes, curves.items()):
+    if accuracy is not None:
+        drawn += _draw_accuracy(axes[0], accuracy, colors)
+    curve_axes = axes[1:] if accuracy is not None else axes
+    for ax, (key, lines) in zip(curve_axes, curves.items()):
         for curve in lines:
             color = colors[curve.label]
             ax.plot(curve.steps, curve.values, color=color, label=curve.label, linewidth=1.2)
@@ -371,13 +448,14 @@ def plot_overlay(curves: dict[str, list[Curve]], out, title: str = "") -> list[t
         ax.grid(alpha=0.3)
     # One legend for the figure: every panel has the same runs (or a subset).
     handles, labels = {}, []
-    for ax in axes:
+    for ax in curve_axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             if label not in handles:
                 handles[label] = handle
                 labels.append(label)
-    fig.legend([handles[label] for label in labels], labels, loc="outside lower center", fontsize=8,
-               ncols=min(4, len(labels)), frameon=False)
+    if labels:
+        fig.legend([handles[label] for label in labels], labels, loc="outside lower center", fontsize=8,
+                   ncols=min(4, len(labels)), frameon=False)
     if title:
         fig.suptitle(title, fontsize=11)
     _save(fig, out)
@@ -394,13 +472,23 @@ def overlay_runs(run_dirs: Sequence, out, metrics: Sequence[str] | None = None) 
 
 def overlay_grid(grid_dir, out=None, metrics: Sequence[str] | None = None,
                  arms: Sequence[str] | None = None) -> list[tuple[str, str]]:
-    """The arms of a research.grid folder: seed mean and seed range per arm (default
-    output GRID_DIR/curves.png)."""
+    """The arms of a research.grid folder (default output GRID_DIR/curves.png): first each arm's
+    accuracy (its results.json, when there), then the training curves, seed mean and seed range
+    per arm; without chosen `metrics`, only the curves that move (`informative`)."""
     keys = [metric_key(m) for m in (metrics or OVERLAY_METRICS)]
     curves = grid_curves(grid_dir, keys, arms, required=bool(metrics))  # first: a missing folder is the error
     out = check_output(out if out is not None else Path(grid_dir) / CURVES_FILE)
-    return plot_overlay(curves, out, f"training curves of grid {Path(grid_dir).resolve().name}: each arm's mean over "
-                                     "its seeds, band from the lowest to the highest seed")
+    accuracy = grid_accuracy(grid_dir)
+    if not metrics:
+        curves = informative(curves) or (curves if accuracy is None else {})
+    name = Path(grid_dir).resolve().name
+    if accuracy is None:
+        title = (f"training curves of grid {name}: each arm's mean over its seeds, band from the lowest to the "
+                 "highest seed")
+    else:
+        title = (f"grid {name}: each arm's accuracy, then its training curves (mean over its seeds, band from the "
+                 "lowest to the highest seed; curves that stay flat left out)")
+    return plot_overlay(curves, out, textwrap.fill(title, 110), accuracy)
 
 
 @dataclass(frozen=True)

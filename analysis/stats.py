@@ -8,7 +8,7 @@
     python -m analysis.stats equivalence GRID_DIR --a ARM[@STEP] --b ARM[@STEP] --margin POINTS   (analysis.evidence)
     python -m analysis.stats reach GRID_DIR (--target X | --target-arm ARM) [--ratio-to ARM]    (analysis.evidence)
 
-`tokens` puts a grid's arms (an research/grid.py folder) on the sampled-tokens axis
+`tokens` puts a grid's arms (a research.grid folder) on the sampled-tokens axis
 (analysis.tokens): per arm, step | sampled tokens | accuracy, the means over its seeds at each
 swept checkpoint (or the last one without `sweep_every`); sampled tokens are the runs' cumulative
 `tokens/sampled` (metrics.jsonl) at the checkpoint's step, "not recorded" for a run that did not
@@ -106,8 +106,14 @@ from opsd.run_folder import METRICS_FILE
 
 CONFIDENCE = 0.95
 ALPHA = 0.05
+# One resample count for every comparison, so that `compare` and research.grid print the same
+# interval for the same reports (both state it).
 DEFAULT_BOOTSTRAP = 10000
 MIN_BOOTSTRAP = 100
+# Printed with every verdict: the two claims a comparison can make, which newcomers conflate.
+CHECKPOINTS_VS_ARMS = ("two checkpoints differ: these trained models score differently on these problems, beyond "
+                       "the noise of re-sampling their answers; two arms differ: retraining each arm with other "
+                       "seeds keeps the gap, which only several training seeds per arm can show")
 
 
 # --------------------------------------------------------------------------
@@ -405,45 +411,75 @@ def _runs(a: int, b: int) -> str:
     return f"{a} vs {b} runs"
 
 
+def _gap(diff: float, names: Sequence[str], num_problems: int | None) -> str:
+    """The sentence's subject: "B is 4.20 points above A on these 30 problems"."""
+    a, b = names
+    where = f" on these {num_problems} problems" if num_problems else ""
+    if round(abs(diff), 2) == 0:
+        return f"{b} scores the same as {a}{where}"
+    return f"{b} is {abs(diff):.2f} points {'above' if diff > 0 else 'below'} {a}{where}"
+
+
 def verdict(diff: float, ci: Sequence[float], runs_a: int, runs_b: int, run_p: float | None = None,
-            problem_p: float | None = None, assumed: dict | None = None, alpha: float = ALPHA) -> str:
-    """One plain-language line. A difference is called real only when the bootstrap
-    CI excludes 0 and the run-level test agrees (or, without one, the interval from an
-    assumed per-run sd, and then it says so); with neither (1 vs 1 runs, no assumed
-    sd) it never claims that the arms differ."""
+            problem_p: float | None = None, assumed: dict | None = None, alpha: float = ALPHA,
+            names: Sequence[str] = ("A", "B"), num_problems: int | None = None) -> str:
+    """One plain sentence, what a newcomer reads first (the numbers go to `statistics`). A
+    difference is called real only when the bootstrap CI excludes 0 and the run-level test
+    agrees (or, without one, the interval from an assumed per-run sd, and then it says so);
+    with neither (1 vs 1 runs, no assumed sd) it says at most that the two checkpoints differ,
+    never that the arms do (CHECKPOINTS_VS_ARMS)."""
     low, high = ci
-    head = f"difference {diff:+.2f} points, 95% CI [{low:+.2f}, {high:+.2f}]"
+    head = _gap(diff, names, num_problems)
     runs = _runs(runs_a, runs_b)
     excludes = low > 0 or high < 0
-    direction = "B above A" if diff > 0 else "B below A"
     if run_p is not None:
         if excludes and run_p < alpha:
             caution = "; few runs, so treat the size as rough" if min(runs_a, runs_b) < 5 else ""
-            return f"{head}: {direction} beyond run-to-run noise with {runs} (run-level p = {run_p:.3g}){caution}"
+            return f"{head}, beyond run-to-run noise with {runs}: the arms differ{caution}"
         if excludes or run_p < alpha:
-            return (f"{head}: inconclusive with {runs} - the bootstrap CI and the run-level test "
-                    f"(p = {run_p:.3g}) disagree; add runs")
-        return f"{head}: not distinguishable from run-to-run noise with {runs}"
+            return (f"{head}; with {runs} the bootstrap CI and the run-level test disagree whether that is more "
+                    "than run-to-run noise: inconclusive, add runs")
+        return f"{head}, within run-to-run noise with {runs}: no evidence that the arms differ"
     if assumed is not None:
-        a_low, a_high = assumed["ci"]
-        where = (f"assuming a per-run sd of {assumed['run_sd']:g} points, 95% interval "
-                 f"[{a_low:+.2f}, {a_high:+.2f}]")
-        beyond = a_low > 0 or a_high < 0
+        sd = f"an assumed per-run sd of {assumed['run_sd']:g} points"
+        beyond = assumed["ci"][0] > 0 or assumed["ci"][1] < 0
         if beyond and excludes:
-            return (f"{head}: {direction} by more than the assumed run-to-run noise ({where}); "
-                    f"the noise was assumed, not measured, with {runs}")
+            return (f"{head}, more than the run-to-run noise of {sd} with {runs}: the arms differ if that noise "
+                    "is right (assumed, not measured)")
         if beyond or excludes:
-            return (f"{head}: inconclusive with {runs} - the bootstrap CI and the assumed-noise interval "
-                    f"disagree ({where})")
-        return f"{head}: not distinguishable from run-to-run noise ({where}) with {runs}"
+            return (f"{head}; with {runs} the bootstrap CI and the interval from {sd} disagree: inconclusive, "
+                    "train more seeds")
+        return f"{head}, within the run-to-run noise of {sd} with {runs}: no evidence that the arms differ"
     problem_level = problem_p is not None and problem_p < alpha
+    few = "one run per arm" if max(runs_a, runs_b) == 1 else f"{runs} without spread between runs"
     if excludes and problem_level:
-        return (f"{head}: these checkpoints differ beyond evaluation-sampling noise (per-problem p = "
-                f"{problem_p:.3g}), but run-to-run noise is not measured with {runs}: no evidence yet that "
-                f"the arms differ; train more seeds")
+        return (f"{head}, more than evaluation-sampling noise: these two checkpoints differ; {few} cannot tell "
+                f"whether the gap holds in general (whether the arms differ: train more seeds)")
     if excludes or problem_level:
-        return f"{head}: inconclusive even against evaluation-sampling noise with {runs}; train more seeds"
-    return f"{head}: not distinguishable even from evaluation-sampling noise with {runs}"
+        return (f"{head}; with {runs} the bootstrap CI and the per-problem test disagree whether that is more "
+                "than evaluation-sampling noise: inconclusive even for these two checkpoints; train more seeds")
+    return f"{head}, within evaluation-sampling noise: not even these two checkpoints differ measurably with {runs}"
+
+
+def statistics_text(result: dict) -> str:
+    """The numbers behind a `compare_arms` verdict in one line, the same in `compare` and
+    research.grid: the difference, its bootstrap CI with the resample count, and the test that
+    decided the verdict."""
+    boot = result["bootstrap"]
+    low, high = boot["ci"]
+    runs_a, runs_b = result["arms"]["A"]["n"], result["arms"]["B"]["n"]
+    resampled = "runs and problems" if max(runs_a, runs_b) > 1 else "problems"
+    parts = [f"difference {result['difference']:+.2f} points, 95% CI [{low:+.2f}, {high:+.2f}] by a paired "
+             f"bootstrap over {resampled} with {boot['n_resamples']} resamples, seed {boot['seed']}"]
+    test, assumed = result["run_level_test"], result["assumed_run_sd"]
+    if test:
+        parts.append(f"run-level p = {test['p']:.3g}")
+    elif assumed:
+        parts.append(f"assumed per-run sd {assumed['run_sd']:g}: 95% interval {_ci(assumed['ci'], '+.2f')}")
+    else:
+        parts.append(f"per-problem sign-flip p = {result['per_problem']['sign_flip_p']:.3g}; run-to-run noise "
+                     f"not measured with {_runs(runs_a, runs_b)}")
+    return "; ".join(parts)
 
 
 # --------------------------------------------------------------------------
@@ -597,8 +633,10 @@ def summarize_runs(runs: Sequence[Run], counts: np.ndarray, n_resamples: int, se
 
 
 def compare_arms(runs_a: Sequence[Run], runs_b: Sequence[Run], counts: np.ndarray, n_resamples: int,
-                 seed: int, run_sd: float | None = None) -> dict:
-    """All numbers of `compare`; `counts` [run, problem] holds arm A's runs, then arm B's."""
+                 seed: int, run_sd: float | None = None, names: Sequence[str] = ("A", "B")) -> dict:
+    """All numbers of `compare`; `counts` [run, problem] holds arm A's runs, then arm B's; `names`
+    name the arms in the verdict's sentence. "verdict" is that sentence, then the statistics
+    (statistics_text) after "In numbers:"; "verdict_sentence" and "statistics" hold each part."""
     k = runs_a[0].k
     counts_a, counts_b = counts[:len(runs_a)], counts[len(runs_a):]
     means_a, means_b = [r.avg for r in runs_a], [r.avg for r in runs_b]
@@ -609,15 +647,19 @@ def compare_arms(runs_a: Sequence[Run], runs_b: Sequence[Run], counts: np.ndarra
     per_problem["sign_test_p"] = per_problem.pop("p")
     diff = boot["diff"]
     assumed = assumed_noise_interval(diff, run_sd, len(runs_a), len(runs_b)) if run_sd else None
-    line = verdict(diff, boot["ci"], len(runs_a), len(runs_b), run_p=run_test and run_test["p"],
-                   problem_p=per_problem["sign_flip_p"], assumed=assumed)
+    sentence = verdict(diff, boot["ci"], len(runs_a), len(runs_b), run_p=run_test and run_test["p"],
+                       problem_p=per_problem["sign_flip_p"], assumed=assumed, names=names,
+                       num_problems=int(counts.shape[1]))
     arms = {}
     for label, runs, means in (("A", runs_a, means_a), ("B", runs_b, means_b)):
         arms[label] = {"files": [r.path for r in runs], "per_run": means, **describe(means)}
-    return {"command": "compare", "metric": f"avg@{k}", "dataset": runs_a[0].dataset,
-            "settings": runs_a[0].settings, "num_problems": int(counts.shape[1]), "samples_per_problem": k,
-            "arms": arms, "difference": diff, "bootstrap": boot, "run_level_test": run_test,
-            "per_problem": per_problem, "assumed_run_sd": assumed, "verdict": line}
+    result = {"command": "compare", "metric": f"avg@{k}", "dataset": runs_a[0].dataset,
+              "settings": runs_a[0].settings, "num_problems": int(counts.shape[1]), "samples_per_problem": k,
+              "arms": arms, "difference": diff, "bootstrap": boot, "run_level_test": run_test,
+              "per_problem": per_problem, "assumed_run_sd": assumed, "verdict_sentence": sentence}
+    result["statistics"] = statistics_text(result)
+    result["verdict"] = f"{sentence}. In numbers: {result['statistics']}"
+    return result
 
 
 def sweep_checkpoints(steps: Sequence[int], runs: Sequence[Run], n_resamples: int = DEFAULT_BOOTSTRAP,
@@ -733,7 +775,9 @@ def format_summary(result: dict) -> str:
 
 def format_compare(result: dict) -> str:
     metric, boot = result["metric"], result["bootstrap"]
-    lines = [(f"compare {metric} | dataset {result['dataset']} | {result['num_problems']} problems x "
+    # The sentence first, what the two claims mean, then every number behind it.
+    lines = [f"verdict: {result['verdict']}", f"  {CHECKPOINTS_VS_ARMS}",
+             (f"compare {metric} | dataset {result['dataset']} | {result['num_problems']} problems x "
               f"{result['samples_per_problem']} samples"),
              f"arm  runs     mean      sd      se  per-run {metric}"]
     for label, arm in result["arms"].items():
@@ -767,7 +811,6 @@ def format_compare(result: dict) -> str:
         assumed = result["assumed_run_sd"]
         lines.append(f"  with an assumed per-run sd of {assumed['run_sd']:g}: "
                      f"95% interval {_ci(assumed['ci'], '+.2f')}")
-    lines.append(f"verdict: {result['verdict']}")
     return "\n".join(lines)
 
 
@@ -805,7 +848,7 @@ def interval_panels(result: dict) -> tuple[list, str]:
                                     result["difference"], _pair(assumed["ci"])))
     panels = [IntervalPanel("arms (dots: run means)", f"{metric} (points)", tuple(arms)),
               IntervalPanel("B - A", "points", tuple(differences), zero_line=True)]
-    return panels, f"compare {head}\nverdict: {result['verdict']}"
+    return panels, f"compare {head}\nverdict: {result['verdict_sentence']}"
 
 
 def _plot_output(path: str, panels=None, title: str = "") -> None:
@@ -833,7 +876,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m analysi
     commands = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--bootstrap", type=int, default=DEFAULT_BOOTSTRAP, metavar="N",
-                        help=f"bootstrap resamples (default {DEFAULT_BOOTSTRAP})")
+                        help=f"bootstrap resamples (default {DEFAULT_BOOTSTRAP}, what research.grid uses)")
     common.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
     common.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
     common.add_argument("--plot", metavar="FILE.png", help="also draw the printed estimates and intervals (PNG)")
@@ -847,11 +890,11 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m analysi
                               "interval, and used by the verdict when no run-level test is possible (1 vs 1)")
     tokens = commands.add_parser(
         "tokens", help="a grid's accuracy against sampled tokens: per arm, step | sampled tokens | accuracy",
-        description="Per arm of an research/grid.py folder: step | sampled tokens | accuracy, means over the arm's "
+        description="Per arm of a research.grid folder: step | sampled tokens | accuracy, means over the arm's "
                     "seeds, at each swept checkpoint (sweep.json; grids with sweep_every) or else the last one. "
                     "Sampled tokens: the cumulative tokens/sampled of the run's metrics.jsonl at the checkpoint's "
                     "step ('not recorded' for a run that did not log it); the untrained arm samples none.")
-    tokens.add_argument("grid", metavar="GRID_DIR", help="an research/grid.py folder (ARM/seed-N/...)")
+    tokens.add_argument("grid", metavar="GRID_DIR", help="a research.grid folder (ARM/seed-N/...)")
     tokens.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
     tokens.add_argument("--plot", metavar="FILE.png", help="also draw accuracy against sampled tokens (PNG)")
     from analysis import evidence  # the equivalence and reach commands (analysis/evidence.py)
@@ -939,7 +982,7 @@ def _accuracy(report: Path) -> tuple[float, str]:
 
 
 def grid_table(grid_dir) -> dict:
-    """Each arm of an research/grid.py folder as points (step, sampled tokens, accuracy), means
+    """Each arm of a research.grid folder as points (step, sampled tokens, accuracy), means
     over the arm's finished seeds with each seed's value:
 
         {"grid": NAME, "metric": "avg@8", "swept": bool,
@@ -956,7 +999,7 @@ def grid_table(grid_dir) -> dict:
         raise TokensError(f"{grid_dir}: no such folder")
     names = _arm_names(grid)
     if not names:
-        raise TokensError(f"{grid_dir}: no ARM/eval.json or ARM/seed-N/eval.json in it (not an research/grid.py "
+        raise TokensError(f"{grid_dir}: no ARM/eval.json or ARM/seed-N/eval.json in it (not a research.grid "
                           "folder, or no cell has finished yet)")
     table = {"grid": grid.resolve().name, "metric": None, "swept": False, "arms": {}}
     for name in names:

@@ -479,15 +479,15 @@ SCRIPT_VARIABLES = {
     "OPSD_DATA": Variable("training data: HF name, `.json`, `.jsonl`, `.parquet`, `tiny[:SEED[:N[:FAMILY]]]`",
                           "`siyanzhao/Openthoughts_math_30k_opsd`", "train_capped.sh"),
     "OPSD_OUTPUT": Variable("run folder (`quickstart.sh`: its grid's folder)",
-                            "`outputs/opsd-capped` in the repository (`outputs/opsd-tiny` for the tiny preset; "
-                            "`quickstart.sh`: `outputs/quickstart-cpu`, with CUDA `outputs/quickstart-gpu`)",
+                            "`outputs/opsd-capped` in the repository; the tiny preset: `outputs/opsd-tiny`; "
+                            "`quickstart.sh`: `outputs/quickstart-cpu`, with CUDA `outputs/quickstart-gpu`",
                             "train_capped.sh, quickstart.sh"),
     "OPSD_PRESET": Variable("`tiny`: embedded model + data, 8 steps x batch 4, completions of at most 64 tokens, "
                             "no compilation (`OPSD_MODEL` / `OPSD_DATA`, when set, still win)", "unset",
                             "train_capped.sh, dev_eval.sh, python -m evaluation", ("tiny",),
                             "is not a preset; the only one is tiny (or leave it unset)"),
     "OPSD_NUM_PROCESSES": Variable("training processes, one GPU each; fewer than the visible GPUs train on the "
-                                   "first ones", "visible GPUs (server mode: without the server's), else 1",
+                                   "first ones", "the visible GPUs (server mode: less the server's), else 1",
                                    "train_capped.sh"),
     "OPSD_MAIN_PORT": Variable("a run across nodes (`srun`, one task a node): the main process's port",
                                "29500 + SLURM job id % 2000", "train_capped.sh"),
@@ -515,7 +515,8 @@ SCRIPT_VARIABLES = {
                                   "dev_eval.sh"),
     "OPSD_EVAL_ENGINE": Variable("the transformers backend's engine: `auto`, `dynamic`, `paged`, `static`, `graph`, "
                                  "`graph_compiled`", "`auto` (`paged` on CUDA, else `dynamic`)", "dev_eval.sh"),
-    "OPSD_EVAL_PAGED_GIB": Variable("the paged engine's KV pool in GiB", "half the GPU's memory", "dev_eval.sh"),
+    "OPSD_EVAL_PAGED_GIB": Variable("the paged engine's KV pool in GiB",
+                                    "half the GPU's total memory, a quarter of RAM on CPU", "dev_eval.sh"),
     "OPSD_EVAL_OUT": Variable("folder of `eval_<name>.json`", "`outputs/eval/<dataset>`", "dev_eval.sh"),
     "OPSD_CACHE": Variable("the embedded default's cache folder", "`.cache/opsd` in the repository",
                            "tiny_default"),
@@ -544,7 +545,8 @@ def user_variables() -> dict[str, str]:
         lines[f.metadata["variable"]] = _plain(
             f"ablation switch: {switch_values_text(f.name)} (default {f.default}): {f.metadata['changes']}")
     for var, v in SCRIPT_VARIABLES.items():
-        lines[var] = _plain(f"{v.meaning} (default {v.default}; read by {v.read_by})")
+        # Default and readers as sentences of their own: a default in parentheses would nest them.
+        lines[var] = _plain(f"{v.meaning}. Default: {v.default}. Read by {v.read_by}.")
     return lines
 
 

@@ -1,6 +1,9 @@
-"""Ablation grid: arms x seeds -> train -> evaluate -> compare with run_stats.
+"""Ablation grid: arms x seeds -> train -> evaluate -> compare each arm with the baseline
+(analysis.stats); the grid file's format: docs/RESEARCH.md, "Ablation grids".
 
     python -m research.grid GRID.json --out runs/my-grid [--parallel 4] [--dry-run]
+    python -m research.grid status runs/my-grid    # each cell: done / running where / pending / failed / cancelled
+    python -m research.grid cancel runs/my-grid    # scancel a SLURM grid's jobs; they stay cancelled
 
 A grid file (JSON) names the arms and what they share:
 

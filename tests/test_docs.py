@@ -59,3 +59,67 @@ def test_reference_commands_are_valid_commands_of_this_repository():
         outputs.add(env["OPSD_OUTPUT"])
         parse_recipe(ROOT / (recipe[0] if recipe else "recipe.env"))
     assert len(outputs) == 5  # one run folder per arm: a shared one would resume another arm
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped (hyphens and underscores
+    kept), each space a hyphen."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _headings(path: Path) -> list[tuple[int, str]]:
+    """(line number, heading text) of a Markdown file's headings, code blocks skipped."""
+    headings, fenced = [], False
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (match := re.match(r"#{1,6} (.+)", line)):
+            headings.append((number, match.group(1).strip()))
+    return headings
+
+
+def _anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    anchors = set()
+    for _, heading in _headings(path):
+        slug = _slug(heading)
+        anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_every_readme_reference_to_a_section_names_one_that_is_there():
+    """`"X" below` / `"X" above` in README.md name a heading that starts with X on that side,
+    and `README "X"` anywhere in the project names one of README's headings."""
+    readme = ROOT / "README.md"
+    headings = _headings(readme)
+    checked = 0
+    for number, line in enumerate(readme.read_text(encoding="utf-8").splitlines(), start=1):
+        for name, side in re.findall(r'"([^"\n]+)" (below|above)', line):
+            checked += 1
+            where = [n for n, text in headings if text.startswith(name)]
+            assert where, f"README.md:{number}: no section \"{name}\""
+            assert any(n > number if side == "below" else n < number for n in where), \
+                f"README.md:{number}: section \"{name}\" is not {side}"
+    names = [text for _, text in headings]
+    for path in project_files():
+        for name in re.findall(r'README(?:\.md)?\'?s? "([^"\n]+)"', path.read_text(encoding="utf-8")):
+            checked += 1
+            assert any(text.startswith(name) for text in names), f"{path.relative_to(ROOT)}: README has no \"{name}\""
+    assert checked >= 3
+
+
+def test_every_anchor_link_of_the_readme_and_docs_names_a_heading_of_its_file():
+    checked = 0
+    for source in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = source.read_text(encoding="utf-8")
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", text):
+            path = (source.parent / target).resolve() if target else source
+            assert path.is_file(), f"{source.relative_to(ROOT)}: link to a missing file {target}"
+            if path.suffix != ".md":
+                continue
+            checked += 1
+            where = f"{source.relative_to(ROOT)}: {target or source.name}#{anchor}"
+            assert anchor in _anchors(path), f"{where} is no heading"
+    assert checked >= 10

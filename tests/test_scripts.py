@@ -173,8 +173,8 @@ def test_train_capped_stops_on_sigterm_with_a_checkpoint(tmp_path):
     assert not (out / ".lock").exists()
 
 
-def test_help_starts_with_the_opsd_settings_variables_and_precedence():
-    result = run([sys.executable, "opsd_train.py", "--help"], {})
+def test_help_all_starts_with_the_opsd_settings_variables_and_precedence():
+    result = run([sys.executable, "opsd_train.py", "--help-all"], {})
     assert result.returncode == 0, result.stderr[-2000:]
     text = result.stdout
     assert text.startswith("usage: python opsd_train.py")
@@ -191,7 +191,7 @@ def test_help_starts_with_the_opsd_settings_variables_and_precedence():
 def test_help_wraps_every_line_to_the_terminal_width(columns):
     """Our flags' help (from the config fields' metadata), the variables and argparse's inherited
     flags, their long choice lists included, fit the terminal, as argparse's own help does."""
-    result = run([sys.executable, "opsd_train.py", "--help"], {"COLUMNS": str(columns)})
+    result = run([sys.executable, "opsd_train.py", "--help-all"], {"COLUMNS": str(columns)})
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert all(len(line) <= columns for line in lines), max(lines, key=len)

@@ -240,3 +240,30 @@ def test_cli_in_a_real_process(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "analysis.plots", "curves", str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr == f"error: {tmp_path / 'nope'}: no such folder\n"
+
+
+def test_a_grids_figure_shows_accuracy_first_then_only_the_curves_that_move(tmp_path):
+    """The quickstart's picture: base against trained (results.json) in the first panel, then the
+    default training curves, less a panel flat in every arm (teacher mass removed at 0 under the
+    token clip); without results.json, the curves alone, as before."""
+    grid = tmp_path / "quickstart-cpu"
+    run = grid / "token_left" / "seed-10" / "run"
+    run.mkdir(parents=True)
+    removed = run_plots.LABEL_TO_KEY["teacher_mass_removed"]
+    moving = [run_plots.LABEL_TO_KEY["true_kl"], run_plots.LABEL_TO_KEY["H_student"], "loss"]
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, removed: 0.0, **{k: 1.0 / (s + i) for i, k in enumerate(moving)}}) + "\n"
+        for s in range(1, 13)))
+    drawn = run_plots.overlay_grid(grid, arms=["base", "token_left"])
+    assert {key for key, _ in drawn} == set(moving)  # no results.json: the curves that move
+    results = {"grid": {"eval_data": "tiny:7:40:amc_aime", "baseline": "base"}, "arms": {
+        "base": {"trained": False, "runs": 1, "per_run": [45.62], "mean": 45.62, "metric": "avg@8"},
+        "token_left": {"trained": True, "runs": 1, "per_run": [60.0], "mean": 60.0, "metric": "avg@8"}}}
+    (grid / "results.json").write_text(json.dumps(results))
+    drawn = run_plots.overlay_grid(grid, arms=["base", "token_left"])
+    assert drawn[:2] == [("accuracy", "base"), ("accuracy", "token_left")]
+    assert [key for key, _ in drawn[2:]] == [moving[0], moving[1], "loss"]  # OVERLAY_METRICS' order, less the flat one
+    assert_png(grid / "curves.png")
+    # Asked for by name, a flat metric is drawn all the same.
+    assert ("teacher_mass_removed" in {run_plots.metric_label(k) for k, _ in run_plots.overlay_grid(
+        grid, tmp_path / "chosen.png", metrics=["teacher_mass_removed"])})

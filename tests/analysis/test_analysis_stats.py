@@ -277,28 +277,40 @@ def test_huge_effect_excludes_zero_and_identical_arms_include_it(difficulty, tmp
 
 def test_verdict_never_overclaims():
     assert verdict(1.2, [-0.8, 3.1], 3, 3, run_p=0.3) == (
-        "difference +1.20 points, 95% CI [-0.80, +3.10]: not distinguishable from run-to-run noise with 3 vs 3 runs")
+        "B is 1.20 points above A, within run-to-run noise with 3 vs 3 runs: no evidence that the arms differ")
     real = verdict(4.0, [2.0, 6.0], 5, 5, run_p=0.001)
-    assert "B above A beyond run-to-run noise with 5 vs 5 runs" in real and "rough" not in real
+    assert real == "B is 4.00 points above A, beyond run-to-run noise with 5 vs 5 runs: the arms differ"
     assert "few runs" in verdict(-4.0, [-6.0, -2.0], 3, 3, run_p=0.01)
-    assert "B below A" in verdict(-4.0, [-6.0, -2.0], 3, 3, run_p=0.01)
+    assert verdict(-4.0, [-6.0, -2.0], 3, 3, run_p=0.01).startswith("B is 4.00 points below A, beyond")
     for line in (verdict(3.0, [0.5, 5.5], 3, 3, run_p=0.09), verdict(3.0, [-0.5, 6.5], 3, 3, run_p=0.03)):
-        assert "inconclusive" in line
+        assert "inconclusive" in line and "the arms differ" not in line
     one = verdict(8.0, [4.0, 12.0], 1, 1, problem_p=0.001)
-    assert "no evidence yet that the arms differ" in one and "1 vs 1 runs" in one
-    assert "not distinguishable even from evaluation-sampling noise" in verdict(1.0, [-2.0, 4.0], 1, 1,
-                                                                                problem_p=0.5)
-    assert "inconclusive even against evaluation-sampling noise" in verdict(3.0, [0.5, 5.5], 1, 1, problem_p=0.2)
+    assert "these two checkpoints differ; one run per arm cannot tell whether the gap holds in general" in one
+    assert ": the arms differ" not in one  # one run a side never claims an arm difference
+    assert "within evaluation-sampling noise: not even these two checkpoints differ measurably with 1 vs 1 runs" in (
+        verdict(1.0, [-2.0, 4.0], 1, 1, problem_p=0.5))
+    assert "inconclusive even for these two checkpoints" in verdict(3.0, [0.5, 5.5], 1, 1, problem_p=0.2)
     assumed = run_stats.assumed_noise_interval(3.0, 1.48, 1, 1)
     half = 1.959964 * 1.48 * math.sqrt(2)
     assert assumed["ci"] == pytest.approx([3.0 - half, 3.0 + half])
     line = verdict(3.0, [1.0, 5.0], 1, 1, problem_p=0.01, assumed=assumed)
-    assert "inconclusive" in line and "assuming a per-run sd of 1.48" in line
+    assert "inconclusive" in line and "an assumed per-run sd of 1.48 points" in line
     line = verdict(3.0, [-1.0, 7.0], 1, 1, problem_p=0.2, assumed=assumed)
-    assert "not distinguishable from run-to-run noise (assuming a per-run sd of 1.48" in line
+    assert "within the run-to-run noise of an assumed per-run sd of 1.48 points" in line
     big = run_stats.assumed_noise_interval(9.0, 1.48, 1, 1)
     line = verdict(9.0, [5.0, 13.0], 1, 1, problem_p=0.001, assumed=big)
-    assert "B above A by more than the assumed run-to-run noise" in line and "assumed, not measured" in line
+    assert "more than the run-to-run noise of an assumed per-run sd" in line and "assumed, not measured" in line
+
+
+def test_the_verdict_is_one_plain_sentence_naming_the_arms_and_problems():
+    """The quickstart's case (one trained seed against base): the sentence a newcomer reads once,
+    the gap in words first, what one seed can and cannot tell after it."""
+    line = verdict(14.375, [6.88, 22.5], 1, 1, problem_p=0.0013, names=("base", "trained"), num_problems=40)
+    assert line == ("trained is 14.38 points above base on these 40 problems, more than evaluation-sampling "
+                    "noise: these two checkpoints differ; one run per arm cannot tell whether the gap holds in "
+                    "general (whether the arms differ: train more seeds)")
+    assert verdict(0.001, [-3.0, 3.0], 1, 1, problem_p=1.0, names=("a", "b"), num_problems=4).startswith(
+        "b scores the same as a on these 4 problems, within evaluation-sampling noise")
 
 
 # ---------------------------------------------------------------- files and validation
@@ -334,7 +346,7 @@ def test_tiny_sets_compare_by_seed_and_size_whatever_the_report_called_them(arms
     new = write_arm(tmp_path, "new", arm_b[:2], dataset="tiny:20240101:30")
     status, out, err = cli(capsys, "compare", "--a", *old, "--b", *new, "--bootstrap", "200")
     assert status == 0, err
-    assert "| dataset tiny:20240101:30 |" in out.splitlines()[0]
+    assert "| dataset tiny:20240101:30 |" in out.splitlines()[2]  # below the verdict and its legend
     other = write_arm(tmp_path, "seed7", arm_b[:2], dataset="tiny:7")
     one_error_line(*cli(capsys, "compare", "--a", *old, "--b", *other),
                    "dataset 'tiny:7:30' differs from 'tiny:20240101:30'")
@@ -440,11 +452,12 @@ def test_compare_end_to_end(arms, tmp_path, capsys):
     assert result["per_problem"]["sign_flip_p"] == sign_flip_test(problem_scores(counts(arm_a), counts(arm_b)))
     assert result["metric"] == "avg@12" and result["num_problems"] == P
     lines = out.splitlines()
-    assert lines[0].startswith("compare avg@12 | dataset HuggingFaceH4/aime_2024 | 30 problems x 12 samples")
+    assert lines[0] == f"verdict: {result['verdict']}"  # the sentence first, the numbers after
+    assert lines[1] == f"  {run_stats.CHECKPOINTS_VS_ARMS}"
+    assert lines[2].startswith("compare avg@12 | dataset HuggingFaceH4/aime_2024 | 30 problems x 12 samples")
     assert any(line.startswith("  Welch t on run means: t = ") for line in lines)
     assert "  bootstrap, runs + problems (paired), 2000 resamples, seed 3: 95% CI [" in out
-    assert lines[-1] == f"verdict: {result['verdict']}"
-    assert "with 3 vs 3 runs" in lines[-1]
+    assert "with 3 vs 3 runs" in lines[0] and "In numbers: difference " in lines[0]
 
 
 def test_compare_single_runs_and_assumed_sd(arms, capsys, tmp_path):
@@ -452,7 +465,7 @@ def test_compare_single_runs_and_assumed_sd(arms, capsys, tmp_path):
     status, out, _ = cli(capsys, "compare", "--a", paths_a[0], "--b", paths_b[0], "--bootstrap", "1000")
     assert status == 0
     assert "run-level test: not possible" in out and "sign-flip test p = " in out
-    assert "1 vs 1 runs" in out.splitlines()[-1] and "beyond run-to-run noise" not in out
+    assert "1 vs 1 runs" in out.splitlines()[0] and "beyond run-to-run noise" not in out
     assert "bootstrap, problems only (paired; one run per arm)" in out
     status, out, _ = cli(capsys, "compare", "--a", paths_a[0], "--b", paths_b[0], "--run-sd", "1.48",
                          "--bootstrap", "1000")
@@ -467,8 +480,9 @@ def test_identical_arms_end_to_end(arms, tmp_path, capsys):
     copies = write_arm(tmp_path, "copy", arm_a)
     status, out, _ = cli(capsys, "compare", "--a", *paths_a, "--b", *copies, "--bootstrap", "1000")
     assert status == 0
-    assert out.splitlines()[-1].startswith("verdict: difference +0.00 points, 95% CI [-")
-    assert "not distinguishable from run-to-run noise with 3 vs 3 runs" in out
+    assert out.splitlines()[0].startswith("verdict: B scores the same as A on these 30 problems, within run-to-run "
+                                          "noise with 3 vs 3 runs: no evidence that the arms differ. In numbers: "
+                                          "difference +0.00 points, 95% CI [-")
 
 
 def test_problem_order_does_not_matter(arms, tmp_path, capsys):
@@ -515,7 +529,7 @@ def test_plot_draws_the_printed_numbers(arms, tmp_path, capsys):
     png, out_json = tmp_path / "cmp.png", tmp_path / "cmp.out.json"
     status, out, err = cli(capsys, "compare", "--a", *paths_a, "--b", paths_b[0], "--bootstrap", "1000",
                            "--run-sd", "1.48", "--json", out_json, "--plot", png)
-    assert status == 0 and err == "" and out.splitlines()[-1].startswith("verdict: ")
+    assert status == 0 and err == "" and out.splitlines()[0].startswith("verdict: ")
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000
     result = json.loads(out_json.read_text())
@@ -527,7 +541,7 @@ def test_plot_draws_the_printed_numbers(arms, tmp_path, capsys):
         (result["difference"], tuple(result["bootstrap"]["ci"])),
         (result["run_level_test"]["diff"], tuple(result["run_level_test"]["ci"])),
         (result["difference"], tuple(result["assumed_run_sd"]["ci"]))]
-    assert diff_panel.zero_line and title.endswith(f"verdict: {result['verdict']}")
+    assert diff_panel.zero_line and title.endswith(f"verdict: {result['verdict_sentence']}")
     drawn = run_plots.plot_intervals([arm_panel, diff_panel], tmp_path / "again.png", title)
     assert drawn == [r.label for r in (*arm_panel.rows, *diff_panel.rows)]
 

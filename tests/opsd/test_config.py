@@ -350,7 +350,7 @@ def test_variables_lists_every_user_setting_and_no_test_only_one():
     assert result.returncode == 0, result.stderr
     lines = {line.split()[0]: line for line in result.stdout.splitlines()}
     assert list(lines) == [*SWITCH_VARIABLES.values(), *SCRIPT_VARIABLES]
-    assert "tiny[:SEED[:N[:FAMILY]]]" in lines["OPSD_DATA"] and "(default siyanzhao/" in lines["OPSD_DATA"]
+    assert "tiny[:SEED[:N[:FAMILY]]]" in lines["OPSD_DATA"] and ". Default: siyanzhao/" in lines["OPSD_DATA"]
     assert "or a combination (nomath,hard) (default none)" in lines["OPSD_DATA_SELECT"]
     assert "`" not in result.stdout  # markdown only in --markdown
     for name in INTERNAL_VARIABLES:  # not listed, still accepted (the tests set them)
