@@ -146,7 +146,7 @@ def build_request(args: argparse.Namespace):
     if engine == "paged":
         if args.paged_cache_gib is not None and not args.paged_cache_gib > 0:
             raise InputError(f"--paged-cache-gib must be > 0, got {args.paged_cache_gib}")
-        paged_cache_gib = args.paged_cache_gib or round(_default_paged_cache_gib(), 3)
+        paged_cache_gib = args.paged_cache_gib or _paged_cache_gib_from_env() or round(_default_paged_cache_gib(), 3)
     if args.vllm_kv_cache_gib is not None:
         if backend != "vllm":
             raise InputError(f"--vllm-kv-cache-gib sizes vLLM's KV cache; the backend here is {backend}")
@@ -166,6 +166,21 @@ def build_request(args: argparse.Namespace):
         vllm_kv_cache_gib=args.vllm_kv_cache_gib,
     )
     return request, problems
+
+
+def _paged_cache_gib_from_env() -> float | None:
+    """OPSD_EVAL_PAGED_GIB: the paged engine's pool when --paged-cache-gib is not given (dev_eval.sh's
+    variable, and what research.grid fixes for every cell); other engines ignore it."""
+    value = os.environ.get("OPSD_EVAL_PAGED_GIB", "").strip()
+    if not value:
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = float("nan")
+    if not gib > 0:
+        raise InputError(f"OPSD_EVAL_PAGED_GIB={value!r}: expected a size in GiB > 0")
+    return gib
 
 
 def _default_paged_cache_gib() -> float:

@@ -515,8 +515,9 @@ SCRIPT_VARIABLES = {
                                   "dev_eval.sh"),
     "OPSD_EVAL_ENGINE": Variable("the transformers backend's engine: `auto`, `dynamic`, `paged`, `static`, `graph`, "
                                  "`graph_compiled`", "`auto` (`paged` on CUDA, else `dynamic`)", "dev_eval.sh"),
-    "OPSD_EVAL_PAGED_GIB": Variable("the paged engine's KV pool in GiB",
-                                    "half the GPU's total memory, a quarter of RAM on CPU", "dev_eval.sh"),
+    "OPSD_EVAL_PAGED_GIB": Variable("the paged engine's KV pool in GiB (the samples depend on it; other engines "
+                                    "ignore it)", "half the GPU's total memory, a quarter of RAM on CPU; in a "
+                                    "`research.grid` cell 32", "python -m evaluation, dev_eval.sh"),
     "OPSD_EVAL_OUT": Variable("folder of `eval_<name>.json`", "`outputs/eval/<dataset>`", "dev_eval.sh"),
     "OPSD_CACHE": Variable("the embedded default's cache folder", "`.cache/opsd` in the repository",
                            "tiny_default"),

@@ -20,6 +20,7 @@ train_capped.sh before it launches accelerate).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -284,17 +285,35 @@ class RunLock:
                 try:
                     os.link(tmp, self.path)
                 except FileExistsError:
-                    self.check()
-                    try:  # stale (its process is gone) or unreadable: take it over
-                        os.unlink(self.path)
-                    except FileNotFoundError:
-                        pass
-                    continue
+                    # A takeover (check, unlink, link) is one step under the guard: two takers of one
+                    # stale lock would otherwise both win, the second unlinking the first's new lock.
+                    with self._takeover_guard():
+                        self.check()
+                        try:  # stale (its process is gone) or unreadable: take it over
+                            os.unlink(self.path)
+                        except FileNotFoundError:
+                            pass
+                        try:
+                            os.link(tmp, self.path)
+                        except FileExistsError:
+                            continue
+                    self.held = True
+                    return
                 self.held = True
                 return
         finally:
             os.unlink(tmp)
         raise RunFolderError(f"cannot take the lock {self.path}; another run is starting into the same folder")
+
+    @contextlib.contextmanager
+    def _takeover_guard(self):
+        """An exclusive flock on `.lock.guard` beside the lock (never removed; the kernel drops it when
+        its holder ends, however it ends), held while a stale lock is replaced."""
+        import fcntl
+
+        with open(self.path + ".guard", "a") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            yield
 
     def check(self) -> None:
         """Raise RunFolderError when another live process holds the lock (without taking it)."""

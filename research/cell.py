@@ -5,12 +5,16 @@ research/grid.py runs the cells here or on a SLURM cluster (research/slurm_grid.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,17 +184,19 @@ def cells(grid: Grid, out: Path) -> list[Cell]:
 # Running one cell
 # --------------------------------------------------------------------------
 
-def train_command(grid: Grid, cell: Cell, processes: int = 1, port: int | None = None) -> list[str]:
+def train_command(grid: Grid, cell: Cell, processes: int = 1, port: int | None = None,
+                  code_dir: Path = REPO) -> list[str]:
     """The cell's training: one process, or `processes` DDP processes (one per GPU of the cell)
-    through accelerate on `port`; either way the grid's global batch."""
+    through accelerate on `port`; either way the grid's global batch. `code_dir`: the code that runs
+    (the grid's snapshot, `snapshot_code`; by default this checkout)."""
     b = grid.budget
     accumulation = b["global_batch"] // (b["per_device_batch"] * processes)
     if processes == 1:
-        command = [sys.executable, str(REPO / "opsd_train.py")]
+        command = [sys.executable, str(code_dir / "opsd_train.py")]
     else:
         command = [sys.executable, "-m", "accelerate.commands.launch",
-                   "--config_file", str(REPO / "configs" / "ddp.yaml"), "--num_processes", str(processes),
-                   "--main_process_port", str(port or 29500), str(REPO / "opsd_train.py")]
+                   "--config_file", str(code_dir / "configs" / "ddp.yaml"), "--num_processes", str(processes),
+                   "--main_process_port", str(port or 29500), str(code_dir / "opsd_train.py")]
     if grid.preset:
         command += ["--preset", grid.preset]
     command += [
@@ -233,28 +239,147 @@ def eval_command(grid: Grid, cell: Cell) -> list[str]:
     return command + list(grid.eval_flags)
 
 
-def cell_identity(grid: Grid, cell: Cell) -> dict:
-    """What a cell's results depend on, and nothing about where it ran: stored as the cell's
-    cell.json, so that a grid folder never mixes the cells of two different grids."""
+# The paged evaluation engine's KV pool, in GiB, for every cell of a grid (OPSD_EVAL_PAGED_GIB, which
+# `python -m evaluation` reads): fixed here, not half of whichever GPU a cell lands on, because the
+# samples depend on it (the pool shapes the schedule). The grid's environment, or its eval_flags'
+# --paged-cache-gib, sets another. Engines other than paged (the tiny preset's, vLLM) ignore it.
+EVAL_PAGED_GIB = "32"
+
+
+def eval_environment(environ=os.environ) -> dict[str, str]:
+    """The variables a cell's evaluation gets from the grid: the paged KV pool (EVAL_PAGED_GIB)."""
+    return {"OPSD_EVAL_PAGED_GIB": environ.get("OPSD_EVAL_PAGED_GIB") or EVAL_PAGED_GIB}
+
+
+def inherited_variables(cell: Cell, environ=os.environ) -> dict[str, str]:
+    """The OPSD_* variables a cell inherits from the grid's environment (its arm's own `env` aside):
+    switches, data, the evaluation's pool; they change what the cell computes."""
+    return {key: value for key, value in sorted(environ.items())
+            if key.startswith("OPSD_") and key not in cell.arm.env}
+
+
+def cell_identity(grid: Grid, cell: Cell, processes: int = 1, environ=os.environ) -> dict:
+    """What a cell's results depend on: stored in the cell's cell.json and compared on every re-run,
+    so that a grid folder never mixes the cells of two different grids, and a cell never resumes at
+    another process count (which splits the global batch differently) or with other variables.
+    Where it ran (host, GPU, job) and the code version are recorded beside it (`provenance`)."""
     identity = {"arm": cell.arm.name, "seed": cell.seed, "preset": grid.preset, "eval_data": grid.eval_data,
-                "eval_flags": list(grid.eval_flags)}
+                "eval_flags": list(grid.eval_flags),
+                "variables": {**inherited_variables(cell, environ), **eval_environment(environ)}}
     if cell.arm.train:
         identity.update(budget=grid.budget, sweep_every=grid.sweep_every, recipe={**grid.recipe, **cell.arm.recipe},
-                        env=cell.arm.env, flags=list(cell.arm.flags))
+                        env=cell.arm.env, flags=list(cell.arm.flags), processes=processes)
     return identity
 
 
-def check_cell_identity(grid: Grid, cell: Cell) -> None:
-    """GridError when the cell's folder holds another grid's cell (its cell.json differs)."""
+def check_cell_identity(grid: Grid, cell: Cell, processes: int = 1, environ=os.environ) -> None:
+    """GridError when the cell's folder holds a cell of other settings (its cell.json differs). A key
+    that a cell.json written by an older version lacks is not compared."""
+    stored = _read_cell_json(cell)
+    if stored is None:
+        return
+    wanted = json.loads(json.dumps(cell_identity(grid, cell, processes, environ)))  # as JSON has it
+    for key in sorted(wanted):
+        if key in stored and stored[key] != wanted[key]:
+            there, here = stored[key], wanted[key]
+            if isinstance(there, dict) and isinstance(here, dict):  # name the one entry that differs
+                inner = next(k for k in sorted(set(there) | set(here)) if there.get(k) != here.get(k))
+                key, there, here = f"{key}.{inner}", there.get(inner), here.get(inner)
+            hint = ("--gpus-per-cell as it was" if key == "processes" else
+                    "the environment it ran with" if key.startswith("variables") else None)
+            raise GridError(f"{cell.folder} holds a cell of other settings ({key}: {there!r} there, {here!r} now); "
+                            + (f"re-run with {hint}, " if hint else "") + "use another --out, or delete that folder")
+
+
+def _read_cell_json(cell: Cell) -> dict | None:
     path = cell.folder / "cell.json"
     if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise GridError(f"{path}: not readable JSON ({exc}); delete that cell folder to run it again") from None
+
+
+# --------------------------------------------------------------------------
+# The code a cell runs
+# --------------------------------------------------------------------------
+
+# What counts as code for a cell's version: the tracked files a run executes or reads as settings
+# (not the docs: editing a note while a grid runs changes no result).
+CODE_FILES = ("*.py", "*.sh", "*.env", "*.json", "*.yaml", "*.toml", "*.txt", "*.ini")
+
+
+def code_version(repo: Path = REPO) -> str | None:
+    """The checkout's version: its commit, with `+dirty-<hash>` when tracked code files (CODE_FILES)
+    differ from it (the hash of the difference: the same edits give the same version); None
+    outside a git checkout. Untracked files are not part of it."""
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, timeout=60)
+        if head.returncode != 0:
+            return None
+        diff = subprocess.run(["git", "-C", str(repo), "diff", "HEAD", "--binary", "--", *CODE_FILES],
+                              capture_output=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = head.stdout.decode().strip()[:12]
+    return f"{commit}+dirty-{hashlib.sha256(diff).hexdigest()[:12]}" if diff else commit
+
+
+def check_cell_code(cell: Cell, code: str | None, allow_change: bool = False) -> None:
+    """GridError when a started, unfinished cell ran on other code than the checkout's now: resuming
+    it would mix two versions in one result (`--allow-code-change` resumes it all the same)."""
+    stored = _read_cell_json(cell) or {}
+    ran = (stored.get("provenance") or {}).get("code")
+    if allow_change or cell.report.is_file() or code is None or ran in (None, code):
         return
-    stored = json.loads(path.read_text(encoding="utf-8"))
-    wanted = json.loads(json.dumps(cell_identity(grid, cell)))  # as JSON has it (tuples are lists)
-    if stored != wanted:
-        key = next(k for k in sorted(set(stored) | set(wanted)) if stored.get(k) != wanted.get(k))
-        raise GridError(f"{cell.folder} holds the cell of another grid ({key}: {stored.get(key)!r} there, "
-                        f"{wanted.get(key)!r} in this grid); use another --out, or delete that folder")
+    started = any((cell.folder / "run").glob("checkpoint-*")) or any((cell.folder / "eval").glob("*.partial.jsonl"))
+    if started:
+        raise GridError(f"{cell.name} started on code {ran}, the checkout is now {code}: resuming it would mix the "
+                        "two; re-run with --allow-code-change to resume it anyway, or delete its folder to restart it")
+
+
+SNAPSHOT_SKIPS = ("tests/", "docs/", "grids/results/")  # what no cell runs or reads
+
+
+def snapshot_code(out: Path, repo: Path = REPO) -> tuple[str | None, Path]:
+    """The code a grid's cells run: a copy of the checkout's tracked files as they are now (uncommitted
+    edits included; tests, docs and pictures left out) in `out`/code/<version>/, made once per
+    version. A cell's training and evaluation run from it (their working folder; the snapshot's
+    packages come before the installed ones on the import path), so that editing or pulling the
+    checkout while a grid runs, or while its jobs wait in a SLURM queue, changes none of its cells.
+    Returns (version, folder); outside a git checkout (None, the checkout itself)."""
+    version = code_version(repo)
+    if version is None:
+        return None, repo
+    folder = out / "code" / version
+    if folder.is_dir():
+        return version, folder
+    listed = subprocess.run(["git", "-C", str(repo), "ls-files", "-z"], capture_output=True, timeout=60)
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=".code-"))
+    for name in listed.stdout.decode().split("\0"):
+        source = repo / name
+        if (not name or name.startswith(SNAPSHOT_SKIPS) or name.endswith((".md", ".png"))
+                or not source.is_file()):  # a tracked file deleted in the working tree is not there
+            continue
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, tmp / name)
+    folder.parent.mkdir(exist_ok=True)
+    os.replace(tmp, folder)
+    return version, folder
+
+
+def gpu_names(gpus: tuple[str, ...] | None) -> str:
+    """What a cell's devices are, for its provenance: the GPUs' names from nvidia-smi, or 'CPU'."""
+    if gpus == ():
+        return "CPU"
+    command = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"] + (["-i", ",".join(gpus)] if gpus else [])
+    try:
+        names = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown" if gpus else "CPU"
+    listed = [line.strip() for line in names.stdout.splitlines() if line.strip()]
+    return ", ".join(listed) if names.returncode == 0 and listed else ("unknown" if gpus else "CPU")
 
 
 def devices_label(gpus: tuple[str, ...] | None) -> str:
@@ -267,46 +392,102 @@ def _ignore_usr2() -> None:
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
+# --------------------------------------------------------------------------
+# Progress: what a running step's log says
+# --------------------------------------------------------------------------
+
+_PROGRESS = re.compile(r"(\d+)/(\d+) \[(\d[\d:]*)<([\d:?]+)")
+
+
+def log_progress(path: Path) -> str | None:
+    """The last progress bar of a training or evaluation log ('k/N, ETA m:ss'), None before the first."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            tail = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    found = _PROGRESS.findall(tail)
+    if not found:
+        return None
+    done, total, _elapsed, left = found[-1]
+    return f"{done}/{total}" + (f", about {left} left" if "?" not in left else "")
+
+
+PROGRESS_EVERY_S = 30.0  # how often a running cell's progress line is printed (when it changed)
+
+
 def run_cell(grid: Grid, cell: Cell, log, gpus: tuple[str, ...] | None = None, port: int | None = None,
-             started=None) -> str:
+             started=None, code: str | None = None, code_dir: Path = REPO,
+             progress_every: float = PROGRESS_EVERY_S) -> str:
     """Train (if needed) and evaluate one cell; returns 'done', 'skipped' or 'failed: ...'.
 
     gpus: the GPU ids the cell runs on (its CUDA_VISIBLE_DEVICES; () = CPU; None = whatever this
     process sees, as under SLURM, which sets it); several GPUs train as that many DDP processes on
-    `port`. started(process) is told each child process, so that a SLURM job can stop it cleanly."""
+    `port` (default: a free one). started(process) is told each child process, so that a SLURM job
+    can stop it cleanly. `code_dir`, `code`: the code the cell runs (the grid's snapshot) and its
+    version, recorded in cell.json. The cell's folder is locked while it runs: a second runner of
+    the same cell (another grid on the same --out, a resubmitted job) is refused."""
+    from opsd.run_folder import RunFolderError, RunLock
+
     if cell.report.is_file():
         return "skipped"
+    if not (code_dir / "opsd_train.py").is_file():
+        return f"failed: the grid's code snapshot {code_dir} is gone; re-run the grid to make it again"
     cell.folder.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(cell.folder / "cell.json", json.dumps(cell_identity(grid, cell), indent=1) + "\n")
-    env = {**os.environ, **cell.arm.env, "PYTHONUNBUFFERED": "1",
-           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(LAUNCHER_GRACE_S)}
+    try:
+        with RunLock(str(cell.folder)):
+            return _run_cell_locked(grid, cell, log, gpus, port, started, code, code_dir, progress_every)
+    except RunFolderError as exc:
+        return f"failed: {exc}"
+
+
+def _run_cell_locked(grid, cell, log, gpus, port, started, code, code_dir, progress_every) -> str:
+    from tiny_default.cache import cache_dir
+
+    processes = max(1, len(gpus or ()))
+    provenance = {"code": code, "host": socket.gethostname(), "devices": gpu_names(gpus),
+                  "slurm_job": os.environ.get("SLURM_JOB_ID"), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    write_text_atomic(cell.folder / "cell.json", json.dumps(
+        {**cell_identity(grid, cell, processes), "provenance": provenance}, indent=1) + "\n")
+    env = {**os.environ, **cell.arm.env, **eval_environment(), "PYTHONUNBUFFERED": "1",
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(LAUNCHER_GRACE_S),
+           "OPSD_CACHE": str(cache_dir())}  # the embedded default's build cache: one for every snapshot
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     steps = []
     if cell.arm.train:
         (cell.folder / "recipe.env").write_text(recipe_text(grid, cell.arm), encoding="utf-8")
-        steps.append(("train", train_command(grid, cell, max(1, len(gpus or ())), port)))
+        if processes > 1 and port is None:
+            port = executors.free_port()
+        steps.append(("train", train_command(grid, cell, processes, port, code_dir)))
     steps.append(("eval", eval_command(grid, cell)))
     for kind, command in steps:
         start = time.time()
-        log(f"{cell.name}: {kind} on {devices_label(gpus)} ...")
-        with open(cell.folder / f"{kind}.log", "a", encoding="utf-8") as out:
+        log_path = cell.folder / f"{kind}.log"
+        log(f"{cell.name}: {kind} on {devices_label(gpus)} ... (log: {log_path})")
+        with open(log_path, "a", encoding="utf-8") as out:
             where = f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} " if gpus is not None else ""
             start_line = "\n" if out.tell() else ""  # an interrupted run may have left a line unfinished
             out.write(f"{start_line}$ {where}{' '.join(command)}\n")
             out.flush()
-            if started is None:
-                status = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO).returncode
-            else:
-                # Under SLURM, SIGUSR2 is submitit's notice to the job (preemption, time limit): the
-                # children ignore it and are stopped by SlurmCell.checkpoint with a SIGTERM instead.
-                child = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                         preexec_fn=_ignore_usr2)
+            # Under SLURM, SIGUSR2 is submitit's notice to the job (preemption, time limit): the
+            # children ignore it and are stopped by SlurmCell.checkpoint with a SIGTERM instead.
+            child = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=code_dir,
+                                     preexec_fn=_ignore_usr2 if started is not None else None)
+            if started is not None:
                 started(child)
-                while (status := child.poll()) is None:  # not wait(): the signal handler must be able to reap it
-                    time.sleep(0.5)
+            said, next_report = None, time.time() + progress_every
+            while (status := child.poll()) is None:  # not wait(): a signal handler must be able to reap it
+                time.sleep(0.5)
+                if time.time() >= next_report:
+                    next_report = time.time() + progress_every
+                    now = log_progress(log_path)
+                    if now and now != said:
+                        log(f"{cell.name}: {kind} {now}")
+                        said = now
         if status != 0:
-            return f"failed: {kind} exited {status} (see {cell.folder / f'{kind}.log'})"
+            return f"failed: {kind} exited {status} (see {log_path})"
         log(f"{cell.name}: {kind} done in {time.time() - start:.0f} s")
     reports = sorted((cell.folder / "eval").glob("eval_*.json"))
     if cell.seed is not None and grid.sweep_every:  # the last checkpoint's report is the cell's

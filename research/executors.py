@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import queue
 import shutil
+import socket
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,6 +42,14 @@ def visible_gpus(environ=os.environ) -> list[str]:
     except (OSError, subprocess.SubprocessError):
         return []
     return [line.split(":", 1)[0].split()[1] for line in listing.stdout.splitlines() if line.startswith("GPU ")]
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (the kernel's pick), for one multi-process cell's
+    rendezvous: fixed ports collide between two grids on one node."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 def gpu_slots(gpus: list[str], gpus_per_cell: int, cells_per_gpu: int) -> list[tuple[str, ...]]:

@@ -1,9 +1,6 @@
-"""Ablation grid: arms x seeds -> train -> evaluate -> compare each arm with the baseline
-(analysis.stats); the grid file's format: docs/RESEARCH.md, "Ablation grids".
+"""Ablation grid: arms x seeds -> train -> evaluate -> compare with run_stats.
 
     python -m research.grid GRID.json --out runs/my-grid [--parallel 4] [--dry-run]
-    python -m research.grid status runs/my-grid    # each cell: done / running where / pending / failed / cancelled
-    python -m research.grid cancel runs/my-grid    # scancel a SLURM grid's jobs; they stay cancelled
 
 A grid file (JSON) names the arms and what they share:
 
@@ -58,6 +55,8 @@ from opsd.run_folder import write_text_atomic
 from research import executors
 from research.cell import (  # noqa: F401  (re-exported: the grid module is what notes and tests name)
     BUDGET_DEFAULT,
+    EVAL_PAGED_GIB,
+    PROGRESS_EVERY_S,
     REPO,
     Arm,
     Cell,
@@ -66,12 +65,15 @@ from research.cell import (  # noqa: F401  (re-exported: the grid module is what
     _check_processes_divide_batch,
     cell_identity,
     cells,
+    check_cell_code,
     check_cell_identity,
+    code_version,
     eval_command,
     load_grid,
     recipe_text,
     run_cell,
     save_every,
+    snapshot_code,
     train_command,
 )
 from research.slurm_grid import _job_cancelled, run_on_slurm  # noqa: F401
@@ -276,10 +278,24 @@ def local_slots(grid: Grid, args) -> tuple[list[str], list[tuple[str, ...]]]:
     return gpus, slots
 
 
-def run_here(grid: Grid, todo: list[Cell], args, gpus: list[str], slots: list, log) -> dict[str, str]:
+def run_here(grid: Grid, todo: list[Cell], args, gpus: list[str], slots: list, log,
+             code: str | None = None, code_dir: Path = REPO) -> dict[str, str]:
     """The cells on this machine: each on its own GPU(s) from the pool, or `--parallel` at a time
-    without GPUs. Returns {cell name: outcome}."""
+    without GPUs. Returns {cell name: outcome}; a cell whose run raises is that cell's failure (its
+    traceback in the cell's error.log), not the grid's end."""
     per_cell = 1 if args.gpus_per_cell is None else args.gpus_per_cell
+    progress = getattr(args, "progress_every", None) or PROGRESS_EVERY_S
+
+    def one(cell: Cell, gpus_of_cell) -> str:
+        try:
+            return run_cell(grid, cell, log, gpus=gpus_of_cell, code=code, code_dir=code_dir, progress_every=progress)
+        except Exception as exc:  # noqa: BLE001  (one cell's bug must not cost the other cells' table)
+            import traceback
+
+            cell.folder.mkdir(parents=True, exist_ok=True)
+            (cell.folder / "error.log").write_text(traceback.format_exc(), encoding="utf-8")
+            return f"failed: {type(exc).__name__}: {exc} (traceback in {cell.folder / 'error.log'})"
+
     if slots:
         at_once = min(len(slots), args.parallel) if args.parallel else len(slots)
         log(f"GPU pool: {len(gpus)} GPU(s) {','.join(gpus)}, {per_cell} a cell, {args.cells_per_gpu} cell(s) a GPU: "
@@ -287,13 +303,11 @@ def run_here(grid: Grid, todo: list[Cell], args, gpus: list[str], slots: list, l
         if args.parallel and args.parallel > len(slots):
             log(f"--parallel {args.parallel} is more than the pool's {len(slots)} slot(s): raise --cells-per-gpu "
                 "to run more cells on a GPU at once")
-        outcomes = executors.run_pooled(todo, lambda cell, index, slot: run_cell(
-            grid, cell, log, gpus=slot, port=29500 + index), slots, args.parallel)
+        outcomes = executors.run_pooled(todo, lambda cell, _index, slot: one(cell, slot), slots, args.parallel)
     else:
         hidden = () if gpus else None  # --gpus-per-cell 0 on a GPU machine: the cells see no GPU
         log(f"{'CPU only (--gpus-per-cell 0)' if gpus else 'no GPU visible'}: {args.parallel or 1} cell(s) at a time")
-        outcomes = executors.run_pooled(todo, lambda cell, _index, _slot: run_cell(grid, cell, log, gpus=hidden),
-                                        [], args.parallel)
+        outcomes = executors.run_pooled(todo, lambda cell, _index, _slot: one(cell, hidden), [], args.parallel)
     return dict(zip((c.name for c in todo), outcomes))
 
 
@@ -310,6 +324,11 @@ def main(argv=None, prog: str = "python -m research.grid") -> int:
     parser.add_argument("--gpus-per-cell", type=int, default=None,
                         help="GPUs a cell trains on (default 1; 0 = CPU); several = that many DDP processes")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    parser.add_argument("--allow-code-change", action="store_true",
+                        help="resume cells that started on another version of the code (recorded in each cell.json); "
+                             "without it such a cell stops the grid")
+    parser.add_argument("--progress-every", type=float, default=PROGRESS_EVERY_S, metavar="S",
+                        help=f"seconds between a running cell's progress lines (default {PROGRESS_EVERY_S:.0f})")
     here = parser.add_argument_group("this machine (--cluster local)")
     here.add_argument("--cells-per-gpu", type=int, default=None,
                       help="cells sharing one GPU (default 1; small models: several)")
@@ -335,11 +354,16 @@ def main(argv=None, prog: str = "python -m research.grid") -> int:
         grid = load_grid(args.grid)
         out = Path(args.out).resolve()
         all_cells = cells(grid, out)
-        for cell in all_cells:
-            check_cell_identity(grid, cell)
         if args.cluster == "local":
             gpus, slots = local_slots(grid, args)
-        elif not args.dry_run:
+            processes = max(1, 1 if args.gpus_per_cell is None else args.gpus_per_cell) if slots else 1
+        else:
+            processes = max(1, 1 if args.gpus_per_cell is None else args.gpus_per_cell)
+        code = code_version()
+        for cell in all_cells:
+            check_cell_identity(grid, cell, processes)
+            check_cell_code(cell, code, args.allow_code_change)
+        if args.cluster == "slurm" and not args.dry_run:
             executors.check_slurm_tools()
             if (args.gpus_per_cell or 1) > 1:
                 _check_processes_divide_batch(grid, args.gpus_per_cell)
@@ -353,6 +377,18 @@ def main(argv=None, prog: str = "python -m research.grid") -> int:
             print(" ".join(eval_command(grid, cell)))
         return 0
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = GridLock(out)
+    except GridError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with lock:
+        return _run_grid(grid, all_cells, out, args, code, gpus if args.cluster == "local" else [],
+                         slots if args.cluster == "local" else [])
+
+
+def _run_grid(grid: Grid, all_cells: list[Cell], out: Path, args, code: str | None, gpus: list[str],
+              slots: list) -> int:
     start = time.time()
 
     def log(message: str) -> None:
@@ -361,13 +397,17 @@ def main(argv=None, prog: str = "python -m research.grid") -> int:
     todo = [c for c in all_cells if not c.report.is_file()]
     log(f"{len(all_cells)} cells, {len(all_cells) - len(todo)} already done, {len(todo)} to run"
         + (" on SLURM" if args.cluster == "slurm" else ""))
+    code, code_dir = snapshot_code(out) if todo else (code, REPO)
+    if todo and code is not None:
+        log(f"the cells run the code as it is now ({code}), copied to {code_dir}: editing the checkout from "
+            "here on changes none of them")
     try:
         if args.cluster == "slurm":
             outcomes = run_on_slurm(grid, args.grid, todo, out, args, log)
             if outcomes is None:
                 return 0
         else:
-            outcomes = run_here(grid, todo, args, gpus, slots, log)
+            outcomes = run_here(grid, todo, args, gpus, slots, log, code=code, code_dir=code_dir)
     except executors.ExecutorError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -384,6 +424,38 @@ def main(argv=None, prog: str = "python -m research.grid") -> int:
         + (f"; accuracy against sampled tokens: {tokens_plot}" if tokens_plot else ""))
     print("\n".join(["", *final_lines(all_cells, table)]))
     return 1 if failed else 0
+
+
+class GridLock:
+    """`.grid.lock` in the grid folder, held (flock) by the one grid process that runs or waits for
+    its cells: a second `research.grid` on the same --out is refused with one line. The kernel drops
+    the lock when its process ends, however it ends, so a killed grid leaves no stale lock."""
+
+    def __init__(self, out: Path):
+        import fcntl
+        import os
+        import socket
+
+        self.path = out / ".grid.lock"
+        self._file = open(self.path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            self._file.close()
+            raise GridError(f"another grid is running into {out} ({holder}); wait for it to end, or use another "
+                            "--out (`python -m research.grid status` shows its cells)") from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"PID {os.getpid()} on {socket.gethostname()}\n")
+        self._file.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._file.close()  # closing drops the flock
 
 
 def final_lines(cells: list[Cell], table: dict) -> list[str]:

@@ -14,5 +14,6 @@ def local_grid(tmp_path_factory):
     folder = tmp_path_factory.mktemp("local-grid")
     grid_file = folder / "grid.json"
     grid_file.write_text(json.dumps(GRID))
-    run = run_grid(grid_file, folder / "out", "--cells-per-gpu", "1", env={"CUDA_VISIBLE_DEVICES": FAKE_GPUS})
+    run = run_grid(grid_file, folder / "out", "--cells-per-gpu", "1", "--progress-every", "1",
+                   env={"CUDA_VISIBLE_DEVICES": FAKE_GPUS})
     return grid_file, folder / "out", run

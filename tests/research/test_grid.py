@@ -1,6 +1,7 @@
 """research/grid.py: arms x seeds on the tiny preset, paired seeds, resumable, one table."""
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -39,6 +40,17 @@ def test_two_arms_two_seeds_end_to_end_and_resume(local_grid):
             assert json.loads((cell / "eval.json").read_text())["dataset"] == "tiny:5:2"
             assert sorted(p.name for p in (cell / "run").glob("checkpoint-*")) == [
                 "checkpoint-1", "checkpoint-2", "checkpoint-3", "checkpoint-4"]  # resumable from any step
+    # Each cell records what its results depend on and where it ran (cell.json).
+    recorded = json.loads((out / "token" / "seed-0" / "cell.json").read_text())
+    assert recorded["processes"] == 1 and recorded["env"] == {"OPSD_CLIP_MODE": "token"}
+    assert recorded["variables"]["OPSD_EVAL_PAGED_GIB"] == research.grid.EVAL_PAGED_GIB
+    snapshot = out / "code" / recorded["provenance"]["code"]  # the code every cell ran: a copy made at the start
+    assert (snapshot / "opsd_train.py").is_file() and not (snapshot / "tests").exists()
+    assert f" {snapshot / 'opsd_train.py'} " in (out / "token" / "seed-0" / "train.log").read_text()
+    assert recorded["provenance"]["devices"] in ("unknown", "CPU")  # fake GPU ids: nvidia-smi names none
+    # A running cell's progress reaches the grid's output, with its log's path.
+    assert f"(log: {out / 'entry' / 'seed-0' / 'train.log'})" in first.stdout
+    assert re.search(r"\] (entry|token)/seed-\d: (train|eval) \d+/\d+", first.stdout), first.stdout[-3000:]
     for arm in ("entry", "token"):  # each arm's variables reach only its own runs
         assert json.loads((out / arm / "seed-0" / "run" / "run_config.json").read_text())["OPSD_CLIP_MODE"] == arm
     # Every cell is done: a re-run trains and evaluates nothing, and gives the same table.
@@ -374,7 +386,7 @@ def test_a_folder_holding_another_grids_cells_is_refused(tmp_path):
     other = {**research.grid.cell_identity(grid, cell), "recipe": {"learning_rate": 1e-3}}
     (cell.folder / "cell.json").write_text(json.dumps(other))
     line = _error_line(run_grid(grid_file, out))
-    assert f"{cell.folder} holds the cell of another grid (recipe: {{'learning_rate': 0.001}} there, " in line
+    assert f"{cell.folder} holds a cell of other settings (recipe: {{'learning_rate': 0.001}} there, " in line
     assert "use another --out" in line
     assert sorted(p.name for p in cell.folder.iterdir()) == ["cell.json"]  # nothing ran or was written
     # The same cell (its identity unchanged) is accepted: a re-run, or a grid with more arms or seeds.

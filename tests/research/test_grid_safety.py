@@ -1,0 +1,263 @@
+"""A grid's cells have one writer each and say what they depend on: the grid's own lock per --out,
+the cell lock, an atomic takeover of a stale lock, the cell's identity (process count, inherited
+variables) and code version, free ports, progress lines, and one cell's crash kept to that cell.
+Each of these failed before its fix (2026-12-05); none trains a model."""
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from grid_cases import GRID, run_grid
+
+import research.grid
+from evaluation import evaluate
+from research import cell as grid_cell
+from research import executors
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _grid(tmp_path):
+    grid_file = tmp_path / "g.json"
+    grid_file.write_text(json.dumps(GRID))
+    grid = research.grid.load_grid(str(grid_file))
+    return grid_file, grid, research.grid.cells(grid, tmp_path / "out")
+
+
+def _only_error_line(run) -> str:
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), run.stderr
+    return lines[0]
+
+
+def test_a_second_grid_on_the_same_out_is_refused_and_a_dead_ones_lock_is_not_stale(tmp_path):
+    grid_file, _, _ = _grid(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from research.grid import GridLock
+        with GridLock(Path({str(out)!r})):
+            print("held", flush=True)
+            time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        line = _only_error_line(run_grid(grid_file, out))
+        assert f"another grid is running into {out} (PID {holder.pid} on {socket.gethostname()})" in line
+        assert sorted(p.name for p in out.iterdir()) == [".grid.lock"]  # nothing else written
+    finally:
+        holder.kill()
+        holder.wait()
+    # The kernel dropped the killed holder's lock: the next grid takes it (dry of cells: one cell only).
+    with research.grid.GridLock(out):
+        pass
+
+
+def test_two_takers_of_a_stale_lock_never_both_win(tmp_path):
+    """Before the fix (check, unlink, link without a guard) both takers won: the second unlinked
+    the first's fresh lock. Each taker pauses between its check and its takeover."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (folder / ".lock").write_text(f"{dead.pid} {socket.gethostname()} -\n")  # a stale lock: its PID is gone
+    taker = textwrap.dedent(f"""
+        import time
+        from opsd import run_folder
+        check = run_folder.RunLock.check
+        def slow_check(self):
+            check(self)
+            time.sleep(1.0)  # widen the window between the check and the takeover
+        run_folder.RunLock.check = slow_check
+        lock = run_folder.RunLock({str(folder)!r})
+        try:
+            lock.acquire()
+            print("won", flush=True)
+            time.sleep(3)
+        except run_folder.RunFolderError as exc:
+            print("refused", exc, flush=True)
+    """)
+    takers = [subprocess.Popen([sys.executable, "-c", taker], stdout=subprocess.PIPE, text=True, cwd=REPO)
+              for _ in range(2)]
+    said = sorted(t.communicate(timeout=60)[0].split()[0] for t in takers)
+    assert said == ["refused", "won"]
+
+
+def test_a_cell_held_by_a_live_runner_is_refused_not_run_twice(tmp_path):
+    _, grid, cells = _grid(tmp_path)
+    cell = cells[0]
+    cell.folder.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from opsd.run_folder import RunLock
+        with RunLock({str(cell.folder)!r}):
+            print("held", flush=True)
+            time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        outcome = grid_cell.run_cell(grid, cell, lambda message: None, gpus=())
+    finally:
+        holder.kill()
+        holder.wait()
+    assert outcome.startswith(f"failed: {cell.folder} is in use by another run (PID {holder.pid} ")
+    assert not (cell.folder / "train.log").exists()
+
+
+def test_a_cell_resumed_at_another_process_count_or_environment_is_refused(tmp_path, monkeypatch):
+    _, grid, cells = _grid(tmp_path)
+    cell = cells[0]
+    cell.folder.mkdir(parents=True)
+    monkeypatch.setenv("OPSD_PAD_SIDE", "left")
+    recorded = grid_cell.cell_identity(grid, cell, processes=2)
+    (cell.folder / "cell.json").write_text(json.dumps(recorded))
+    with pytest.raises(research.grid.GridError, match=r"\(processes: 2 there, 1 now\); re-run with --gpus-per-cell"):
+        research.grid.check_cell_identity(grid, cell, processes=1)
+    research.grid.check_cell_identity(grid, cell, processes=2)
+    monkeypatch.setenv("OPSD_PAD_SIDE", "right")
+    with pytest.raises(research.grid.GridError, match=r"variables.OPSD_PAD_SIDE: 'left' there, 'right' now"):
+        research.grid.check_cell_identity(grid, cell, processes=2)
+    monkeypatch.delenv("OPSD_PAD_SIDE")
+    # A cell.json written before `processes` and `variables` were recorded is not compared on them.
+    old = {k: v for k, v in recorded.items() if k not in ("processes", "variables")}
+    (cell.folder / "cell.json").write_text(json.dumps(old))
+    research.grid.check_cell_identity(grid, cell, processes=4)
+
+
+def test_a_started_cell_does_not_resume_on_other_code_unless_allowed(tmp_path):
+    _, grid, cells = _grid(tmp_path)
+    cell = cells[0]
+    (cell.folder / "run" / "checkpoint-1").mkdir(parents=True)
+    identity = grid_cell.cell_identity(grid, cell)
+    (cell.folder / "cell.json").write_text(json.dumps({**identity, "provenance": {"code": "0123abcd"}}))
+    with pytest.raises(research.grid.GridError, match="started on code 0123abcd, the checkout is now 4567ef"):
+        grid_cell.check_cell_code(cell, "4567ef")
+    grid_cell.check_cell_code(cell, "4567ef", allow_change=True)
+    grid_cell.check_cell_code(cell, "0123abcd")
+    cell.report.write_text("{}")  # a finished cell's result stands, whatever ran it
+    grid_cell.check_cell_code(cell, "4567ef")
+
+
+def test_the_cells_run_a_snapshot_of_the_code_made_once_per_version(tmp_path):
+    repo = _repo(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    version, folder = grid_cell.snapshot_code(out, repo)
+    assert folder == out / "code" / version
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == [
+        "configs/ddp.yaml", "opsd_train.py"]  # tests, docs and notes left out
+    assert grid_cell.snapshot_code(out, repo) == (version, folder)  # the same version: the same copy
+    (repo / "opsd_train.py").write_text("print('edited')\n")  # an uncommitted edit: a new version, a new copy
+    edited, edited_folder = grid_cell.snapshot_code(out, repo)
+    assert edited.startswith(version + "+dirty-")
+    assert (edited_folder / "opsd_train.py").read_text() == "print('edited')\n"
+    assert (folder / "opsd_train.py").read_text() == "print('v1')\n"  # the first copy is untouched
+    assert grid_cell.snapshot_code(out, tmp_path / "not-a-repo") == (None, tmp_path / "not-a-repo")
+    # A cell whose snapshot was deleted says so instead of running other code.
+    _, grid, cells = _grid(tmp_path)
+    outcome = grid_cell.run_cell(grid, cells[0], lambda message: None, gpus=(), code_dir=tmp_path / "gone")
+    assert outcome == f"failed: the grid's code snapshot {tmp_path / 'gone'} is gone; re-run the grid to make it again"
+
+
+def _repo(tmp_path) -> Path:
+    repo = tmp_path / "repo"
+    (repo / "configs").mkdir(parents=True)
+    (repo / "tests").mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (repo / "opsd_train.py").write_text("print('v1')\n")
+    (repo / "configs" / "ddp.yaml").write_text("x: 1\n")
+    (repo / "tests" / "test_x.py").write_text("\n")
+    (repo / "notes.md").write_text("notes\n")
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    return repo
+
+
+def test_the_code_version_is_the_commit_and_a_hash_of_edited_code_files(tmp_path):
+    repo = _repo(tmp_path)
+    clean = grid_cell.code_version(repo)
+    assert len(clean) == 12 and "+" not in clean
+    (repo / "notes.md").write_text("edited notes\n")  # docs are not code
+    assert grid_cell.code_version(repo) == clean
+    (repo / "opsd_train.py").write_text("x = 2\n")
+    edited = grid_cell.code_version(repo)
+    assert edited.startswith(clean + "+dirty-") and grid_cell.code_version(repo) == edited
+    assert grid_cell.code_version(tmp_path / "not-a-repo") is None
+
+
+def test_one_cells_exception_is_that_cells_failure_and_the_others_run(tmp_path, monkeypatch):
+    _, grid, cells = _grid(tmp_path)
+    ran = []
+
+    def run_cell(grid, cell, log, **kwargs):
+        ran.append((cell.name, kwargs.get("port")))
+        if cell.name == "entry/seed-1":
+            raise ValueError("a bug in one cell")
+        return "done"
+
+    monkeypatch.setattr(research.grid, "run_cell", run_cell)
+    args = SimpleNamespace(gpus_per_cell=2, parallel=None, cells_per_gpu=1, progress_every=30)
+    slots = executors.gpu_slots(["0", "1", "2", "3"], 2, 1)
+    outcomes = research.grid.run_here(grid, cells, args, ["0", "1", "2", "3"], slots, lambda message: None)
+    assert sorted(name for name, _ in ran) == sorted(c.name for c in cells)
+    assert all(port is None for _, port in ran)  # the cell picks a free port itself, none fixed per slot
+    failed = outcomes.pop("entry/seed-1")
+    assert failed.startswith("failed: ValueError: a bug in one cell (traceback in ")
+    assert "a bug in one cell" in (tmp_path / "out" / "entry" / "seed-1" / "error.log").read_text()
+    assert set(outcomes.values()) == {"done"}
+
+
+def test_a_free_port_is_one_nothing_listens_on():
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = executors.free_port()
+        assert port != taken.getsockname()[1]
+    with socket.socket() as again:
+        again.bind(("", port))  # free: bindable
+
+
+def test_progress_is_the_last_bar_of_a_log(tmp_path):
+    log = tmp_path / "train.log"
+    assert grid_cell.log_progress(log) is None  # no log yet
+    log.write_text("$ python opsd_train.py ...\n[OPSD] loading\n")
+    assert grid_cell.log_progress(log) is None  # no bar yet
+    with open(log, "a") as f:  # tqdm rewrites its line with \r
+        f.write("  0%|          | 0/8 [00:00<?, ?it/s]\r 25%|##5       | 2/8 [00:04<00:12,  2.00s/it]\r"
+                " 38%|###7      | 3/8 [00:06<00:10,  2.00s/it]")
+    assert grid_cell.log_progress(log) == "3/8, about 00:10 left"
+    log.write_text("sampling:   0%|          | 0/16 [00:00<?, ?sample/s]")
+    assert grid_cell.log_progress(log) == "0/16"
+
+
+def test_the_grid_fixes_the_evaluations_kv_pool_and_the_evaluation_reads_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("OPSD_EVAL_PAGED_GIB", raising=False)
+    assert grid_cell.eval_environment() == {"OPSD_EVAL_PAGED_GIB": grid_cell.EVAL_PAGED_GIB}
+    monkeypatch.setenv("OPSD_EVAL_PAGED_GIB", "8")
+    assert grid_cell.eval_environment() == {"OPSD_EVAL_PAGED_GIB": "8"}
+    args = evaluate.parse_args(["base", "--preset", "tiny", "--engine", "paged", "--output-dir", str(tmp_path)])
+    request, _ = evaluate.build_request(args)
+    assert request.paged_cache_gib == 8.0  # not a share of this machine's memory
+    monkeypatch.setenv("OPSD_EVAL_PAGED_GIB", "lots")
+    with pytest.raises(evaluate.InputError, match="OPSD_EVAL_PAGED_GIB='lots': expected a size in GiB > 0"):
+        evaluate.build_request(args)
+    monkeypatch.setenv("OPSD_EVAL_PAGED_GIB", "8")
+    args = evaluate.parse_args(["base", "--preset", "tiny", "--engine", "dynamic", "--output-dir", str(tmp_path)])
+    assert evaluate.build_request(args)[0].paged_cache_gib is None  # other engines ignore it
+
+
+def test_the_cells_identity_names_the_inherited_variables_but_not_the_arms_own(tmp_path):
+    _, grid, cells = _grid(tmp_path)
+    token = next(c for c in cells if c.arm.name == "token")
+    environ = {"OPSD_CLIP_MODE": "entry", "OPSD_PAD_SIDE": "left", "HOME": "/root"}
+    identity = grid_cell.cell_identity(grid, token, processes=1, environ=environ)
+    assert identity["env"] == {"OPSD_CLIP_MODE": "token"}
+    assert identity["variables"] == {"OPSD_PAD_SIDE": "left", "OPSD_EVAL_PAGED_GIB": grid_cell.EVAL_PAGED_GIB}
