@@ -87,6 +87,16 @@ def metric_label(key: str) -> str:
     return KEY_TO_LABEL.get(key, key)
 
 
+# Panel titles a reader without the README understands: a CURVE_PANELS title where the panel
+# draws that key alone, else these words, else the `[OPSD kl]` label.
+_READABLE = {LABEL_TO_KEY["H_student"]: "student entropy", LABEL_TO_KEY["H_teacher"]: "teacher entropy"}
+
+
+def panel_title(key: str) -> str:
+    own = [title for title, _, keys in CURVE_PANELS if keys == (key,)]
+    return own[0] if own else _READABLE.get(key, metric_label(key))
+
+
 def y_label(key: str) -> str:
     return Y_LABELS.get(key, metric_label(key))
 
@@ -441,7 +451,7 @@ def plot_overlay(curves: dict[str, list[Curve]], out, title: str = "",
             if curve.low is not None:
                 ax.fill_between(curve.steps, curve.low, curve.high, color=color, alpha=0.15, linewidth=0)
             drawn.append((key, curve.label))
-        ax.set_title(metric_label(key), fontsize=10)
+        ax.set_title(panel_title(key), fontsize=10)
         _step_axis(ax)
         ax.set_ylabel(y_label(key), fontsize=9)
         ax.tick_params(labelsize=8)

@@ -242,7 +242,7 @@ def test_cli_in_a_real_process(tmp_path):
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr == f"error: {tmp_path / 'nope'}: no such folder\n"
 
 
-def test_a_grids_figure_shows_accuracy_first_then_only_the_curves_that_move(tmp_path):
+def test_a_grids_figure_shows_accuracy_first_then_only_the_curves_that_move(tmp_path, figures):
     """The quickstart's picture: base against trained (results.json) in the first panel, then the
     default training curves, less a panel flat in every arm (teacher mass removed at 0 under the
     token clip); without results.json, the curves alone, as before."""
@@ -264,6 +264,10 @@ def test_a_grids_figure_shows_accuracy_first_then_only_the_curves_that_move(tmp_
     assert drawn[:2] == [("accuracy", "base"), ("accuracy", "token_left")]
     assert [key for key, _ in drawn[2:]] == [moving[0], moving[1], "loss"]  # OVERLAY_METRICS' order, less the flat one
     assert_png(grid / "curves.png")
+    titles = [ax.get_title() for ax in figures[-1].axes]
+    assert titles == ["accuracy on tiny:7:40:amc_aime (higher is better)", "true KL (teacher || student)",
+                      "student entropy", "loss"]
+    assert [label.get_text() for label in figures[-1].axes[0].get_yticklabels()] == ["token_left", "base (untrained)"]
     # Asked for by name, a flat metric is drawn all the same.
     assert ("teacher_mass_removed" in {run_plots.metric_label(k) for k, _ in run_plots.overlay_grid(
         grid, tmp_path / "chosen.png", metrics=["teacher_mass_removed"])})
