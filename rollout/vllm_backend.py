@@ -32,7 +32,7 @@ VLLM_ENV_DEFAULTS = {
 # sample when flashinfer is not installed (vLLM 0.26.0 on an H200): its own sampler then.
 VLLM_NO_FLASHINFER = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
-# The vLLM releases this project runs with (README "Versions"): TRL 1.16's window, in which
+# The vLLM releases this project runs with (docs/ENGINE.md, "Versions"): TRL 1.16's window, in which
 # 0.26.0 was run (torch 2.11.0) and is the pin of requirements-gpu.txt (`bash install.sh --gpu`).
 VLLM_SUPPORTED = ("0.22.0", "0.31.0")
 VLLM_RUN = ("0.26.0",)

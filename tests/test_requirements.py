@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # its wheel's METADATA (pip download --no-deps vllm==X, then
 # unzip -p vllm-X-*.whl '*/METADATA' | grep Requires-Dist).
 VLLM_REQUIRES = {
-    "0.26.0": {"torch": "==2.11.0", "transformers": ">=5.5.3"},  # the release run on the H200 (README "Versions")
+    "0.26.0": {"torch": "==2.11.0", "transformers": ">=5.5.3"},  # run on the H200 (docs/ENGINE.md "Versions")
     "0.27.1": {"torch": "==2.13.0", "transformers": ">=5.5.3"},
     "0.28.0": {"torch": "==2.13.0", "transformers": ">=5.5.3"},
     "0.29.0": {"torch": "==2.13.0", "transformers": ">=5.10.4"},
@@ -165,7 +165,7 @@ def test_vllm_pin_is_in_trls_supported_range(pinned):
 
 
 def test_the_read_not_run_vllm_is_the_newest_that_fits_the_cpu_pins():
-    """README "Versions": 0.30.0, read and not run, is the newest recorded vLLM that keeps
+    """docs/ENGINE.md "Versions": 0.30.0, read and not run, is the newest recorded vLLM that keeps
     requirements.txt's torch and transformers and TRL's range (0.31 caps transformers below
     the pinned one; 0.33, the newest, also moves torch)."""
     core = pins("requirements.txt")
@@ -173,7 +173,7 @@ def test_the_read_not_run_vllm_is_the_newest_that_fits_the_cpu_pins():
     fitting = [v for v in VLLM_REQUIRES if compatible(v, torch, transformers) and in_trl_range(v)]
     assert max(fitting, key=Version) == "0.30.0"
     assert not compatible("0.33.0", torch, transformers)
-    assert "| 0.30.0 | 2.13.0 |" in (ROOT / "README.md").read_text()
+    assert "| 0.30.0 | 2.13.0 |" in (ROOT / "docs" / "ENGINE.md").read_text()
 
 
 def test_trl_range_is_the_installed_trls(pinned):
