@@ -104,14 +104,16 @@ def test_cli_prints_the_file_or_one_error_line():
 
 
 def test_docs_name_every_engine_and_its_file():
-    """The engines are declared once (opsd.config.ACCELERATE_CONFIGS); the README's table, the
-    script's help and the spec name the same ones."""
+    """The engines are declared once (opsd.config.ACCELERATE_CONFIGS); the README, the table of
+    docs/MULTI_GPU.md, the script's help and the spec name the same ones."""
     root = CONFIGS_DIR.rsplit("/", 1)[0]
     readme = open(f"{root}/README.md", encoding="utf-8").read()
+    guide = open(f"{root}/docs/MULTI_GPU.md", encoding="utf-8").read()
     header = open(f"{root}/train_capped.sh", encoding="utf-8").read().split("set -euo", 1)[0]
     spec = open(f"{root}/docs/SPEC.md", encoding="utf-8").read()
     names = list(ACCELERATE_CONFIGS)
     for name, (file, _) in ACCELERATE_CONFIGS.items():
-        assert f"| `{name}`" in readme and f"`configs/{file}`" in readme, name
+        assert f"`{name}`" in readme, name
+        assert f"| `{name}`" in guide and f"`configs/{file}`" in guide, name
     assert f"{names[0]} (default), {', '.join(names[1:])}" in header
     assert f"`{names[0]}` (default), " + ", ".join(f"`{n}`" for n in names[1:]) in spec
