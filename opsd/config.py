@@ -21,7 +21,7 @@ CLI:
     python -m opsd.config accelerate-config [NAME|PATH]   # the accelerate config file; exit 2 on error
     python -m opsd.config check-env      # exit 2 with one line if an OPSD_* variable set is unknown
     python -m opsd.config variables [--markdown]   # every OPSD_* variable a user sets, one line of help
-                                         # each (--markdown: README's tables, generated from here)
+                                         # each (--markdown: the docs' tables, generated from here)
 
 Every subcommand but `variables` runs check-env first.
 """
@@ -462,7 +462,7 @@ def accelerate_config_path(raw: str, var: str = ACCELERATE_CONFIG_VARIABLE) -> s
 @dataclass(frozen=True)
 class Variable:
     """An OPSD_* variable that is not a switch, declared once: what it sets, its default, what
-    reads it. `meaning` and `default` are README's table cells (markdown; `variables` prints
+    reads it. `meaning` and `default` are the cells of docs/SPEC.md §6's table (markdown; `variables` prints
     them without backticks)."""
 
     meaning: str
@@ -472,8 +472,9 @@ class Variable:
     refusal: str = ""  # what check-env's error says after `NAME='value'` when the value is not allowed
 
 
-# The variables the scripts and entry points read besides the switches, in README's order: name ->
-# Variable. README's tables are `python -m opsd.config variables --markdown` (tests/opsd/test_config.py).
+# The variables the scripts and entry points read besides the switches, in the table's order: name ->
+# Variable. README's switch table and the variable table of docs/SPEC.md §6 are
+# `python -m opsd.config variables --markdown` (tests/opsd/test_config.py).
 SCRIPT_VARIABLES = {
     "OPSD_MODEL": Variable("model: hub id or local folder", "`Qwen/Qwen3-1.7B`", "train_capped.sh, dev_eval.sh"),
     "OPSD_DATA": Variable("training data: HF name, `.json`, `.jsonl`, `.parquet`, `tiny[:SEED[:N[:FAMILY]]]`",
@@ -552,7 +553,8 @@ def user_variables() -> dict[str, str]:
 
 
 def variables_markdown() -> str:
-    """README's two tables of section "Switches and variables", from the declarations above."""
+    """The switch table of README's "Switches and variables" and the variable table of
+    docs/SPEC.md §6 ("The variables"), from the declarations above."""
     lines = ["| switch | values (default first) | what it changes |", "|---|---|---|"]
     lines += [f"| `{f.metadata['variable']}` | {switch_values_text(f.name)} | {f.metadata['changes']} |"
               for f in dataclasses.fields(Switches)]
@@ -621,7 +623,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m opsd.config") -> 
     commands.add_parser("check-env", help="exit 2 with one line if an OPSD_* variable set is no OPSD setting")
     listing = commands.add_parser("variables", help="list every OPSD_* variable with one line of help")
     listing.add_argument("--markdown", action="store_true",
-                         help="README's tables of switches and variables instead (section \"Switches and variables\")")
+                         help="the docs' tables instead: README's switches, docs/SPEC.md §6's variables")
     args = parser.parse_args(argv)
     try:
         if args.command == "variables":

@@ -65,7 +65,7 @@ def test_the_paged_pools_default_is_stated_one_way_everywhere():
     assert CACHE_FRACTION == {"cuda": 0.5, "cpu": 0.25}  # what the words below say
     words = "half the GPU's total memory, a quarter of RAM on CPU"
     assert SCRIPT_VARIABLES["OPSD_EVAL_PAGED_GIB"].default.startswith(words)
-    for path in ("dev_eval.sh", "README.md", "docs/EVALUATION.md", "docs/ENGINE.md", "evaluation/evaluate.py"):
+    for path in ("dev_eval.sh", "docs/SPEC.md", "docs/EVALUATION.md", "docs/ENGINE.md", "evaluation/evaluate.py"):
         text = " ".join((ROOT / path).read_text(encoding="utf-8").replace('"', " ").split())
         mentions = text.split("half the GPU's")[1:]
         assert mentions and all(m.startswith(words.removeprefix("half the GPU's")) for m in mentions), path

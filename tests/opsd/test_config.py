@@ -326,21 +326,25 @@ def test_one_value_parsers_match_the_recipe_and_switch_rules():
         assert str(caught.value) == message
 
 
-# -- the variables' listing and README's tables --------------------------------
+# -- the variables' listing and the docs' tables --------------------------------
 
-def readme_tables(section: str = "Switches and variables") -> list[str]:
-    """The markdown tables of one README section, each as its lines joined."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+def doc_tables(path: str, heading: str) -> list[str]:
+    """The markdown tables of one section of a doc (up to the next `## ` heading), each as its
+    lines joined."""
+    text = (ROOT / path).read_text(encoding="utf-8")
+    body = text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
     return [block.strip("\n") for block in re.findall(r"(?:^\|.*\|\n)+", body, flags=re.M)]
 
 
-def test_readme_switch_and_variable_tables_are_the_declarations():
-    """README's two tables are `variables --markdown`, row for row: the same names, values
-    (default first), defaults and meanings as opsd/config.py declares."""
+def test_the_switch_and_variable_tables_are_the_declarations():
+    """README's switch table and the variable table of docs/SPEC.md §6 are `variables --markdown`,
+    row for row: the same names, values (default first), defaults and meanings as opsd/config.py
+    declares."""
     generated = run_cli("variables", "--markdown")
     assert generated.returncode == 0, generated.stderr
-    assert readme_tables() == generated.stdout.strip("\n").split("\n\n")
+    switches, variables = generated.stdout.strip("\n").split("\n\n")
+    assert doc_tables("README.md", "## Switches and variables") == [switches]
+    assert doc_tables("docs/SPEC.md", "### The variables") == [variables]
 
 
 def test_variables_lists_every_user_setting_and_no_test_only_one():
