@@ -123,3 +123,15 @@ def test_every_anchor_link_of_the_readme_and_docs_names_a_heading_of_its_file():
             where = f"{source.relative_to(ROOT)}: {target or source.name}#{anchor}"
             assert anchor in _anchors(path), f"{where} is no heading"
     assert checked >= 10
+
+
+README_MAX_LINES = 300
+
+
+def test_the_readme_stays_a_guide():
+    """README.md is a guide of at most 300 lines: what, set-up, a real run, the grid commands,
+    layout, "to change X", the switches, the headline results. Reference tables and detail go to
+    docs/ and the README links them."""
+    count = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
+    assert count <= README_MAX_LINES, \
+        f"README.md has {count} lines, more than {README_MAX_LINES}: move reference detail to docs/ and link it"
