@@ -1,11 +1,54 @@
 #!/usr/bin/env bash
 # A single-node SLURM cluster for the suite's SLURM tests (tests/research/test_slurm.py), as root:
 #   bash .ci/slurm.sh up     # install slurm-wlm + munge if missing, start munged, slurmctld, slurmd
-#   bash .ci/slurm.sh down   # stop the three daemons this script started (by their PID files)
-# The node offers this machine's CPUs and memory (less 1 GiB); accounting is off. Elsewhere, with
-# no `sbatch` on PATH, the SLURM tests skip with a reason.
+#   bash .ci/slurm.sh down   # stop, by PID, the daemons `up` started, and wait until they are gone
+# The node offers this machine's CPUs and memory (less 1 GiB); accounting is off; jobs are bound to
+# the CPUs they were given (TaskPlugin below). A slurm.conf this script did not write is kept as it
+# is (its cluster is used); one it wrote is rewritten. The daemons start with their state cleared
+# (-c: a throwaway cluster), and a state folder left by a cluster of another name is emptied first
+# (slurmctld would exit on `CLUSTER NAME MISMATCH`). When a daemon does not come up, its log's
+# last lines are printed. Elsewhere, with no `sbatch` on PATH, the SLURM tests skip with a reason
+# (OPSD_REQUIRE_SLURM=1, as .ci/run sets, makes that a failure).
 set -euo pipefail
-state=/run/opsd-slurm
+state=/run/opsd-slurm  # <daemon>.pid: the PID of each daemon `up` started
+conf=/etc/slurm/slurm.conf
+marker="# written by .ci/slurm.sh (opsd); 'bash .ci/slurm.sh up' rewrites it"
+cluster=opsdtest
+
+conf_value() {  # a slurm.conf key's value, or $2 when the file does not set it
+  local value
+  value=$(awk -F= -v key="$1" 'tolower($1) == tolower(key) {print $2}' "$conf" | tail -n 1)
+  echo "${value:-$2}"
+}
+
+started() {  # the PID `up` recorded for daemon $1, if that process is still that daemon
+  local pid
+  [[ -s "$state/$1.pid" ]] || return 1
+  pid=$(cat "$state/$1.pid")
+  [[ "$(cat "/proc/$pid/comm" 2> /dev/null)" == "$1" ]] && echo "$pid"
+}
+
+start() {  # start daemon $1 (args after it), record its PID, or print its log's last lines and fail
+  local daemon=$1 pidfile=$2 log=$3
+  shift 3
+  if pgrep -x "$daemon" > /dev/null; then
+    echo "[slurm] $daemon already runs (PID $(pgrep -x "$daemon" | tr '\n' ' ')): left as it is"
+    return 0
+  fi
+  rm -f "$pidfile"
+  "$daemon" "$@" || true  # it forks; a start that fails says so in its log, checked below
+  for _ in $(seq 20); do
+    if [[ -s "$pidfile" ]] && kill -0 "$(cat "$pidfile")" 2> /dev/null; then
+      cp "$pidfile" "$state/$daemon.pid"
+      return 0
+    fi
+    sleep 0.5
+  done
+  echo "[slurm] $daemon did not start; the last lines of $log:" >&2
+  tail -n 15 "$log" >&2 2> /dev/null || echo "  (no log at $log)" >&2
+  return 1
+}
+
 case "${1:-}" in
 up)
   if ! command -v slurmctld > /dev/null || ! command -v munged > /dev/null; then
@@ -19,19 +62,25 @@ up)
   fi
   chown -R munge:munge /etc/munge /var/log/munge /run/munge /var/lib/munge
   chmod 400 /etc/munge/munge.key
-  pgrep -x munged > /dev/null || { munged --force; touch "$state/munged"; }
-  host=$(hostname)
-  cpus=$(nproc)
-  mem=$(( $(free -m | awk '/Mem:/{print $2}') - 1024 ))
-  cat > /etc/slurm/slurm.conf <<CONF
-ClusterName=opsdtest
+  start munged /run/munge/munged.pid /var/log/munge/munged.log --force
+  if [[ -e "$conf" ]] && ! grep -qF "$marker" "$conf"; then
+    echo "[slurm] keeping $conf: this script did not write it"
+  else
+    host=$(hostname)
+    cpus=$(nproc)
+    mem=$(($(free -m | awk '/Mem:/{print $2}') - 1024))
+    cat > "$conf" << CONF
+$marker
+ClusterName=$cluster
 SlurmctldHost=$host
 SlurmUser=root
 AuthType=auth/munge
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+# Jobs are bound to the CPUs they were given (sched_getaffinity in a job shows them). task/cgroup
+# (cgroup v1 here) bound a job as well in a quick check, but the suite has run on this one only.
+TaskPlugin=task/affinity
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 # A job that asks for no memory gets 4 GiB a CPU (not the whole node), so that cells share the node.
@@ -46,8 +95,15 @@ SlurmdPidFile=/run/slurmd.pid
 NodeName=$host CPUs=$cpus RealMemory=$mem State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 CONF
-  if ! pgrep -x slurmctld > /dev/null; then slurmctld; touch "$state/slurmctld"; fi
-  if ! pgrep -x slurmd > /dev/null; then slurmd; touch "$state/slurmd"; fi
+    saved=$(conf_value StateSaveLocation /var/spool/slurmctld)
+    if [[ -s "$saved/clustername" && "$(cat "$saved/clustername")" != "$cluster" ]]; then
+      echo "[slurm] $saved holds the state of cluster $(cat "$saved/clustername"): cleared"
+      find "$saved" -mindepth 1 -delete
+    fi
+  fi
+  start slurmctld "$(conf_value SlurmctldPidFile /run/slurmctld.pid)" \
+    "$(conf_value SlurmctldLogFile /var/log/slurm/slurmctld.log)" -c
+  start slurmd "$(conf_value SlurmdPidFile /run/slurmd.pid)" "$(conf_value SlurmdLogFile /var/log/slurm/slurmd.log)" -c
   for _ in $(seq 30); do
     if sinfo -h -o %t 2> /dev/null | grep -qE '^(idle|mix|alloc)'; then
       echo "[slurm] up: $(sinfo -h -o '%P %a %D %t %c CPUs %m MB')"
@@ -55,17 +111,32 @@ CONF
     fi
     sleep 1
   done
-  echo "[slurm] the node did not come up; /var/log/slurm/ holds the logs" >&2
+  echo "[slurm] the node did not come up ($(sinfo -h -o '%t %E' 2>&1 | head -n 1)); the last lines of the logs:" >&2
+  for daemon in slurmctld slurmd; do
+    log=$(conf_value "${daemon^}LogFile" "/var/log/slurm/$daemon.log")
+    echo "--- $log" >&2
+    tail -n 10 "$log" >&2 2> /dev/null || true
+  done
   exit 1
   ;;
 down)
-  # Only what `up` started: a cluster that was already running is left as it was.
-  for daemon in slurmd slurmctld; do
-    if [[ -e "$state/$daemon" && -s /run/$daemon.pid ]]; then kill "$(cat /run/$daemon.pid)" 2> /dev/null || true; fi
-    rm -f "$state/$daemon"
+  # Only what `up` started, by the PIDs it recorded: a cluster that was already running is left as
+  # it was. slurmd may take its time cleaning up after killed jobs: SIGKILL after 10 s.
+  for daemon in slurmd slurmctld munged; do
+    if pid=$(started "$daemon"); then
+      kill "$pid" 2> /dev/null || true
+      for _ in $(seq 20); do
+        kill -0 "$pid" 2> /dev/null || break
+        sleep 0.5
+      done
+      if kill -0 "$pid" 2> /dev/null; then
+        echo "[slurm] $daemon (PID $pid) ignored SIGTERM for 10 s: SIGKILL"
+        kill -9 "$pid" 2> /dev/null || true
+        while kill -0 "$pid" 2> /dev/null; do sleep 0.2; done
+      fi
+    fi
+    rm -f "$state/$daemon.pid"
   done
-  if [[ -e "$state/munged" ]]; then pkill -x munged || true; rm -f "$state/munged"; fi
-  sleep 1
   echo "[slurm] down"
   ;;
 *)
