@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The rollout engines side by side on one GPU machine, in one call (BENCHMARKS.md, README "Real runs"):
+# The rollout engines side by side on one GPU machine, in one call (BENCHMARKS.md, docs/ENGINE.md):
 #   bash bench/engines_gpu.sh OUT_DIR [SHAPE]        # SHAPE: qwen3-1.7b (default), qwen3-4b, qwen3-8b
 # the capped step (bench/bench_capped.py: one random-init model of SHAPE, micro-batch $MB x
 # accumulation, 32 x 1024 sampled tokens a step, $STEPS optimizer steps) with the own engine,

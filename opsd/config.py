@@ -523,7 +523,7 @@ SCRIPT_VARIABLES = {
     "OPSD_CACHE": Variable("the embedded default's cache folder", "`.cache/opsd` in the repository",
                            "tiny_default"),
 }
-# Known but not a user setting: accepted by check_env, listed by neither `variables` nor README.
+# Known but not a user setting: accepted by check_env, listed by neither `variables` nor the docs' tables.
 INTERNAL_VARIABLES = {
     "OPSD_TEST_PAUSE_IN_SAVE": "tests only: seconds a checkpoint save pauses half-written (opsd_trainer.py)",
 }
