@@ -102,7 +102,7 @@ class SlurmOptions:
     partition: str | None = None
     time_min: int = 240
     gpus_per_cell: int = 1
-    cpus_per_cell: int | None = None
+    cpus_per_cell: int | None = None  # None: the cluster's default (sbatch's 1 CPU)
     mem_gb: float | None = None
     account: str | None = None
     qos: str | None = None
@@ -134,17 +134,63 @@ def check_slurm_tools() -> None:
         raise ExecutorError("--cluster slurm needs submitit: pip install submitit") from None
 
 
-def slurm_executor(folder: Path, options: SlurmOptions, job_name: str):
-    """A submitit executor for one job array of cells; its logs under `folder`/<job id>."""
+CPUS_PER_GPU_FALLBACK = 8  # a GPU cell's CPUs per GPU when `sinfo` does not say what a node has
+
+
+def default_cpus_per_cell(partition: str | None, gpus_per_cell: int, run=subprocess.run) -> int | None:
+    """CPUs a cell asks for when --cpus-per-cell is not given: a GPU cell gets its share of a node,
+    the node's CPUs over its GPUs (the smallest share among the partition's GPU nodes, from
+    `sinfo`; CPUS_PER_GPU_FALLBACK a GPU when sinfo lists none) times its GPUs. A CPU cell: None
+    (the cluster's default, 1 CPU on most), which --cpus-per-cell raises."""
+    import re
+
+    if not gpus_per_cell:
+        return None
+    command = ["sinfo", "--noheader", "--Node", "--format=%c %G"] + (["--partition", partition] if partition else [])
+    try:
+        listing = run(command, capture_output=True, text=True, timeout=60)
+        lines = listing.stdout.splitlines() if listing.returncode == 0 else []
+    except (OSError, subprocess.SubprocessError):
+        lines = []
+    shares = []
+    for line in lines:
+        cpus, _, gres = line.partition(" ")
+        gpus = sum(int(n) for n in re.findall(r"gpu(?::[^:(,\s]+)?:(\d+)", gres))
+        if cpus.isdigit() and gpus:
+            shares.append(int(cpus) // gpus)
+    return max(1, min(shares) if shares else CPUS_PER_GPU_FALLBACK) * gpus_per_cell
+
+
+def max_array_size(run=subprocess.run) -> int | None:
+    """The cluster's MaxArraySize (`scontrol show config`): a job array holds at most this many
+    tasks (indices 0 .. MaxArraySize - 1); None when scontrol does not say."""
+    try:
+        config = run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in config.stdout.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "MaxArraySize" and value.strip().isdigit():
+            return int(value.strip())
+    return None
+
+
+def slurm_executor(folder: Path, options: SlurmOptions, job_name: str, gpus_per_job: int | None = None):
+    """A submitit executor for one job array of cells; its logs under `folder`/<job id>.
+    gpus_per_job: the GPUs each job asks for (default: the cell's, one cell a job)."""
     import submitit
 
     executor = submitit.SlurmExecutor(folder=str(folder / "%j"), max_num_timeout=3)
     parameters = dict(
         job_name=job_name, time=options.time_min, ntasks_per_node=1, nodes=1,
         signal_delay_s=options.signal_delay_s,  # the job imports the packages as installed (pip install -e .)
+        # srun does not pass the job's --cpus-per-task on to its step on every SLURM version (22.05
+        # to 23.02 read only SRUN_CPUS_PER_TASK): set, the cell's step gets the CPUs the job was given.
+        setup=['if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi'],
     )
-    if options.gpus_per_cell:
-        parameters["gpus_per_node"] = options.gpus_per_cell
+    gpus = options.gpus_per_cell if gpus_per_job is None else gpus_per_job
+    if gpus:
+        parameters["gpus_per_node"] = gpus
     optional = {"partition": options.partition, "cpus_per_task": options.cpus_per_cell,
                 "mem": None if options.mem_gb is None else f"{int(options.mem_gb * 1024)}M",
                 "account": options.account, "qos": options.qos, "array_parallelism": options.array_parallelism}
@@ -159,22 +205,86 @@ def slurm_executor(folder: Path, options: SlurmOptions, job_name: str):
     return executor
 
 
+def sbatch_refusal(message: str, options: SlurmOptions, run=subprocess.run) -> str:
+    """sbatch's last word on a refused submission, with what to do when the cause is a known one."""
+    said = [line.strip() for line in message.splitlines() if line.strip()]
+    last = said[-1] if said else message.strip() or "no message"
+    lowered = message.lower()
+    if "invalid generic resource" in lowered and options.gpus_per_cell:
+        return (f"{last}: each cell asks for {options.gpus_per_cell} GPU(s) (--gpus-per-cell, default 1), and "
+                "this cluster or partition offers no GPUs that way; for CPU cells use --gpus-per-cell 0")
+    if "invalid partition" in lowered:
+        try:
+            listing = run(["sinfo", "--noheader", "--format=%P"], capture_output=True, text=True, timeout=60)
+            partitions = [p.strip() for p in listing.stdout.split() if p.strip()]
+        except (OSError, subprocess.SubprocessError):
+            partitions = []
+        known = f"the partitions sinfo lists: {', '.join(partitions)}" if partitions else "see `sinfo` for them"
+        return f"{last}: --partition {options.partition!r} is not one of this cluster's ({known}; * is the default)"
+    return last
+
+
+# The states a job has once it has ended for good (squeue keeps it listed for MinJobAge, then drops it).
+ENDED_STATES = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
+                          "OUT_OF_MEMORY", "PREEMPTED", "REVOKED", "TIMEOUT"})
+
+
+@dataclass(frozen=True)
+class JobState:
+    state: str  # SLURM's: PENDING, RUNNING, COMPLETED, CANCELLED, FAILED, ...
+    node: str = ""  # where it runs or ran ("" while pending)
+    reason: str = ""  # why it waits (Priority, Resources, BeginTime, ...)
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED_STATES
+
+
 class SlurmWatch:
-    """The states of submitted jobs, from `squeue` (one call for all of them). A job that is no
-    longer listed has ended; whether it left a result is submitit's to say."""
+    """The states of submitted jobs, from `squeue --states=all` (one call for all of them), which
+    lists ended jobs too for MinJobAge (300 s by default) after they end; for jobs it no longer
+    lists, from `sacct` where the cluster keeps accounting. A job neither lists is unknown."""
 
     def __init__(self, run=subprocess.run):
         self._run = run
+        self._sacct = shutil.which("sacct") is not None
+
+    def states(self, job_ids: list[str]) -> dict[str, JobState]:
+        """{job id: its state} of the jobs among `job_ids` that squeue or sacct still know."""
+        if not job_ids:
+            return {}
+        arrays = sorted({job_id.split("_")[0] for job_id in job_ids})
+        listing = self._run(["squeue", "--noheader", "--array", "--states=all", "--format=%i|%T|%N|%r",
+                             "--jobs", ",".join(arrays)], capture_output=True, text=True, timeout=60)
+        if listing.returncode != 0 and "Invalid job id" not in listing.stderr:
+            raise ExecutorError(f"squeue failed: {listing.stderr.strip() or listing.returncode}")
+        found = {}
+        for line in listing.stdout.splitlines():
+            parts = line.strip().split("|")
+            if len(parts) == 4:
+                found[parts[0]] = JobState(parts[1], parts[2], "" if parts[3] == "None" else parts[3])
+        missing = [job_id for job_id in job_ids if job_id not in found]
+        if missing and self._sacct:
+            found.update(self._accounted(missing))
+        return {job_id: found[job_id] for job_id in job_ids if job_id in found}
+
+    def _accounted(self, job_ids: list[str]) -> dict[str, JobState]:
+        try:
+            listing = self._run(["sacct", "--noheader", "--parsable2", "--allocations", "--format=JobID,State,NodeList",
+                                 "--jobs", ",".join(job_ids)], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return {}
+        if listing.returncode != 0:  # "Slurm accounting storage is disabled": ask no more
+            self._sacct = False
+            return {}
+        found = {}
+        for line in listing.stdout.splitlines():
+            parts = line.strip().split("|")
+            if len(parts) == 3 and parts[1]:
+                found[parts[0]] = JobState(parts[1].split()[0], "" if parts[2] == "None assigned" else parts[2])
+        return found
 
     def queued(self, job_ids: list[str]) -> dict[str, str]:
         """{job id: state} of the jobs among `job_ids` that SLURM still holds (pending, running,
         requeued, completing, ...)."""
-        if not job_ids:
-            return {}
-        arrays = sorted({job_id.split("_")[0] for job_id in job_ids})
-        listing = self._run(["squeue", "--noheader", "--array", "--format=%i %T", "--jobs", ",".join(arrays)],
-                            capture_output=True, text=True, timeout=60)
-        if listing.returncode != 0 and "Invalid job id" not in listing.stderr:
-            raise ExecutorError(f"squeue failed: {listing.stderr.strip() or listing.returncode}")
-        states = dict(line.split(None, 1) for line in listing.stdout.splitlines() if line.strip())
-        return {job_id: states[job_id].strip() for job_id in job_ids if job_id in states}
+        return {job_id: s.state for job_id, s in self.states(job_ids).items() if not s.ended}

@@ -1,6 +1,8 @@
 """Ablation grid: arms x seeds -> train -> evaluate -> compare with run_stats.
 
     python -m research.grid GRID.json --out runs/my-grid [--parallel 4] [--dry-run]
+    python -m research.grid status runs/my-grid    # each cell: done / running where / pending / failed / cancelled
+    python -m research.grid cancel runs/my-grid    # scancel a SLURM grid's jobs; they stay cancelled
 
 A grid file (JSON) names the arms and what they share:
 
@@ -76,7 +78,8 @@ from research.cell import (  # noqa: F401  (re-exported: the grid module is what
     snapshot_code,
     train_command,
 )
-from research.slurm_grid import _job_cancelled, run_on_slurm  # noqa: F401
+from research.slurm_grid import COMMANDS, _job_cancelled, run_on_slurm  # noqa: F401
+from research.slurm_grid import command as folder_command
 
 # --------------------------------------------------------------------------
 # Results
@@ -312,6 +315,9 @@ def run_here(grid: Grid, todo: list[Cell], args, gpus: list[str], slots: list, l
 
 
 def main(argv=None, prog: str = "python -m research.grid") -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in COMMANDS:  # `status DIR` / `cancel DIR`; else the first argument is the grid file
+        return folder_command(argv)
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("grid", help="grid file (JSON)")
     parser.add_argument("--out", required=True, help="grid folder: one sub-folder per cell, results at the top")
@@ -345,6 +351,12 @@ def main(argv=None, prog: str = "python -m research.grid") -> int:
     slurm.add_argument("--no-wait", action="store_true",
                        help="submit and return; re-running the same command collects and resubmits failed cells")
     slurm.add_argument("--poll", type=float, default=30, metavar="S", help="seconds between queue checks (30)")
+    slurm.add_argument("--cells-per-node", type=int, default=None, metavar="N",
+                       help="N cells a job, side by side on one node's GPUs (the job asks for N x --gpus-per-cell "
+                            "GPUs and runs the pool there); default 1: a job a cell")
+    slurm.add_argument("--resubmit-cancelled", action="store_true",
+                       help="submit again the cells whose jobs were cancelled (`cancel`, scancel); without it a "
+                            "re-run reports them cancelled")
     args = parser.parse_args(argv)
     from opsd.config import ConfigError, check_env
 
@@ -411,7 +423,7 @@ def _run_grid(grid: Grid, all_cells: list[Cell], out: Path, args, code: str | No
     except executors.ExecutorError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    failed = {name: outcome for name, outcome in outcomes.items() if outcome.startswith("failed")}
+    failed = {name: outcome for name, outcome in outcomes.items() if outcome.startswith(("failed", "cancelled"))}
     for name, outcome in failed.items():
         log(f"{name}: {outcome}")
     table = results(grid, out, all_cells)
@@ -479,7 +491,8 @@ def final_lines(cells: list[Cell], table: dict) -> list[str]:
 def _check_executor_options(args) -> None:
     """Each option belongs to one executor: one given to the other is an error, not ignored."""
     slurm_only = {"partition": None, "time": None, "cpus_per_cell": None, "mem_per_cell": None, "account": None,
-                  "qos": None, "sbatch": [], "no_wait": False, "poll": 30}
+                  "qos": None, "sbatch": [], "no_wait": False, "poll": 30, "resubmit_cancelled": False,
+                  "cells_per_node": None}
     if args.cluster == "local":
         given = [name for name, default in slurm_only.items() if getattr(args, name) != default]
         if given:
@@ -488,7 +501,7 @@ def _check_executor_options(args) -> None:
     else:
         if args.cells_per_gpu is not None:
             raise executors.ExecutorError("--cells-per-gpu is for this machine's GPU pool; on SLURM each cell is "
-                                          "a job with --gpus-per-cell GPUs")
+                                          "a job with --gpus-per-cell GPUs (--cells-per-node N: N cells a job)")
         args.time = 240 if args.time is None else args.time
         executors.parse_sbatch_options(args.sbatch)  # a malformed one stops here, before anything is written
         if args.time < 1 or (args.poll <= 0):
@@ -497,6 +510,8 @@ def _check_executor_options(args) -> None:
         raise executors.ExecutorError(f"--parallel must be >= 1, got {args.parallel}")
     if args.gpus_per_cell is not None and args.gpus_per_cell < 0:
         raise executors.ExecutorError(f"--gpus-per-cell must be >= 0, got {args.gpus_per_cell}")
+    if getattr(args, "cells_per_node", None) is not None and args.cells_per_node < 1:
+        raise executors.ExecutorError(f"--cells-per-node must be >= 1, got {args.cells_per_node}")
     if args.cells_per_gpu is not None and args.cells_per_gpu < 1:
         raise executors.ExecutorError(f"--cells-per-gpu must be >= 1, got {args.cells_per_gpu}")
 

@@ -2,7 +2,6 @@
 import json
 import os
 import re
-import subprocess
 import time
 from pathlib import Path
 
@@ -309,19 +308,6 @@ def test_slurm_options_reach_the_job_arrays_sbatch_script(tmp_path):
     assert "PYTHONPATH" not in script  # the job imports the packages as installed (pip install -e .)
     with pytest.raises(executors.ExecutorError, match="expected NAME=VALUE"):
         executors.parse_sbatch_options(["constraint"])
-
-
-def test_the_queue_is_read_from_squeue_and_a_job_that_left_it_has_ended():
-    calls = []
-
-    def squeue(command, **kwargs):
-        calls.append(command)
-        return subprocess.CompletedProcess(command, 0, "7_0 RUNNING\n7_2 PENDING\n8 REQUEUED\n", "")
-
-    watch = executors.SlurmWatch(run=squeue)
-    assert watch.queued(["7_0", "7_1", "7_2", "8"]) == {"7_0": "RUNNING", "7_2": "PENDING", "8": "REQUEUED"}
-    assert calls[0][-1] == "7,8" and "--array" in calls[0]  # one call, every array task listed
-    assert watch.queued([]) == {} and len(calls) == 1
 
 
 def _error_line(result) -> str:

@@ -1,20 +1,29 @@
 """Grids and runs beyond one machine, against a real SLURM cluster (`.ci/slurm.sh up` starts a
 single-node one; `pytest -m slurm` runs these alone):
 
-- a grid through SLURM (submitit job arrays) gives the results of the local executor (its run of
-  the same grid, in its GPU pool on fake GPU ids, is tests/research/test_grid.py's);
-- a cell that SLURM preempts (submitit's USR2) checkpoints, is requeued and resumes; a cell whose
-  training process is killed is resubmitted and resumes; both end with the uninterrupted cell's
-  results; a cell that fails twice is reported with its log, and the table says it is missing;
+- a grid through SLURM, two cells a job (--cells-per-node 2, on fake GPU ids), gives the results
+  of the local executor (its run of the same grid, in its GPU pool on the same fake ids, is
+  tests/research/test_grid.py's); a job that SLURM preempts (submitit's USR2) checkpoints its
+  cells, is requeued and resumes them; a cell whose training process is killed is resubmitted
+  and resumes; the grid's output shows each running cell's node, step and log; a cell that fails
+  twice is reported with its log, and the table says it is missing;
+- `status` and `cancel` on held jobs: a cell cancelled while pending (no log) or running is
+  reported cancelled and never resubmitted unless asked; sbatch's known refusals say what to do
+  and leave no grid folder; a transient sbatch error is retried; arrays split at MaxArraySize;
+  resubmissions stay inside --parallel; a job is bound to the CPUs it asked for and uses as many
+  threads (these with sleep or held jobs, in seconds);
 - two SLURM tasks as two accelerate machines (CPU ranks over gloo): train_capped.sh runs the
   tiny preset across them, and the launch it uses gives one process's loss and gradients.
 
-Without `sbatch` on PATH, or with no SLURM controller answering, every test here skips.
+Without `sbatch` on PATH, or with no SLURM controller answering (asked for SLURM_WAIT_S), every
+test here skips; with OPSD_REQUIRE_SLURM=1 (as .ci/run sets) they fail instead.
 """
+import functools
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,24 +35,48 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 from test_ddp import one_process_step  # noqa: E402,F401  (a fixture: one process at twice the accumulation)
 
+SLURM_WAIT_S = 20  # how long the import waits for a busy or starting controller before the skip
 
-def _slurm_answers() -> str | None:
-    """None when a SLURM cluster answers here, else why not."""
+
+def _slurm_answers(wait_s: float = SLURM_WAIT_S) -> str | None:
+    """None when a SLURM cluster answers here, else why not. `sinfo` is asked again for up to
+    `wait_s` seconds: one slow answer from a busy controller must not skip every test here."""
     if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
         return "no sbatch on PATH (`bash .ci/slurm.sh up` starts a single-node cluster, as root)"
-    try:
-        state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"no SLURM controller answers: {exc}"
-    if state.returncode != 0 or not state.stdout.strip():
-        return f"no SLURM controller answers: {state.stderr.strip()[:200]}"
-    return None
+    deadline = time.time() + wait_s
+    while True:
+        try:
+            state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
+            why = None if state.returncode == 0 and state.stdout.strip() else state.stderr.strip()[:200]
+        except (OSError, subprocess.SubprocessError) as exc:
+            why = str(exc)
+        if why is None:
+            return None
+        if time.time() >= deadline:
+            return f"no SLURM controller answered for {wait_s:.0f} s: {why}"
+        time.sleep(2)
 
 
 NO_SLURM = _slurm_answers()
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.skipif(NO_SLURM is not None, reason=str(NO_SLURM))]
+# CI (.ci/run) sets OPSD_REQUIRE_SLURM=1: there, no cluster is a failure of every test here, not a skip.
+REQUIRED = os.environ.get("OPSD_REQUIRE_SLURM") == "1"
+pytestmark = [pytest.mark.slurm, pytest.mark.slow,
+              pytest.mark.skipif(NO_SLURM is not None and not REQUIRED, reason=str(NO_SLURM))]
 
-from grid_cases import CELLS, GRID  # noqa: E402  (conftest.py's local_grid: the local executor's run of GRID)
+
+@pytest.fixture(autouse=True)
+def _slurm_required_and_counted():
+    """Fails a test that cannot reach the cluster under OPSD_REQUIRE_SLURM=1; appends the id of each
+    test that ran to $OPSD_SLURM_TESTS_RAN (a file), which .ci/run counts."""
+    if NO_SLURM is not None:
+        pytest.fail(f"OPSD_REQUIRE_SLURM=1 but {NO_SLURM}")
+    yield
+    if os.environ.get("OPSD_SLURM_TESTS_RAN"):
+        with open(os.environ["OPSD_SLURM_TESTS_RAN"], "a", encoding="utf-8") as ran:
+            ran.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\n")
+
+
+from grid_cases import CELLS, FAKE_GPUS, GRID  # noqa: E402  (conftest.py's local_grid: the local executor's run of GRID)
 
 
 def grid_run(grid: dict, folder: Path, *flags, env=None, wait=True):
@@ -105,17 +138,22 @@ def _trainer_pids(cell: Path) -> list[int]:
 
 
 @pytest.mark.xdist_group("grid")
-def test_a_grid_on_slurm_gives_the_local_results_through_a_preemption_and_a_kill(tmp_path, local_grid):
-    """GRID as one job array while the grid waits: entry/seed-1's training process is killed after
-    its first checkpoint (the job fails; the grid resubmits it once; it resumes), and token/seed-0's
-    job gets SLURM's preemption notice (submitit's USR2: the cell checkpoints at a step boundary,
-    the job is requeued and resumes). Every cell still ends with the local executor's results."""
+def test_a_grid_on_slurm_two_cells_a_node_gives_the_local_results_through_a_preemption_and_a_kill(
+        tmp_path, local_grid):
+    """GRID as two jobs of two cells (--cells-per-node 2: a job takes two GPUs, here the fake ids 3
+    and 5 as in the local run, and runs its cells side by side in the local pool) while the grid
+    waits: entry/seed-1's training process is killed after its first checkpoint (its job ends
+    failed; the grid resubmits that cell alone; it resumes), and the job of the token cells gets
+    SLURM's preemption notice (submitit's USR2: its running cells checkpoint at a step boundary,
+    the job is requeued and resumes them). Every cell still ends with the local executor's results,
+    and the grid's output shows each running cell's node, step and log."""
     _, local, local_run = local_grid
     assert local_run.returncode == 0, local_run.stdout[-3000:]
-    waiting = grid_run(GRID, tmp_path, "--cluster", "slurm", "--gpus-per-cell", "0", "--poll", "2", "--time", "30",
-                       wait=False)
+    waiting = grid_run(GRID, tmp_path, "--cluster", "slurm", "--gpus-per-cell", "1", "--cells-per-node", "2",
+                       "--cpus-per-cell", "1", "--sbatch", "gpus-per-node=0",  # CI's node has no GPUs to give
+                       "--poll", "2", "--time", "30", env={"CUDA_VISIBLE_DEVICES": FAKE_GPUS}, wait=False)
     out = tmp_path / "out"
-    killed, preempted = out / "entry" / "seed-1", out / "token" / "seed-0"  # the array's 2nd and 3rd cells
+    killed, preempted = out / "entry" / "seed-1", out / "token" / "seed-0"  # in the 1st and 2nd job
     _wait_for(lambda: (killed / "run" / "checkpoint-1").is_dir(), 900, "entry/seed-1's first checkpoint")
     pids = _trainer_pids(killed)
     assert pids, "entry/seed-1's training process"
@@ -123,23 +161,33 @@ def test_a_grid_on_slurm_gives_the_local_results_through_a_preemption_and_a_kill
         os.kill(pid, signal.SIGKILL)
     _wait_for(lambda: (preempted / "run" / "checkpoint-1").is_dir(), 900, "token/seed-0's first checkpoint")
     job = _job_of(out, "token/seed-0")
+    assert job == _job_of(out, "token/seed-1")  # one job, two cells
     subprocess.run(["scancel", "--signal=USR2", job], check=True)  # what submitit's own tests send
     _wait_for(lambda: _squeue_state(job) == "PENDING", 300, "the requeue")
     subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], check=True)  # SLURM holds it ~2 min
     status, log = finished(waiting)
     assert status == 0, log[-3000:]
-    assert "submitted 4 cell(s) as job array" in log and "slurm: 4 of 4 cell(s) ended" in log
+    assert "submitted 4 cell(s) as job array" in log and "(2 cells a job, one node each)" in log, log
+    assert "slurm: 4 of 4 cell(s) ended" in log
     assert "entry/seed-1: job" in log and "resubmitting it once: it resumes from its last checkpoint" in log
+    assert "submitted 1 cell(s) as job" in log  # entry/seed-1 alone
+    # while the grid waits, each running cell's progress: where it runs, its step, its log
+    assert any(line.split("] ", 1)[-1].startswith(f"entry/seed-0: running on {socket.gethostname()} (job ")
+               and "train.log" in line for line in log.splitlines()), log
     job_logs = "".join(p.read_text() for p in (out / "slurm").rglob("*_log.*"))
+    assert "2 cell(s) on this node: entry/seed-0, entry/seed-1; GPUs 3,5 (1 a cell)" in job_logs
     assert "Caught signal SIGUSR2" in job_logs and "token/seed-0: stopping at a step boundary" in job_logs
     for cell in (killed, preempted):
         train_log = (cell / "train.log").read_text()
         started = [line for line in train_log.splitlines() if line.startswith("$ ")]
         assert len(started) == 2 and "[OPSD] resuming from" in train_log  # trained twice, the second time resumed
+        assert all(line.startswith(("$ CUDA_VISIBLE_DEVICES=3 ", "$ CUDA_VISIBLE_DEVICES=5 ")) for line in started)
     assert json.loads((out / "results.json").read_text()) == json.loads((local / "results.json").read_text())
     for name in CELLS:
         assert outcome(out / name) == outcome(local / name), name
-        assert (out / name / "cell.json").read_text() == (local / name / "cell.json").read_text()
+        ours, theirs = (json.loads((folder / name / "cell.json").read_text()) for folder in (out, local))
+        ours.pop("provenance", None), theirs.pop("provenance", None)  # where and when each ran
+        assert ours == theirs, name
 
 
 @pytest.mark.xdist_group("slurm-errors")
@@ -162,12 +210,141 @@ def test_no_wait_then_the_same_command_collects_and_a_cell_failing_twice_is_repo
 
 
 @pytest.mark.xdist_group("slurm-errors")
-def test_a_job_array_sbatch_refuses_is_one_line_before_anything_runs(tmp_path):
+def test_a_job_array_sbatch_refuses_says_what_to_do_and_leaves_no_folder(tmp_path):
+    """A refusal with a known cause says what to do: this cluster has no GPUs, and cells ask for 1 by
+    default; an unknown partition lists the cluster's. Nothing is left of the grid folder."""
+    status, log = grid_run(GRID, tmp_path, "--cluster", "slurm")  # --gpus-per-cell left at its default, 1
+    assert status == 2, log
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("error: sbatch refused the job array: ") and "Invalid generic resource" in last, log
+    assert "each cell asks for 1 GPU(s) (--gpus-per-cell, default 1)" in last and "use --gpus-per-cell 0" in last
+    assert not (tmp_path / "out").exists()  # no half-made grid folder
     status, log = grid_run(GRID, tmp_path, "--cluster", "slurm", "--gpus-per-cell", "0", "--partition", "no-such")
     assert status == 2, log
     last = log.strip().splitlines()[-1]
     assert last.startswith("error: sbatch refused the job array: ") and "partition" in last.lower(), log
-    assert "Traceback" not in log and not any((tmp_path / "out").glob("*/seed-*/run"))
+    assert "--partition 'no-such' is not one of this cluster's (the partitions sinfo lists: debug*" in last, last
+    assert "Traceback" not in log and not (tmp_path / "out").exists()
+
+
+def _grid_cli(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "research.grid", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+def _status(out: Path) -> dict[str, str]:
+    """{cell: its status line} from `python -m research.grid status`."""
+    shown = _grid_cli("status", out)
+    assert shown.returncode == 0, shown.stderr
+    return {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in shown.stdout.splitlines()[1:]}
+
+
+@pytest.mark.xdist_group("slurm-errors")
+def test_status_and_cancel_of_pending_and_running_cells_and_cancels_are_final(tmp_path):
+    """Four cells held in the queue (begin in an hour), submitted through an sbatch that first fails
+    as a busy controller does (retried). A waiting grid: one task scancelled while pending (it
+    leaves no log) is reported cancelled, not resubmitted; one released to run is shown running on
+    this node; `cancel` stops the rest, the waiting grid ends; a re-run resubmits nothing, and
+    --resubmit-cancelled does."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "sbatch").write_text(f"""#!/bin/bash
+if [ ! -e {shim}/failed-once ]; then touch {shim}/failed-once
+  echo "sbatch: error: Batch job submission failed: Socket timed out on send/recv operation" >&2; exit 1; fi
+exec {shutil.which("sbatch")} "$@"
+""")
+    (shim / "sbatch").chmod(0o755)
+    held = ("--cluster", "slurm", "--gpus-per-cell", "0", "--sbatch", "begin=now+3600", "--poll", "1")
+    status, log = grid_run(GRID, tmp_path, *held, "--no-wait", env={"PATH": f"{shim}:{os.environ['PATH']}"})
+    assert status == 0 and "sbatch failed (" in log and "Socket timed out" in log, log
+    assert "submitted 4 cell(s) as job array" in log, log
+    out = tmp_path / "out"
+    shown = _status(out)
+    assert all(line.startswith("pending (job ") and "BeginTime" in line for line in shown.values()), shown
+    waiting = grid_run(GRID, tmp_path, *held, wait=False)
+    subprocess.run(["scancel", _job_of(out, "token/seed-1")], check=True)  # scancel by hand, while pending
+    running = _job_of(out, "entry/seed-0")
+    subprocess.run(["scontrol", "update", f"jobid={running}", "starttime=now"], check=True)
+    _wait_for(lambda: _status(out)["entry/seed-0"].startswith("running on "), 120, "entry/seed-0 running")
+    shown = _status(out)
+    assert shown["token/seed-1"].startswith("cancelled (job "), shown  # no log: squeue's CANCELLED says it
+    assert not list((out / "slurm").glob(f"{_job_of(out, 'token/seed-1')}/*.err"))
+    assert shown["entry/seed-0"].startswith(f"running on {socket.gethostname()} (job {running})"), shown
+    cancelled = _grid_cli("cancel", out)
+    assert cancelled.returncode == 0 and "cancelled 3 job(s)" in cancelled.stdout, cancelled.stdout + cancelled.stderr
+    status, log = finished(waiting)
+    assert status == 1, log[-3000:]
+    assert "submitted" not in log and "resubmitting" not in log, log  # never resubmitted
+    for name in CELLS:
+        assert f"{name}: cancelled (job " in log, log
+    assert all(line.startswith("cancelled (job ") for line in _status(out).values()), _status(out)
+    status, log = grid_run(GRID, tmp_path, *held)  # the same command again: still cancelled
+    assert status == 1 and "submitted" not in log and log.count(": cancelled (job ") == 4, log
+    status, log = grid_run(GRID, tmp_path, *held, "--no-wait", "--resubmit-cancelled")
+    assert status == 0 and "resubmitting 4 cancelled cell(s)" in log and "submitted 4 cell(s)" in log, log
+    assert all(line.startswith("pending (job ") for line in _status(out).values())
+    assert _grid_cli("cancel", out).returncode == 0
+
+
+@pytest.mark.xdist_group("slurm-errors")
+def test_arrays_split_at_the_clusters_max_array_size(tmp_path, monkeypatch):
+    """MaxArraySize is read from the cluster; a grid larger than it goes out as several arrays."""
+    from research import executors, grid
+
+    config = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, check=True).stdout
+    assert f"MaxArraySize            = {executors.max_array_size()}" in config
+    monkeypatch.setattr(executors, "max_array_size", lambda: 3)
+    (tmp_path / "GRID.json").write_text(json.dumps(GRID))
+    out = tmp_path / "out"
+    assert grid.main([str(tmp_path / "GRID.json"), "--out", str(out), "--cluster", "slurm", "--gpus-per-cell", "0",
+                      "--sbatch", "begin=now+3600", "--no-wait"]) == 0
+    arrays = {job.split("_")[0] for job in json.loads((out / "slurm_jobs.json").read_text()).values()}
+    assert len(arrays) == 2  # 3 cells, then 1
+    assert _grid_cli("cancel", out).returncode == 0
+
+
+def _fake_cell(record: Path):
+    """A stand-in for SlurmCell (what the grid submits for a cell): a job that writes when it
+    starts and ends, sleeps 2 s, and fails (so that the grid resubmits it once)."""
+    def make(_grid_file, _out, name, _gpus):
+        script = (f"echo start {name} $(date +%s.%N) >> {record}; sleep 2; "
+                  f"echo end {name} $(date +%s.%N) >> {record}; exit 3")
+        return functools.partial(subprocess.run, ["bash", "-c", script], check=True)
+    return make
+
+
+@pytest.mark.xdist_group("slurm-errors")
+def test_resubmissions_stay_inside_the_parallel_limit(tmp_path, monkeypatch, capsys):
+    """--parallel 1 on two cells whose jobs fail: each is resubmitted once, and no two of the four
+    jobs ever run at once (a resubmission used to go out beside the array, past its %1)."""
+    from research import grid, slurm_grid
+
+    record = tmp_path / "record"
+    monkeypatch.setattr(slurm_grid, "SlurmCell", _fake_cell(record))
+    two = {**GRID, "seeds": [0]}
+    (tmp_path / "GRID.json").write_text(json.dumps(two))
+    status = grid.main([str(tmp_path / "GRID.json"), "--out", str(tmp_path / "out"), "--cluster", "slurm",
+                        "--gpus-per-cell", "0", "--parallel", "1", "--poll", "1"])
+    log = capsys.readouterr().out
+    assert status == 1 and log.count("resubmitting it once") == 2 and log.count("failed twice") == 2, log
+    events = [line.split() for line in record.read_text().splitlines()]
+    assert [e[0] for e in events] == ["start", "end"] * 4, events  # one job at a time
+    assert [e[1] for e in events].count("entry/seed-0") == 4
+
+
+@pytest.mark.xdist_group("slurm-errors")
+def test_a_cell_sees_the_cpus_it_asked_for_and_uses_as_many_threads(tmp_path):
+    """The job's step (submitit's srun) is bound to the CPUs the cell asked for (CI's cluster binds
+    with task/affinity), and the cell's thread count is theirs."""
+    from research import executors, slurm_grid
+
+    node_cpus = int(subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True).stdout.split()[0])
+    for cpus in sorted({1, min(2, node_cpus)}):
+        options = executors.SlurmOptions(gpus_per_cell=0, cpus_per_cell=cpus, time_min=5)
+        job = executors.slurm_executor(tmp_path / f"cpus-{cpus}", options, "cpus").submit(slurm_grid.use_given_cpus, 0)
+        bound, threads = job.result()
+        assert len(bound) == cpus and threads == cpus, (cpus, bound, threads)
+        assert "SRUN_CPUS_PER_TASK" in Path(job.paths.submission_file).read_text()
 
 
 def _srun_two_machines(command: str, env: dict, timeout: int = 900) -> subprocess.CompletedProcess:
