@@ -265,7 +265,7 @@ exec {shutil.which("sbatch")} "$@"
     subprocess.run(["scancel", _job_of(out, "token/seed-1")], check=True)  # scancel by hand, while pending
     running = _job_of(out, "entry/seed-0")
     subprocess.run(["scontrol", "update", f"jobid={running}", "starttime=now"], check=True)
-    _wait_for(lambda: _status(out)["entry/seed-0"].startswith("running on "), 120, "entry/seed-0 running")
+    _wait_for(lambda: _squeue_state(running) == "RUNNING", 120, "entry/seed-0 running")
     shown = _status(out)
     assert shown["token/seed-1"].startswith("cancelled (job "), shown  # no log: squeue's CANCELLED says it
     assert not list((out / "slurm").glob(f"{_job_of(out, 'token/seed-1')}/*.err"))
