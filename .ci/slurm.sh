@@ -8,7 +8,7 @@
 # (-c: a throwaway cluster), and a state folder left by a cluster of another name is emptied first
 # (slurmctld would exit on `CLUSTER NAME MISMATCH`). When a daemon does not come up, its log's
 # last lines are printed. Elsewhere, with no `sbatch` on PATH, the SLURM tests skip with a reason
-# (OPSD_REQUIRE_SLURM=1, as .ci/run sets, makes that a failure).
+# (CI_REQUIRE_SLURM=1, as .ci/run sets, makes that a failure).
 set -euo pipefail
 state=/run/opsd-slurm  # <daemon>.pid: the PID of each daemon `up` started
 conf=/etc/slurm/slurm.conf

@@ -16,7 +16,7 @@ single-node one; `pytest -m slurm` runs these alone):
   tiny preset across them, and the launch it uses gives one process's loss and gradients.
 
 Without `sbatch` on PATH, or with no SLURM controller answering (asked for SLURM_WAIT_S), every
-test here skips; with OPSD_REQUIRE_SLURM=1 (as .ci/run sets) they fail instead.
+test here skips; with CI_REQUIRE_SLURM=1 (as .ci/run sets) they fail instead.
 """
 import functools
 import json
@@ -58,21 +58,21 @@ def _slurm_answers(wait_s: float = SLURM_WAIT_S) -> str | None:
 
 
 NO_SLURM = _slurm_answers()
-# CI (.ci/run) sets OPSD_REQUIRE_SLURM=1: there, no cluster is a failure of every test here, not a skip.
-REQUIRED = os.environ.get("OPSD_REQUIRE_SLURM") == "1"
+# CI (.ci/run) sets CI_REQUIRE_SLURM=1: there, no cluster is a failure of every test here, not a skip.
+REQUIRED = os.environ.get("CI_REQUIRE_SLURM") == "1"
 pytestmark = [pytest.mark.slurm, pytest.mark.slow,
               pytest.mark.skipif(NO_SLURM is not None and not REQUIRED, reason=str(NO_SLURM))]
 
 
 @pytest.fixture(autouse=True)
 def _slurm_required_and_counted():
-    """Fails a test that cannot reach the cluster under OPSD_REQUIRE_SLURM=1; appends the id of each
-    test that ran to $OPSD_SLURM_TESTS_RAN (a file), which .ci/run counts."""
+    """Fails a test that cannot reach the cluster under CI_REQUIRE_SLURM=1; appends the id of each
+    test that ran to $CI_SLURM_TESTS_RAN (a file), which .ci/run counts."""
     if NO_SLURM is not None:
-        pytest.fail(f"OPSD_REQUIRE_SLURM=1 but {NO_SLURM}")
+        pytest.fail(f"CI_REQUIRE_SLURM=1 but {NO_SLURM}")
     yield
-    if os.environ.get("OPSD_SLURM_TESTS_RAN"):
-        with open(os.environ["OPSD_SLURM_TESTS_RAN"], "a", encoding="utf-8") as ran:
+    if os.environ.get("CI_SLURM_TESTS_RAN"):
+        with open(os.environ["CI_SLURM_TESTS_RAN"], "a", encoding="utf-8") as ran:
             ran.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\n")
 
 
