@@ -1,4 +1,5 @@
-"""Ablation grid: arms x seeds -> train -> evaluate -> compare with run_stats.
+"""Ablation grid: arms x seeds -> train -> evaluate -> compare each arm with the baseline
+(analysis.stats); the grid file's format: docs/RESEARCH.md, "Ablation grids".
 
     python -m research.grid GRID.json --out runs/my-grid [--parallel 4] [--dry-run]
     python -m research.grid status runs/my-grid    # each cell: done / running where / pending / failed / cancelled
