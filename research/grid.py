@@ -416,7 +416,7 @@ def _run_grid(grid: Grid, all_cells: list[Cell], out: Path, args, code: str | No
             "here on changes none of them")
     try:
         if args.cluster == "slurm":
-            outcomes = run_on_slurm(grid, args.grid, todo, out, args, log)
+            outcomes = run_on_slurm(grid, args.grid, todo, out, args, log, code=code, code_dir=code_dir)
             if outcomes is None:
                 return 0
         else:

@@ -50,8 +50,10 @@ class SlurmCell:
     preempts the job or its time limit nears, submitit calls `checkpoint`: the training stops at a
     step boundary with a checkpoint (SIGTERM), and the requeued job resumes from it."""
 
-    def __init__(self, grid_file: str, out: str, name: str, gpus_per_cell: int):
+    def __init__(self, grid_file: str, out: str, name: str, gpus_per_cell: int, code: str | None = None,
+                 code_dir: str | None = None):
         self.grid_file, self.out, self.name, self.gpus_per_cell = grid_file, out, name, gpus_per_cell
+        self.code, self.code_dir = code, code_dir  # the grid's code snapshot (research.cell.snapshot_code)
         self._child = None
 
     def __getstate__(self):
@@ -68,7 +70,7 @@ class SlurmCell:
         # port None: run_cell takes a free one (bind to port 0) for a multi-GPU cell's rendezvous, not
         # a number derived from the job id, which could fall in the ephemeral range or on another cell's
         outcome = run_cell(grid, cell, lambda message: print(message, flush=True), gpus=gpus, port=None,
-                           started=self._started)
+                           started=self._started, **_code_of(self))
         if outcome.startswith("failed"):
             raise RuntimeError(f"{self.name}: {outcome}")
         return outcome
@@ -80,7 +82,15 @@ class SlurmCell:
         import submitit
 
         _stop_for_requeue({self.name: self._child})
-        return submitit.helpers.DelayedSubmission(SlurmCell(self.grid_file, self.out, self.name, self.gpus_per_cell))
+        return submitit.helpers.DelayedSubmission(
+            SlurmCell(self.grid_file, self.out, self.name, self.gpus_per_cell, self.code, self.code_dir))
+
+
+def _code_of(job) -> dict:
+    """run_cell's code arguments from a job: the snapshot the grid made when it submitted it (a job
+    pickled by an older version has none: the checkout)."""
+    code_dir = getattr(job, "code_dir", None)
+    return {"code": getattr(job, "code", None), **({"code_dir": Path(code_dir)} if code_dir else {})}
 
 
 def _stop_for_requeue(children: dict) -> None:
@@ -104,8 +114,10 @@ class SlurmPack:
     its own GPUs, as on one machine). A preemption or the time limit stops every running cell with a
     checkpoint and requeues the job; the requeued job runs the cells not done yet, each resuming."""
 
-    def __init__(self, grid_file: str, out: str, names: list[str], gpus_per_cell: int, cells_per_node: int):
+    def __init__(self, grid_file: str, out: str, names: list[str], gpus_per_cell: int, cells_per_node: int,
+                 code: str | None = None, code_dir: str | None = None):
         self.grid_file, self.out, self.names, self.gpus_per_cell = grid_file, out, list(names), gpus_per_cell
+        self.code, self.code_dir = code, code_dir  # the grid's code snapshot (research.cell.snapshot_code)
         self.cells_per_node = cells_per_node  # what the job was sized for: a cell's share of its CPUs
         self._children: dict = {}
         self._stopping = False
@@ -134,7 +146,8 @@ class SlurmPack:
                 return "failed: the job is being requeued"
             try:
                 return run_cell(grid, cell, lambda message: print(message, flush=True),
-                                gpus=slot if per else (), port=None, started=lambda child: self._started(cell, child))
+                                gpus=slot if per else (), port=None, started=lambda child: self._started(cell, child),
+                                **_code_of(self))
             except Exception as exc:  # noqa: BLE001  (one cell's error is its failure, not its neighbours')
                 return f"failed: {type(exc).__name__}: {exc}"
 
@@ -155,7 +168,8 @@ class SlurmPack:
         self._stopping = True
         _stop_for_requeue(dict(self._children))
         return submitit.helpers.DelayedSubmission(
-            SlurmPack(self.grid_file, self.out, self.names, self.gpus_per_cell, self.cells_per_node))
+            SlurmPack(self.grid_file, self.out, self.names, self.gpus_per_cell, self.cells_per_node, self.code,
+                      self.code_dir))
 
 
 CHECKPOINT_WAIT_S = 100  # a capped step and a checkpoint save, well inside the signal's 120 s lead
@@ -182,7 +196,8 @@ TRANSIENT_SBATCH = re.compile(r"socket timed out|unable to contact slurm control
                               re.IGNORECASE)
 
 
-def run_on_slurm(grid: Grid, grid_file: str, todo: list[Cell], out: Path, args, log) -> dict[str, str] | None:
+def run_on_slurm(grid: Grid, grid_file: str, todo: list[Cell], out: Path, args, log, code: str | None = None,
+                 code_dir: Path | None = None) -> dict[str, str] | None:
     """Submit the cells not already queued as job arrays (split at the cluster's MaxArraySize);
     unless --no-wait, wait with progress, resubmitting once each cell that failed, inside the
     --parallel limit. A cancelled cell (`cancel`, scancel) is never resubmitted by the waiting grid,
@@ -218,8 +233,8 @@ def run_on_slurm(grid: Grid, grid_file: str, todo: list[Cell], out: Path, args, 
 
     def job_for(group: list[str]):
         if per_node == 1:
-            return SlurmCell(str(copy), str(out), group[0], options.gpus_per_cell)
-        return SlurmPack(str(copy), str(out), group, options.gpus_per_cell, per_node)
+            return SlurmCell(str(copy), str(out), group[0], options.gpus_per_cell, code, code_dir and str(code_dir))
+        return SlurmPack(str(copy), str(out), group, options.gpus_per_cell, per_node, code, code_dir and str(code_dir))
 
     def submit(names: list[str]) -> None:
         """The cells in jobs of `per_node` cells, at most MaxArraySize jobs an array (a job alone: no array)."""

@@ -182,6 +182,8 @@ def test_a_grid_on_slurm_two_cells_a_node_gives_the_local_results_through_a_pree
         started = [line for line in train_log.splitlines() if line.startswith("$ ")]
         assert len(started) == 2 and "[OPSD] resuming from" in train_log  # trained twice, the second time resumed
         assert all(line.startswith(("$ CUDA_VISIBLE_DEVICES=3 ", "$ CUDA_VISIBLE_DEVICES=5 ")) for line in started)
+        code = json.loads((cell / "cell.json").read_text())["provenance"]["code"]  # the queued jobs ran the
+        assert all(f" {out / 'code' / code / 'opsd_train.py'} " in line for line in started)  # grid's snapshot
     assert json.loads((out / "results.json").read_text()) == json.loads((local / "results.json").read_text())
     for name in CELLS:
         assert outcome(out / name) == outcome(local / name), name
