@@ -105,7 +105,32 @@ def _stop_for_requeue(children: dict) -> None:
         try:
             child.wait(timeout=max(0.1, deadline - time.time()))
         except subprocess.TimeoutExpired:
-            child.kill()
+            kill_tree(child.pid)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children first found through /proc/PID/task/*/children): a
+    multi-GPU cell's ranks run in sessions of their own, so killing the launcher's group misses them."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and everything below it (read before the kill: orphans are re-parented)."""
+    for target in [*descendants(pid), pid]:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class SlurmPack:

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -261,3 +262,27 @@ def test_the_cells_identity_names_the_inherited_variables_but_not_the_arms_own(t
     identity = grid_cell.cell_identity(grid, token, processes=1, environ=environ)
     assert identity["env"] == {"OPSD_CLIP_MODE": "token"}
     assert identity["variables"] == {"OPSD_PAD_SIDE": "left", "OPSD_EVAL_PAGED_GIB": grid_cell.EVAL_PAGED_GIB}
+
+
+def test_a_cell_killed_for_its_requeue_takes_its_ranks_with_it(tmp_path):
+    """A multi-GPU cell's ranks run in sessions of their own (torchrun's start_new_session): killing
+    only the launcher left them running (before: `child.kill()`). kill_tree reaches them."""
+    from research import slurm_grid
+
+    launcher = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import subprocess, sys, time
+        rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+        print(rank.pid, flush=True)
+        time.sleep(120)
+    """)], stdout=subprocess.PIPE, text=True)
+    rank = int(launcher.stdout.readline())
+    assert rank in slurm_grid.descendants(launcher.pid)
+    slurm_grid.kill_tree(launcher.pid)
+    launcher.wait(timeout=30)
+    for _ in range(100):  # the rank is gone once its parent reaps it (or init does)
+        state = Path(f"/proc/{rank}/stat")
+        if not state.exists() or state.read_text().split(") ")[-1].startswith("Z"):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"rank {rank} still runs")
