@@ -17,7 +17,10 @@ export OPSD_CACHE="${OPSD_CACHE:-$repo/.cache/opsd}" OPSD_PRESET=tiny
 for side in base head; do
   root=$repo; [[ $side == base ]] && root=$tree
   echo "[same_run] $side: $(git -C "$root" log --oneline -1)"
-  OPSD_OUTPUT="$out/$side" bash "$root/train_capped.sh" > "$out/$side.log" 2>&1 \
+  # From its own tree: train_capped.sh's `python -m opsd.config` then imports that tree's package
+  # (the working folder comes first on the path), not the installed checkout's, so both sides resolve
+  # their own engine config and take the same launch path (one process: plain python).
+  (cd "$root" && OPSD_OUTPUT="$out/$side" bash "$root/train_capped.sh") > "$out/$side.log" 2>&1 \
     || { echo "[same_run] $side run failed: $out/$side.log" >&2; exit 1; }
 done
 python3 - "$out/base/metrics.jsonl" "$out/head/metrics.jsonl" <<'PY'

@@ -8,6 +8,7 @@ here; what a cell is and how it runs is research/cell.py's.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -221,6 +222,24 @@ TRANSIENT_SBATCH = re.compile(r"socket timed out|unable to contact slurm control
                               re.IGNORECASE)
 
 
+def job_name(out: Path) -> str:
+    """The SLURM job name of a grid folder's jobs: its name and a hash of its path, so that two grid
+    folders of one name elsewhere are told apart."""
+    return f"grid-{out.name}-{hashlib.sha1(str(out.resolve()).encode()).hexdigest()[:6]}"
+
+
+def orphan_jobs(out: Path, jobs: dict, run=subprocess.run) -> list[str]:
+    """This folder's jobs (by job name) that SLURM holds but slurm_jobs.json does not list: submitted
+    by a grid that ended before it recorded them. Submitting again would run their cells twice."""
+    try:
+        listing = run(["squeue", "--noheader", "--array", "--name", job_name(out), "--format=%i"],
+                      capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    known = {job.split("_")[0] for job in jobs.values()}
+    return sorted(job for job in listing.stdout.split() if job.split("_")[0] not in known)
+
+
 def run_on_slurm(grid: Grid, grid_file: str, todo: list[Cell], out: Path, args, log, code: str | None = None,
                  code_dir: Path | None = None) -> dict[str, str] | None:
     """Submit the cells not already queued as job arrays (split at the cluster's MaxArraySize);
@@ -252,7 +271,12 @@ def run_on_slurm(grid: Grid, grid_file: str, todo: list[Cell], out: Path, args, 
     write_text_atomic(copy, Path(grid_file).read_text(encoding="utf-8"))
     per_node = getattr(args, "cells_per_node", None) or 1  # cells a job: one, or a node's pack
     job_options = dataclasses.replace(options, cpus_per_cell=options.cpus_per_cell and options.cpus_per_cell * per_node)
-    executor = executors.slurm_executor(out / "slurm", job_options, f"grid-{out.name}",
+    if stray := orphan_jobs(out, jobs):  # a grid killed between sbatch and writing slurm_jobs.json
+        raise executors.ExecutorError(
+            f"{len(stray)} job(s) named {job_name(out)} are queued or running that {jobs_file} does not list "
+            f"({', '.join(stray[:4])}{', ...' if len(stray) > 4 else ''}; a grid stopped while it submitted?): "
+            f"`scancel --name {job_name(out)}`, or wait for them to end, then re-run")
+    executor = executors.slurm_executor(out / "slurm", job_options, job_name(out),
                                         gpus_per_job=options.gpus_per_cell * per_node)
     array_limit = executors.max_array_size() or 1000
 

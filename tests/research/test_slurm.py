@@ -229,6 +229,27 @@ def test_a_job_array_sbatch_refuses_says_what_to_do_and_leaves_no_folder(tmp_pat
     assert "Traceback" not in log and not (tmp_path / "out").exists()
 
 
+@pytest.mark.xdist_group("slurm-errors")
+def test_jobs_a_killed_grid_submitted_but_did_not_record_are_not_submitted_twice(tmp_path):
+    """A grid killed between sbatch and writing slurm_jobs.json leaves jobs no file lists; a re-run
+    used to submit every cell again (two writers a cell). Now it refuses, naming them."""
+    from research import slurm_grid
+
+    out = tmp_path / "out"
+    name = slurm_grid.job_name(out)
+    stray = subprocess.run(["sbatch", "--parsable", f"--job-name={name}", "--begin=now+1hour", "--wrap", "sleep 1"],
+                           capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+    try:
+        status, log = grid_run(GRID, tmp_path, "--cluster", "slurm", "--gpus-per-cell", "0")
+    finally:
+        subprocess.run(["scancel", stray])
+    assert status == 2, log
+    last = log.strip().splitlines()[-1]
+    assert last.startswith(f"error: 1 job(s) named {name} are queued or running that ") and stray in last, last
+    assert f"`scancel --name {name}`" in last
+    assert not (out / "slurm_jobs.json").exists()  # nothing was submitted
+
+
 def _grid_cli(*args, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "research.grid", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, timeout=300, env={**os.environ, **(env or {})})
