@@ -37,6 +37,7 @@ from pathlib import Path
 import common
 import torch
 
+from data_collator import OPSDCollator
 from opsd.chunked_loss import chunked_divergence_loss
 from opsd.loss import divergence_loss
 from opsd.objective import build_objective, objective_settings
@@ -76,6 +77,9 @@ def trainer_stand_in(args, dev, compiled_layers=None) -> types.SimpleNamespace:
         args=args,
         accelerator=types.SimpleNamespace(device=dev, is_main_process=True),
         _tokenizer=types.SimpleNamespace(pad_token_id=PAD_ID),
+        # the scoring geometry only (the stand-in's rows come tokenized: no prompt builder)
+        collator=OPSDCollator(None, pad_id=PAD_ID, pad_side=args.pad_side,
+                              pad_to_multiple_of=getattr(args, "pad_to_multiple_of", None)),
         ema=None,
         _alignment_checked=False,
         _compiled_layers=compiled_layers,

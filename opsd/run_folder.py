@@ -307,13 +307,16 @@ class RunLock:
 
     @contextlib.contextmanager
     def _takeover_guard(self):
-        """An exclusive flock on `.lock.guard` beside the lock (never removed; the kernel drops it when
-        its holder ends, however it ends), held while a stale lock is replaced."""
+        """An exclusive flock on the run folder itself (no file of its own to leave behind; the kernel
+        drops it when its holder ends, however it ends), held while a stale lock is replaced."""
         import fcntl
 
-        with open(self.path + ".guard", "a") as guard:
-            fcntl.flock(guard, fcntl.LOCK_EX)
+        fd = os.open(os.path.dirname(self.path), os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
             yield
+        finally:
+            os.close(fd)
 
     def check(self) -> None:
         """Raise RunFolderError when another live process holds the lock (without taking it)."""

@@ -14,6 +14,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+import data_collator
 import opsd_train
 import opsd_trainer
 from opsd import run_folder, scoring
@@ -322,8 +323,8 @@ def test_ema_teacher_follows_the_ema_rule(tmp_path):
 
 def test_alignment_check_fails_loudly(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, 1)
-    real = opsd_trainer.build_scoring_batch
-    monkeypatch.setattr(opsd_trainer, "build_scoring_batch", lambda p, c, **kw: _corrupt(real(p, c, **kw)))
+    real = data_collator.build_scoring_batch  # the collator builds the trainer's scoring batches
+    monkeypatch.setattr(data_collator, "build_scoring_batch", lambda p, c, **kw: _corrupt(real(p, c, **kw)))
     with pytest.raises(Exception, match="(?i)align"):
         trainer.train()
 

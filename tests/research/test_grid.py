@@ -372,7 +372,7 @@ def test_a_folder_holding_another_grids_cells_is_refused(tmp_path):
     other = {**research.grid.cell_identity(grid, cell), "recipe": {"learning_rate": 1e-3}}
     (cell.folder / "cell.json").write_text(json.dumps(other))
     line = _error_line(run_grid(grid_file, out))
-    assert f"{cell.folder} holds a cell of other settings (recipe: {{'learning_rate': 0.001}} there, " in line
+    assert f"{cell.folder} holds a cell of other settings (recipe.learning_rate: 0.001 there, 0.0002 now)" in line
     assert "use another --out" in line
     assert sorted(p.name for p in cell.folder.iterdir()) == ["cell.json"]  # nothing ran or was written
     # The same cell (its identity unchanged) is accepted: a re-run, or a grid with more arms or seeds.

@@ -329,7 +329,7 @@ def test_arrays_split_at_the_clusters_max_array_size(tmp_path, monkeypatch):
 def _fake_cell(record: Path):
     """A stand-in for SlurmCell (what the grid submits for a cell): a job that writes when it
     starts and ends, sleeps 2 s, and fails (so that the grid resubmits it once)."""
-    def make(_grid_file, _out, name, _gpus):
+    def make(_grid_file, _out, name, _gpus, *_code):  # _code: the snapshot's version and folder
         script = (f"echo start {name} $(date +%s.%N) >> {record}; sleep 2; "
                   f"echo end {name} $(date +%s.%N) >> {record}; exit 3")
         return functools.partial(subprocess.run, ["bash", "-c", script], check=True)
