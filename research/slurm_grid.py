@@ -496,6 +496,22 @@ def _grid_cells(out: Path) -> list[Cell]:
     return found
 
 
+def _local_runner(cell: Cell) -> str | None:
+    """'HOST (PID N)' of the live process that holds the cell's lock (research.cell.run_cell: a grid
+    running here), None when no live process holds it."""
+    from opsd.run_folder import RunFolderError, RunLock
+
+    lock = RunLock(str(cell.folder))
+    owner = lock._owner()
+    if owner is None:
+        return None
+    try:
+        lock.check()  # RunFolderError: a live process holds it
+    except RunFolderError:
+        return f"{owner[1]} (PID {owner[0]})"
+    return None
+
+
 def cell_states(out: Path, watch=None) -> list[tuple[str, str, str]]:
     """[(cell, its state word, the rest of its line)]: done, running, pending, cancelled, failed,
     not started (or, without a SLURM job, not finished)."""
@@ -519,6 +535,8 @@ def cell_states(out: Path, watch=None) -> list[tuple[str, str, str]]:
         elif job is not None:
             ended = state.state if state is not None else "ended"
             rows.append((cell.name, "failed", f"job {job} {ended} without results: {_job_failure(out, job)}"))
+        elif (runner := _local_runner(cell)) is not None:
+            rows.append((cell.name, "running", f"on {runner}{_progress(cell)}"))
         elif (cell.folder / "train.log").is_file() or (cell.folder / "eval.log").is_file():
             rows.append((cell.name, "not finished", f"no SLURM job{_progress(cell)}"))
         else:

@@ -286,3 +286,32 @@ def test_a_cell_killed_for_its_requeue_takes_its_ranks_with_it(tmp_path):
         time.sleep(0.1)
     else:
         raise AssertionError(f"rank {rank} still runs")
+
+
+def test_status_names_the_process_running_a_cell_here(tmp_path):
+    """A cell a grid runs on this machine (no SLURM job) shows as running, with its host and PID from
+    the cell lock; before, status said 'not finished' for a cell in full training."""
+    from research import slurm_grid
+
+    _, grid, cells = _grid(tmp_path)
+    cell = cells[0]
+    cell.folder.mkdir(parents=True)
+    (cell.folder / "cell.json").write_text(json.dumps(grid_cell.cell_identity(grid, cell)))
+    (cell.folder / "train.log").write_text(" 25%|##5       | 1/4 [00:04<00:12,  4.00s/it]")
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from opsd.run_folder import RunLock
+        with RunLock({str(cell.folder)!r}):
+            print("held", flush=True)
+            time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        rows = {name: (state, rest) for name, state, rest in slurm_grid.cell_states(tmp_path / "out")}
+    finally:
+        holder.kill()
+        holder.wait()
+    state, rest = rows[cell.name]
+    assert state == "running" and rest.startswith(f"on {socket.gethostname()} (PID {holder.pid}); train 1/4"), rest
+    rows = {name: state for name, state, _ in slurm_grid.cell_states(tmp_path / "out")}
+    assert rows[cell.name] == "not finished"  # its runner is gone
