@@ -18,8 +18,9 @@ builds nothing of either itself: it builds this collator once, from its config
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from opsd.prompts import PromptBuilder
 from opsd.scoring import ScoringBatch, build_scoring_batch

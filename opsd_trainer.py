@@ -328,10 +328,10 @@ class OPSDTrainer(DistillationTrainer):
         are `tokens/sampled`)."""
         if not self.model.training:
             return
-        student = sum(len(p) + len(c) for p, c in zip(student_ids, completions))
+        student = sum(len(p) + len(c) for p, c in zip(student_ids, completions, strict=True))
         teacher = 0
         if self.objective_settings.uses_teacher:
-            teacher = sum(len(p) + len(c) for p, c in zip(teacher_ids, completions))
+            teacher = sum(len(p) + len(c) for p, c in zip(teacher_ids, completions, strict=True))
         counts = self.accelerator.gather(torch.tensor([[student + teacher, student]], device=self.accelerator.device))
         forward, backward = (int(v) for v in counts.sum(0).tolist())
         if self._pass_tokens is None:  # a resumed run continues its logged counts
@@ -420,7 +420,7 @@ class OPSDTrainer(DistillationTrainer):
                    for s in self.grouped_scoring_forwards(unwrapped, inputs)]
         if len(results) == 1:
             return results[0]
-        losses, stats = zip(*results)
+        losses, stats = zip(*results, strict=True)
         return torch.stack(losses).mean(), {k: torch.stack([s[k] for s in stats]).mean() for k in stats[0]}
 
     def scoring_forwards(self, unwrapped, inputs, pad_side: str | None = None) -> ScoringForwards:
@@ -446,7 +446,7 @@ class OPSDTrainer(DistillationTrainer):
 
         students, teachers = batches("student"), batches("teacher")
         if not self._alignment_checked:
-            for student, teacher, g in zip(students, teachers, groups):
+            for student, teacher, g in zip(students, teachers, groups, strict=True):
                 self._report_alignment(student, teacher, completions[g])
 
         with (bf16_autocast(self._adapters(unwrapped), enabled=bool(self.args.bf16)),
@@ -460,7 +460,7 @@ class OPSDTrainer(DistillationTrainer):
             else:  # GRPO: the student alone
                 teacher_hidden = [None] * len(teachers)
             student_hidden = completion_hidden_states(unwrapped, students, self.collator.pad_id)
-        return [ScoringForwards(*four) for four in zip(students, teachers, student_hidden, teacher_hidden)]
+        return [ScoringForwards(*four) for four in zip(students, teachers, student_hidden, teacher_hidden, strict=True)]
 
     def _adapters(self, unwrapped) -> AdapterLayers:
         """The model's adapter layers, listed at the first use with this model (peft's own

@@ -98,7 +98,7 @@ def first_crossing(tokens: Sequence[float], accuracy: Sequence[float], target: f
         raise ValueError(f"tokens ({len(tokens)}) and accuracy ({len(accuracy)}) must be equally long, not empty")
     if accuracy[0] >= target:
         return float(tokens[0])
-    for t0, a0, t1, a1 in zip(tokens, accuracy, tokens[1:], accuracy[1:]):
+    for t0, a0, t1, a1 in zip(tokens, accuracy, tokens[1:], accuracy[1:], strict=False):
         if a0 < target <= a1:
             return float(t0 + (target - a0) * (t1 - t0) / (a1 - a0))
     return None

@@ -35,9 +35,9 @@ import math
 import os
 import sys
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from opsd.jsonl import read_jsonl
 from opsd.run_folder import METRICS_FILE
@@ -189,7 +189,7 @@ def run_curves(run_dirs: Sequence, keys: Sequence[str], required: bool = True) -
         if folder.resolve() in seen:
             raise PlotError(f"{folder}: given more than once")
         seen.add(folder.resolve())
-    runs = [(label, read_metrics(folder)) for label, folder in zip(_path_labels(folders), folders)]
+    runs = [(label, read_metrics(folder)) for label, folder in zip(_path_labels(folders), folders, strict=True)]
     curves = {}
     for key in keys:
         curves[key] = [Curve(label, *map(tuple, series(records, key))) for label, records in runs]
@@ -244,7 +244,7 @@ def grid_curves(grid_dir, keys: Sequence[str], arms: Sequence[str] | None = None
         for arm, seeds in per_arm.items():
             by_step: dict[int, list[float]] = {}
             for records in seeds:
-                for step, value in zip(*series(records, key)):
+                for step, value in zip(*series(records, key), strict=True):
                     by_step.setdefault(step, []).append(value)
             if not by_step:
                 continue
@@ -335,7 +335,7 @@ def plot_run_curves(run_dir, out=None, metrics: Sequence[str] | None = None) -> 
                             f"{', '.join(_logged_keys(records)) or 'nothing'})")
     fig, axes = _figure(len(panels))
     drawn = []
-    for ax, (title, ylabel, keys) in zip(axes, panels):
+    for ax, (title, ylabel, keys) in zip(axes, panels, strict=False):
         for key in keys:
             steps, values = series(records, key)
             ax.plot(steps, values, label=metric_label(key).split("/")[-1], marker="." if len(steps) <= 30 else None)
@@ -444,7 +444,7 @@ def plot_overlay(curves: dict[str, list[Curve]], out, title: str = "",
     if accuracy is not None:
         drawn += _draw_accuracy(axes[0], accuracy, colors)
     curve_axes = axes[1:] if accuracy is not None else axes
-    for ax, (key, lines) in zip(curve_axes, curves.items()):
+    for ax, (key, lines) in zip(curve_axes, curves.items(), strict=False):
         for curve in lines:
             color = colors[curve.label]
             ax.plot(curve.steps, curve.values, color=color, label=curve.label, linewidth=1.2)
@@ -459,7 +459,7 @@ def plot_overlay(curves: dict[str, list[Curve]], out, title: str = "",
     # One legend for the figure: every panel has the same runs (or a subset).
     handles, labels = {}, []
     for ax in curve_axes:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=False):
             if label not in handles:
                 handles[label] = handle
                 labels.append(label)
@@ -528,7 +528,7 @@ def plot_intervals(panels: Sequence[IntervalPanel], out, title: str = "") -> lis
     fig = Figure(figsize=(8.0, sum(heights) + 0.7), dpi=DPI, layout="constrained")
     axes = fig.subplots(len(panels), 1, squeeze=False, height_ratios=heights).ravel()
     drawn = []
-    for ax, panel in zip(axes, panels):
+    for ax, panel in zip(axes, panels, strict=False):
         n = len(panel.rows)
         for i, row in enumerate(panel.rows):
             y = n - 1 - i  # first row on top
@@ -563,8 +563,8 @@ def plot_sweep(result: dict, out, title: str = "") -> list[int]:
     rows = result["checkpoints"]
     steps, avgs = [r["step"] for r in rows], [r["avg"] for r in rows]
     fig, (ax,) = _figure(1, width=6.4, height=3.8)
-    low = [a - r["problems_ci"][0] for a, r in zip(avgs, rows)]
-    high = [r["problems_ci"][1] - a for a, r in zip(avgs, rows)]
+    low = [a - r["problems_ci"][0] for a, r in zip(avgs, rows, strict=True)]
+    high = [r["problems_ci"][1] - a for a, r in zip(avgs, rows, strict=True)]
     ax.errorbar(steps, avgs, yerr=[low, high], marker="o", capsize=3, label=f"{result['metric']} (problems 95% CI)")
     best = next(r for r in rows if r["checkpoint"] == result["best"])
     ax.plot([best["step"]], [best["avg"]], "D", color="C3", markersize=9, label=f"best: {best['checkpoint']}")

@@ -87,10 +87,10 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
-from typing import Sequence
 
 import numpy as np
 
@@ -600,7 +600,7 @@ def check_comparable(runs: Sequence[Run]) -> np.ndarray:
             raise ReportError(run.path, f"problem set differs from {first.path}: "
                                         f"{missing} of its problems missing, {extra} others present")
         row = np.empty(len(first.keys), dtype=np.int64)
-        for key, count in zip(run.keys, run.num_correct):
+        for key, count in zip(run.keys, run.num_correct, strict=True):
             row[order[key]] = count
         rows.append(row)
     return np.stack(rows)
@@ -673,7 +673,7 @@ def sweep_checkpoints(steps: Sequence[int], runs: Sequence[Run], n_resamples: in
     counts = check_comparable(runs)
     k, last = runs[0].k, len(runs) - 1
     rows = []
-    for i, (step, run) in enumerate(zip(steps, runs)):
+    for i, (step, run) in enumerate(zip(steps, runs, strict=True)):
         boot = bootstrap_mean(100.0 * counts[i] / k, n_resamples, seed)
         versus = compare_arms([runs[last]], [run], counts[[last, i]], n_resamples, seed) if i != last else None
         rows.append({"step": int(step), "checkpoint": Path(run.checkpoint).name, "file": run.path, "avg": run.avg,

@@ -155,7 +155,7 @@ def summarize(run: dict, steps_total: int = 100) -> dict:
     stamps = [run["step_stamps"][k] for k in sorted(run["step_stamps"])]
     if len(stamps) < 2:
         return {**run, "status": f"too few steps logged ({len(stamps)})"}
-    step_times = [b - a for a, b in zip(stamps, stamps[1:])]
+    step_times = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     median = statistics.median(step_times)
     later_rollouts = [s for step, s in run.get("rollout_s", {}).items() if step > 1]
     # the steps not run are extrapolated at the median step (the fastest would flatter)

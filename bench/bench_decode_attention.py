@@ -182,7 +182,8 @@ def main() -> int:
             row = {"impl": name, "limit": limit}
             try:
                 def layers(fn=fn, limit=limit, mask=mask):
-                    return [fn(query, k[:, :, :limit], v[:, :, :limit], mask, scale) for k, v in zip(keys, values)]
+                    return [fn(query, k[:, :, :limit], v[:, :, :limit], mask, scale)
+                            for k, v in zip(keys, values, strict=True)]
 
                 out = fn(query, keys[0][:, :, :limit], values[0][:, :, :limit], mask, scale)
                 ref_query = query

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     if len(weights) == 2:
         differ = total = 0
         worst = 0.0
-        for got, expected in zip(weights["triton"], weights["torch"]):
+        for got, expected in zip(weights["triton"], weights["torch"], strict=False):
             diff = (got.float() - expected.float()).abs()
             info = torch.finfo(expected.dtype)  # the dtype's spacing at each value: eps x 2^(exponent - 1)
             _, exponent = torch.frexp(expected.float().abs().clamp_min(info.tiny))

@@ -90,7 +90,7 @@ def run_config(model, name: str, impl, rows, settings, repeats: int, log, merge_
     try:
         first, samples = common.timed(lambda: backend.generate(rows, settings))
         times, tokens = [], []
-        for i in range(repeats):
+        for _i in range(repeats):
             t, samples = common.timed(lambda: backend.generate(rows, settings))
             times.append(t)
             tokens.append(sum(len(s[0].ids) for s in samples))
@@ -154,7 +154,7 @@ def logprob_agreement(model, rows, completions, engine_logprobs, chunk: int = 8)
             ids, mask = ids.to(dev), mask.to(dev)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-            for j, (i, p, c) in enumerate(pairs):
+            for j, (i, _p, c) in enumerate(pairs):
                 pred = logits[j, width - len(c) - 1:width - 1].float().log_softmax(-1)
                 trainer = pred.gather(-1, torch.tensor(c, device=dev)[:, None]).squeeze(-1)
                 diffs.append((engine_logprobs[i, :len(c)].float() - trainer).abs())
@@ -263,7 +263,8 @@ def reference_consistency(model, rows, completions, k: int, chunk: int = 8) -> d
     dev = next(model.parameters()).device
     try:
         for start in range(0, len(rows), chunk):
-            pairs = [(p, c) for p, c in zip(rows[start:start + chunk], completions[start:start + chunk]) if c]
+            pairs = [(p, c) for p, c in zip(rows[start:start + chunk], completions[start:start + chunk], strict=True)
+                     if c]
             if not pairs:
                 continue
             width = max(len(p) + len(c) for p, c in pairs)
@@ -276,7 +277,7 @@ def reference_consistency(model, rows, completions, k: int, chunk: int = 8) -> d
             ids, mask = ids.to(dev), mask.to(dev)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-            for i, (p, c) in enumerate(pairs):
+            for i, (_p, c) in enumerate(pairs):
                 n = len(c)
                 pred = logits[i, width - n - 1:width - 1].float()  # positions predicting each completion token
                 target = torch.tensor(c, device=dev)
@@ -295,9 +296,9 @@ def reference_consistency(model, rows, completions, k: int, chunk: int = 8) -> d
 
 def agreement(a, b) -> dict:
     """Share of rows identical, and mean length of the common prefix."""
-    same = sum(x == y for x, y in zip(a, b))
+    same = sum(x == y for x, y in zip(a, b, strict=False))
     prefix = []
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         n = 0
         while n < min(len(x), len(y)) and x[n] == y[n]:
             n += 1

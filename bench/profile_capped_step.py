@@ -79,7 +79,7 @@ def analyse(trace: dict, top_gaps: int = 12) -> dict:
                   "gpu_busy_ms": busy_between(b["ts"], b["ts"] + b["dur"]) / 1e3} for b in batches]
     gaps = []
     ordered = sorted(train)
-    for (a0, a1), (b0, _) in zip(ordered, ordered[1:]):
+    for (_a0, a1), (b0, _) in zip(ordered, ordered[1:], strict=False):
         if b0 - a1 > 50:
             gaps.append((b0 - a1, a1))
     gaps.sort(reverse=True)

@@ -64,7 +64,7 @@ def student_logprobs(model, prompts, completions, settings, pad_id: int, chunk: 
     device = next(model.parameters()).device
     out = []
     for start in range(0, len(prompts), chunk):
-        rows = list(zip(prompts[start:start + chunk], completions[start:start + chunk]))
+        rows = list(zip(prompts[start:start + chunk], completions[start:start + chunk], strict=False))
         width = max(len(p) + len(c) for p, c in rows)
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -74,7 +74,7 @@ def student_logprobs(model, prompts, completions, settings, pad_id: int, chunk: 
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-        for j, (p, c) in enumerate(rows):
+        for j, (_p, c) in enumerate(rows):
             if not c:
                 out.append(torch.empty(0, device=device))
                 continue

@@ -36,9 +36,9 @@ import re
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Sequence
 
 from evaluation.metrics import final_line, problem_summary, summarize
 from opsd.grading import GradingError, grade_sample, start_answer_worker
@@ -531,8 +531,8 @@ def evaluate(request: EvalRequest, problems: list[dict]) -> dict:
                 if hasattr(backend, "__exit__"):
                     stack.enter_context(backend)
                 bar = stack.enter_context(progress_bar(len(problems), len(done), request.settings.n_samples))
-            graded = [grade_problem(i, problems[i], c, tokenizer)
-                      for i, c in zip(chunk, _sample_chunk(backend, request, prompts, chunk, progress=bar))]
+            samples = _sample_chunk(backend, request, prompts, chunk, progress=bar)
+            graded = [grade_problem(i, problems[i], c, tokenizer) for i, c in zip(chunk, samples, strict=True)]
             partial.append(graded)
             done.update((record["index"], record) for record in graded)
     records = [done[i] for i in range(len(problems))]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 from opsd.grading import GRADED_BY, normalize_answer
 

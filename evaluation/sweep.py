@@ -74,7 +74,7 @@ def sweep(args: argparse.Namespace, evaluator) -> int:
     stem = f"sweep_{evaluator.run_name(str(folder))}"
     print(f"[sweep] {len(cells)} checkpoints of {folder} (steps {', '.join(str(c[0]) for c in cells)}) -> {out_dir}",
           flush=True)
-    for step, cell_args, request, num_problems in cells:
+    for _step, cell_args, request, num_problems in cells:
         name = Path(request.checkpoint).name
         if report_is_current(evaluator, request, num_problems):
             print(f"[sweep] {name}: report exists, skipped ({request.output_path})", flush=True)

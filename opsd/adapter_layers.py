@@ -58,5 +58,5 @@ class AdapterLayers:
         try:
             yield
         finally:
-            for module, value in zip(self.tuner_layers, previous):
+            for module, value in zip(self.tuner_layers, previous, strict=False):
                 module.cast_input_dtype_enabled = value

@@ -7,7 +7,7 @@ they all read an answer the same way. A leaf module: it imports nothing of the p
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 # `\boxed{`, `\boxed {` and `\fbox{`; the match ends on the opening brace.
 BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")

@@ -324,7 +324,7 @@ def _apply(objective, student_hidden, teacher_hidden, weight, bias, chunk_size):
     # The teacher is a constant: detaching here also keeps it out of the saved graph.
     teacher_hidden = None if teacher_hidden is None else teacher_hidden.detach()
     loss, stats = _ChunkedLoss.apply(student_hidden, teacher_hidden, weight, bias, objective, chunk_size)
-    return loss, dict(zip(objective.stat_keys, stats.unbind()))
+    return loss, dict(zip(objective.stat_keys, stats.unbind(), strict=False))
 
 
 # --------------------------------------------------------------------------- public API

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 # The status a shell reports for a process that SIGPIPE ended (`yes | head`); Python ignores
 # SIGPIPE and raises BrokenPipeError instead, which this turns back into the usual status.

@@ -13,7 +13,8 @@ entry points of every layer, and imports each only when its subcommand runs, so 
 from __future__ import annotations
 
 import sys
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from opsd.cli import exit_status
 

@@ -34,8 +34,8 @@ import math
 import os
 import re
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 
 class ConfigError(ValueError):

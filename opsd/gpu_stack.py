@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version

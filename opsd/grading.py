@@ -20,8 +20,9 @@ import queue
 import re
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 from opsd.answers import extract_boxed
 

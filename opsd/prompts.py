@@ -35,7 +35,7 @@ Prompt length policy:
 from __future__ import annotations
 
 import warnings
-from typing import Mapping
+from collections.abc import Mapping
 
 from opsd.answers import reference_answer
 from opsd.config import STUDENT_PROMPTS, TEACHER_CONTEXTS

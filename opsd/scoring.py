@@ -16,9 +16,10 @@ the last completion column up to a multiple of it (nothing before them sees them
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -90,7 +91,7 @@ def build_scoring_batch(
     attention_mask = torch.zeros_like(input_ids)
     completions = torch.full((rows, width_c), pad_id, dtype=torch.long)
     completion_mask = torch.zeros_like(completions)
-    for b, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
+    for b, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
         first = 0 if pad_side == "right" else width_p - len(prompt)
         input_ids[b, first:first + len(prompt)] = torch.tensor(prompt, dtype=torch.long)
         attention_mask[b, first:first + len(prompt)] = 1
@@ -198,7 +199,7 @@ def _check_row(batch: ScoringBatch, b: int, completion: list[int]) -> None:
 
     span = batch.input_ids[b, start:start + n].tolist()
     if span != completion:
-        j = next((j for j, (x, y) in enumerate(zip(span, completion)) if x != y), min(len(span), n))
+        j = next((j for j, (x, y) in enumerate(zip(span, completion, strict=False)) if x != y), min(len(span), n))
         fail(f"input_ids[{start}:{start + n}] differ from the sampled completion at token {j}")
     if batch.completion_ids[b, :n].tolist() != completion:
         fail("completion_ids differ from the sampled completion")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from opsd.answers import BOX_OPEN, closing_brace
 

@@ -181,13 +181,13 @@ def slurm_executor(folder: Path, options: SlurmOptions, job_name: str, gpus_per_
     import submitit
 
     executor = submitit.SlurmExecutor(folder=str(folder / "%j"), max_num_timeout=3)
-    parameters = dict(
-        job_name=job_name, time=options.time_min, ntasks_per_node=1, nodes=1,
-        signal_delay_s=options.signal_delay_s,  # the job imports the packages as installed (pip install -e .)
+    parameters = {
+        "job_name": job_name, "time": options.time_min, "ntasks_per_node": 1, "nodes": 1,
+        "signal_delay_s": options.signal_delay_s,  # the job imports the packages as installed (pip install -e .)
         # srun does not pass the job's --cpus-per-task on to its step on every SLURM version (22.05
         # to 23.02 read only SRUN_CPUS_PER_TASK): set, the cell's step gets the CPUs the job was given.
-        setup=['if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi'],
-    )
+        "setup": ['if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi'],
+    }
     gpus = options.gpus_per_cell if gpus_per_job is None else gpus_per_job
     if gpus:
         parameters["gpus_per_node"] = gpus

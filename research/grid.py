@@ -312,7 +312,7 @@ def run_here(grid: Grid, todo: list[Cell], args, gpus: list[str], slots: list, l
         hidden = () if gpus else None  # --gpus-per-cell 0 on a GPU machine: the cells see no GPU
         log(f"{'CPU only (--gpus-per-cell 0)' if gpus else 'no GPU visible'}: {args.parallel or 1} cell(s) at a time")
         outcomes = executors.run_pooled(todo, lambda cell, _index, _slot: one(cell, hidden), [], args.parallel)
-    return dict(zip((c.name for c in todo), outcomes))
+    return dict(zip((c.name for c in todo), outcomes, strict=True))
 
 
 def main(argv=None, prog: str = "python -m research.grid") -> int:

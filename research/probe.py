@@ -380,8 +380,8 @@ def token_scores(student_hidden, teacher_hidden, head, divergence, targets, answ
         out["lp_teacher"].append(teacher_lp.gather(-1, index).squeeze(-1))
         for role, lp in (("teacher", teacher_lp), ("student", student_lp)):
             best = lp.topk(min(top, lp.shape[-1]), dim=-1)
-            out[f"{role}_top"] += [list(zip(ids, probs)) for ids, probs in
-                                   zip(best.indices.tolist(), best.values.exp().tolist())]
+            out[f"{role}_top"] += [list(zip(ids, probs, strict=False)) for ids, probs in
+                                   zip(best.indices.tolist(), best.values.exp().tolist(), strict=False)]
             answer = lp[:, answer_id].exp() if answer_id is not None else torch.full_like(lp[:, 0], math.nan)
             out[f"p_{role}_answer"].append(answer)
     tops = ("teacher_top", "student_top")
@@ -447,8 +447,8 @@ class Scorer:
                     alone = self._alone_log_probs(i, student_ids[i], teacher_ids[i], head, divergence, targets)
                 results.append(RowScores(
                     **scores,
-                    lp_shift_student=[abs(a - b) for a, b in zip(scores["lp_student"], alone[0])],
-                    lp_shift_teacher=[abs(a - b) for a, b in zip(scores["lp_teacher"], alone[1])],
+                    lp_shift_student=[abs(a - b) for a, b in zip(scores["lp_student"], alone[0], strict=False)],
+                    lp_shift_teacher=[abs(a - b) for a, b in zip(scores["lp_teacher"], alone[1], strict=False)],
                 ))
         return results, gaps
 
@@ -486,7 +486,7 @@ def summarize_variant(variant: Variant, config, scores: list[RowScores], gaps: d
            "settings": {k: getattr(config, k) for k in VARIANT_KEYS},
            "tokens": sum(len(r.loss) for r in scores), "loss": mean(flat(lambda r: r.loss))}
     for _, key in STAT_COLUMNS:
-        row[key] = mean(flat(lambda r: r.stats[key]))
+        row[key] = mean(flat(lambda r, key=key: r.stats[key]))
     row["lp_shift_student"] = mean(flat(lambda r: r.lp_shift_student))
     row["lp_shift_teacher"] = mean(flat(lambda r: r.lp_shift_teacher))
     row["pad_gap_student_mean"] = mean(gaps["student"])
@@ -504,7 +504,7 @@ def attribution_records(tokenizer, rollouts: list[Rollout], rows: list, scores: 
         return tokenizer.decode([token_id])
 
     records = []
-    for r, (rollout, row, s) in enumerate(zip(rollouts, rows, scores)):
+    for r, (rollout, row, s) in enumerate(zip(rollouts, rows, scores, strict=False)):
         pieces = [text(t) for t in rollout.completion_ids]
         groups, before_box = token_groups(pieces), pre_box(pieces)
         answer_id = _first_token(tokenizer, reference_answer(row))
@@ -569,7 +569,7 @@ def run(plan: Plan) -> tuple[str, dict, list[dict]]:
         with torch.no_grad():
             completions, truncated = trainer._sample(prompts)  # the trainer's own rollout code, seeded
         rollouts = [Rollout(i, row["problem"], ids, cut)
-                    for i, row, ids, cut in zip(plan.indices, baseline_rows, completions, truncated)]
+                    for i, row, ids, cut in zip(plan.indices, baseline_rows, completions, truncated, strict=False)]
         print(f"[probe] sampled {len(rollouts)} rollouts in {time.time() - started:.1f} s", file=sys.stderr)
         if args.save_rollouts:
             write_text_atomic(args.save_rollouts, "".join(json.dumps({

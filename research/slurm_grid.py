@@ -178,7 +178,8 @@ class SlurmPack:
                 return f"failed: {type(exc).__name__}: {exc}"
 
         outcomes = executors.run_pooled(todo, one, slots, len(todo))
-        failed = [f"{cell.name}: {outcome}" for cell, outcome in zip(todo, outcomes) if outcome.startswith("failed")]
+        failed = [f"{cell.name}: {outcome}" for cell, outcome in zip(todo, outcomes, strict=True)
+                  if outcome.startswith("failed")]
         if failed:
             raise RuntimeError("; ".join(failed))
         return "done"
@@ -379,7 +380,7 @@ def _cancelled(out: Path, name: str, job_id: str | None, marks: dict, state) -> 
 
 
 def _wait(todo, out, args, log, jobs, outcomes, backlog, watch, submit) -> dict[str, str]:
-    tries = {name: 1 for name in jobs}
+    tries = dict.fromkeys(jobs, 1)
     pending = {c.name for c in todo} - set(outcomes)
     by_name = {c.name: c for c in todo}
     last, failures, said = None, 0, {}

@@ -212,7 +212,7 @@ def sample_compact(model, prompts: list[list[int]], n_zero_rows: int, temperatur
         cache, logits = out.past_key_values, out.logits[:, -1].float()
     rows = torch.stack(tokens, dim=1).tolist()
     result = []
-    for row, bad in zip(rows, failed.tolist()):
+    for row, bad in zip(rows, failed.tolist(), strict=False):
         result.append(None if bad else (row[: row.index(eos) + 1] if eos in row else row))
     return result
 
@@ -225,7 +225,7 @@ def dev_accuracy(model, renderer, to_compact, from_compact, items, fmt, n_zero_r
     samples = sample_compact(model, prompts, n_zero_rows, temperature, 0.95, longest + 16,
                              to_compact[EOS_ID], to_compact[PAD_ID], gen)
     correct = 0
-    for item, sample in zip(items, samples):
+    for item, sample in zip(items, samples, strict=False):
         if sample is not None:
             text = renderer.tokenizer.decode([from_compact[t] for t in sample], skip_special_tokens=True)
             correct += is_correct(text, str(item.answer))
@@ -334,7 +334,7 @@ def measure(model_path: str, problems: int, samples: int, seed: int = MEASURE_SE
         settings = SamplingSettings(temperature, top_p, top_k, max_new_tokens=128, seed=seed)
         out = backend.generate([renderer.prompt(item, fmt) for item in items], settings, n=samples)
         correct, no_box, wrong_step = 0, 0, [0] * 3
-        for item, completions in zip(items, out):
+        for item, completions in zip(items, out, strict=False):
             for c in completions:
                 text = tokenizer.decode(c.ids, skip_special_tokens=True)
                 if is_correct(text, str(item.answer)):

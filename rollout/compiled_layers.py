@@ -68,7 +68,7 @@ class CompiledLayers:
             # Built lazily from whatever `forward` each layer has (hooks included); compiled at first call.
             import_inductor_quietly()
             targets = [partial(_checkpointed, layer, layer.forward) if in_call else layer.forward
-                       for layer, in_call in zip(self.layers, self._in_call)]
+                       for layer, in_call in zip(self.layers, self._in_call, strict=False)]
             if self.own_cache:
                 call = torch.compile(_call, backend=self.backend, dynamic=self.dynamic)
                 self._compiled = [partial(call, target) for target in targets]
@@ -77,7 +77,7 @@ class CompiledLayers:
                                   for target in targets]
         # A layer may carry an instance-level forward already (e.g. accelerate's device hooks).
         own = [layer.__dict__.get("forward") for layer in self.layers]
-        for layer, compiled, in_call in zip(self.layers, self._compiled, self._in_call):
+        for layer, compiled, in_call in zip(self.layers, self._compiled, self._in_call, strict=False):
             layer.forward = compiled
             if in_call:  # the compiled function checkpoints, not __call__
                 layer.opsd_checkpointing, layer.gradient_checkpointing = layer.gradient_checkpointing, False
@@ -85,7 +85,7 @@ class CompiledLayers:
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 yield
         finally:
-            for layer, previous, in_call in zip(self.layers, own, self._in_call):
+            for layer, previous, in_call in zip(self.layers, own, self._in_call, strict=False):
                 if previous is None:
                     del layer.forward
                 else:

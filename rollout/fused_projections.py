@@ -66,7 +66,7 @@ def fuse(module: nn.Module, projections: list[nn.Linear] | None = None
     stacked, views = _stacked_linear(parts)
     sizes = [part.out_features for part in parts]
     replacement = FusedAttention(module, stacked, sizes) if names[0] == "q_proj" else FusedMLP(module, stacked, sizes)
-    return replacement, dict(zip(names, views))
+    return replacement, dict(zip(names, views, strict=False))
 
 
 def _stacked_linear(parts: list[nn.Linear]) -> tuple[nn.Linear, list[tuple[torch.Tensor, torch.Tensor | None]]]:
@@ -83,7 +83,7 @@ def _stacked_linear(parts: list[nn.Linear]) -> tuple[nn.Linear, list[tuple[torch
                                     requires_grad=False)
     weights = stacked.weight.split(sizes)
     biases = stacked.bias.split(sizes) if has_bias else [None] * len(parts)
-    views = [(w, b if part.bias is not None else None) for w, b, part in zip(weights, biases, parts)]
+    views = [(w, b if part.bias is not None else None) for w, b, part in zip(weights, biases, parts, strict=False)]
     return stacked, views
 
 

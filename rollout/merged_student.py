@@ -99,7 +99,7 @@ class MergedStudent:
         for name, members in groups.items():  # o_proj / down_proj are plain copies by now
             replacement, views = fuse_module(self.network.get_submodule(name),
                                              [lora[m].get_base_layer() for m in members])
-            for member, (weight, bias) in zip(members, views.values()):
+            for member, (weight, bias) in zip(members, views.values(), strict=False):
                 targets[member] = (weight, bias, lora[member])
             _replace(self.network, name, replacement)
         self._targets = list(targets.values())

@@ -175,7 +175,7 @@ def paged_generate(model, rows: list[list[int]], settings: SamplingSettings, gen
                                   f"{MAX_MEMORY_SHARE:.0%} of the free memory ({exc}); lower paged_cache_gib") from exc
             torch.manual_seed(seed)  # sampling starts from the seed, whatever the warmup drew
             ids = [f"row{i}" for i in range(len(rows))]
-            for request_id, row in zip(ids, rows):
+            for request_id, row in zip(ids, rows, strict=False):
                 manager.add_request(list(row), request_id=request_id, max_new_tokens=settings.max_new_tokens,
                                     eos_token_id=eos_token_ids)
             manager.start()  # every request is queued: the first batch sees them all

@@ -149,10 +149,10 @@ class TransformersBackend:
         # temperature 0.6 / top_k 20) and then from library defaults (top_k 50).
         # Greedy: the sampling knobs are inert; these values merely stop the
         # checkpoint's sampling defaults from triggering "flag ignored" warnings.
-        sampling = dict(do_sample=False, temperature=1.0, top_p=1.0, top_k=50)
+        sampling = {"do_sample": False, "temperature": 1.0, "top_p": 1.0, "top_k": 50}
         if settings.temperature > 0 and not processors_passed:
-            sampling = dict(do_sample=True, temperature=settings.temperature, top_p=settings.top_p,
-                            top_k=max(settings.top_k, 0))  # 0 = no top-k filter
+            sampling = {"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p,
+                        "top_k": max(settings.top_k, 0)}  # 0 = no top-k filter
         # With the processors passed, they filter and draw (ending in CandidateDraw), and
         # generate() runs greedily: its argmax picks the one token they leave.
         return GenerationConfig(

@@ -136,11 +136,11 @@ class VLLMBackend:
                  gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1, seed: int = 0,
                  kv_cache_gib: float | None = None):
         vllm = import_vllm()
-        engine_args = dict(
-            model=str(model_path), tokenizer=str(model_path), seed=seed,
-            max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size,
-        )
+        engine_args = {
+            "model": str(model_path), "tokenizer": str(model_path), "seed": seed,
+            "max_model_len": max_model_len, "gpu_memory_utilization": gpu_memory_utilization,
+            "tensor_parallel_size": tensor_parallel_size,
+        }
         engine_args.update(kv_cache_options(kv_cache_gib))
         self.lora_request = None
         if lora_path is not None:

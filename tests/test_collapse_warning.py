@@ -61,7 +61,8 @@ def _value(start, end, step, onset):
 def sequence(share_key, onset, values, seed):
     rng = random.Random(seed)
     keys = (KL_KEY, ENTROPY_KEY, share_key)
-    return [{key: _value(a, b, step, onset) * max(0.0, 1 + rng.gauss(0, NOISE)) for key, (a, b) in zip(keys, values)}
+    return [{key: _value(a, b, step, onset) * max(0.0, 1 + rng.gauss(0, NOISE))
+             for key, (a, b) in zip(keys, values, strict=True)}
             for step in range(1, STEPS + 1)]
 
 

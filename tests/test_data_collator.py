@@ -30,7 +30,7 @@ def test_each_roles_prompts_are_what_the_switches_configure(tmp_path, tokenizer)
     student, teacher = base.student_prompts(rows), base.teacher_prompts(rows)
     assert student == [base.prompts.student_prompt_ids(row) for row in rows]
     assert teacher == [base.prompts.teacher_prompt_ids(row) for row in rows]
-    assert all(len(t) > len(s) for s, t in zip(student, teacher))  # the teacher reads the solution too
+    assert all(len(t) > len(s) for s, t in zip(student, teacher, strict=False))  # the teacher reads the solution too
     no_context, _, _ = collator_for(tmp_path, tokenizer, {"OPSD_TEACHER_CONTEXT": "none"})
     assert no_context.teacher_prompts(rows) == no_context.student_prompts(rows) == student
     eval_style, _, _ = collator_for(tmp_path, tokenizer, {"OPSD_STUDENT_PROMPT": "eval"})

@@ -40,7 +40,7 @@ def test_a_generation_batch_holds_each_prompt_num_generations_times_rewarded_by_
     # Independently: the evaluation's grader against each row's reference answer (a truncated
     # completion changes the reason of a wrong grade, never its correctness).
     expected = torch.tensor([float(grade_sample(t, reference_answer(r), False)[0].correct)
-                             for t, r in zip(texts, rows)])
+                             for t, r in zip(texts, rows, strict=False)])
     torch.testing.assert_close(inputs["advantages"], group_advantages(expected, 4, "group"))
     assert inputs["num_items"].tolist() == [float(sum(map(len, inputs["completion_ids"])))] * 8  # one process
     assert trainer._metrics["train"]["grpo/reward_mean"] == [pytest.approx(expected.mean().item())]
@@ -166,7 +166,7 @@ def test_grpo_beta_is_trls_kl_to_the_model_with_the_adapter_disabled(tmp_path, i
 
     def completion_logits():  # row by row, no padding: the logits that predict each completion token
         out = torch.zeros(4, 4, model.config.vocab_size)
-        for b, (prompt, completion) in enumerate(zip(prompts, completions)):
+        for b, (prompt, completion) in enumerate(zip(prompts, completions, strict=False)):
             logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float()
             out[b, :len(completion)] = logits[len(prompt) - 1:len(prompt) - 1 + len(completion)]
         return out

@@ -17,11 +17,11 @@ PACKAGES = ("opsd", "rollout", "evaluation", "analysis", "research", "tiny_defau
 # The folders whose files the prose names by path (relative to the repository root).
 FOLDERS = (*PACKAGES, "bench", "checks", "tests", "docs", "slurm", "configs", "grids", ".ci")
 OLD_NAME = re.compile(r"(?<![\w./-])(opsd_\w+)\.(\w+)")
-DOTTED = re.compile(r"(?<![\w./-])((?:%s)(?:\.\w+)+)" % "|".join(PACKAGES))
+DOTTED = re.compile(r"(?<![\w./-])((?:{})(?:\.\w+)+)".format("|".join(PACKAGES)))
 # A path with a file's suffix: `opsd/true_kl` is a metric's name, `bench/common.SHAPES` a constant.
 SUFFIXES = ("py", "sh", "md", "txt", "env", "json", "jsonl", "yaml", "toml", "sbatch", "safetensors")
-PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*\.(?:%s))(?![\w*{<])"
-                  % ("|".join(re.escape(f) for f in FOLDERS), "|".join(SUFFIXES)))
+_FOLDER, _SUFFIX = "|".join(re.escape(f) for f in FOLDERS), "|".join(SUFFIXES)
+PATH = re.compile(rf"(?<![\w./-])((?:{_FOLDER})/[\w./-]*\.(?:{_SUFFIX}))(?![\w*{{<])")
 
 
 def files(suffix: str) -> list[Path]:

@@ -259,7 +259,7 @@ def test_check_gpu_stack_passes_the_machine_that_ran_and_names_each_difference()
            "pytest-xdist": "3.8.0", "matplotlib": "3.11.2"}
     # Named unpinned since the dependencies are declared (2026-12-05): installed there (the code that
     # ran imports them), their versions not recorded; an unpinned line asks only that they be installed.
-    ran |= {name: "0" for name in ("numpy", "packaging", "pillow", "psutil", "pyarrow", "tokenizers")}
+    ran |= dict.fromkeys(("numpy", "packaging", "pillow", "psutil", "pyarrow", "tokenizers"), "0")
     lines, mismatches = stack.check(requirements, ran.get)
     assert mismatches == 0 and len(lines) == len(requirements) + 1, lines
     assert any(line.split() == ["torch", "==2.11.0", "2.11.0", "ok"] for line in lines)

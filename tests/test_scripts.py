@@ -90,7 +90,7 @@ def test_default_recipe_decays_the_learning_rate(tiny_run):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rates = [r["learning_rate"] for r in records if "learning_rate" in r]
     assert len(rates) == 8 and rates[0] <= 5e-6
-    assert all(later < earlier for earlier, later in zip(rates, rates[1:])), rates
+    assert all(later < earlier for earlier, later in zip(rates, rates[1:], strict=False)), rates
 
 
 def test_help_is_the_header_and_names_both_recipes():

@@ -16,13 +16,13 @@ def test_sft_scores_the_reference_solution_with_cross_entropy(tmp_path):
     rows = dataset.select(range(2)).to_list()
     inputs = trainer._generate_and_score_completions(rows)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    for row, completion in zip(rows, inputs["completion_ids"]):  # no sampling: the reference, then EOS
+    for row, completion in zip(rows, inputs["completion_ids"], strict=False):  # no sampling: the reference, then EOS
         assert completion == tokenizer(row["solution"], add_special_tokens=False)["input_ids"] + [eos]
     loss = trainer.compute_loss(trainer.model, inputs)
 
     total, count = 0.0, 0  # independent: the untrained LoRA (B = 0) is the base model
     with torch.no_grad(), trainer.model.disable_adapter():
-        for prompt, completion in zip(inputs["student_prompt_ids"], inputs["completion_ids"]):
+        for prompt, completion in zip(inputs["student_prompt_ids"], inputs["completion_ids"], strict=False):
             ids = torch.tensor([prompt + completion])
             logp = trainer.model(input_ids=ids).logits[0, len(prompt) - 1:-1].double().log_softmax(-1)
             total -= logp.gather(-1, ids[0, len(prompt):, None]).sum().item()

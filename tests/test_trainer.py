@@ -358,7 +358,7 @@ def test_padding_geometries():
                                      pad)
         left = _completion_logprobs(model, build_scoring_batch(prompts, completions, pad_id=pad, pad_side="left"),
                                     pad)
-        for row, (p, c) in enumerate(zip(prompts, completions)):
+        for row, (p, c) in enumerate(zip(prompts, completions, strict=False)):
             alone = _completion_logprobs(model, build_scoring_batch([p], [c], pad_id=pad, pad_side="left"), pad)[0]
             torch.testing.assert_close(left[row, : len(c)], alone[: len(c)], rtol=1e-6, atol=1e-5)
             if row == 0:  # the short prompt has a pad gap of 5 under `right`
@@ -517,7 +517,7 @@ def test_logged_stats_are_the_mean_over_the_micro_batches(tmp_path, monkeypatch)
                                      "2", "--max_completion_length", "8")) == 0
     records = [r for r in read_metrics(out) if "opsd/true_kl" in r]
     assert [r["step"] for r in records] == [1, 2] and len(calls) == 4
-    for record, pair in zip(records, (calls[:2], calls[2:])):
+    for record, pair in zip(records, (calls[:2], calls[2:]), strict=False):
         for key in ("true_kl", "clipped_entry_frac", "student_entropy"):
             assert record[f"opsd/{key}"] == pytest.approx((pair[0][key] + pair[1][key]) / 2, rel=1e-6)
 
@@ -671,7 +671,7 @@ def test_reason_first_puts_the_teachers_analysis_into_its_context(tmp_path):
     with_analysis = reasoning._generate_and_score_completions(rows)["teacher_prompt_ids"]
     label = reasoning._tokenizer.decode(with_analysis[0])
     assert RATIONALE_LABEL in label
-    assert all(len(w) > len(p) for w, p in zip(with_analysis, without))
+    assert all(len(w) > len(p) for w, p in zip(with_analysis, without, strict=False))
 
 
 def test_lmbda_zero_uses_the_reference_solution_as_completion(tmp_path):
@@ -679,7 +679,7 @@ def test_lmbda_zero_uses_the_reference_solution_as_completion(tmp_path):
     rows = _rows(trainer)
     batch = trainer._generate_and_score_completions(rows)
     tok = trainer._tokenizer
-    for row, completion in zip(rows, batch["completion_ids"]):
+    for row, completion in zip(rows, batch["completion_ids"], strict=False):
         solution = tok(row["solution"], add_special_tokens=False)["input_ids"][: trainer.args.max_completion_length - 1]
         assert completion == solution + [tok.eos_token_id]
     assert all("timing/rollout_s" not in trainer._metrics[mode] for mode in ("train", "eval"))  # nothing sampled
@@ -690,7 +690,7 @@ def test_sft_always_trains_on_the_reference_solution(tmp_path):
     rows = _rows(trainer)
     batch = trainer._generate_and_score_completions(rows)
     tok = trainer._tokenizer
-    for row, completion in zip(rows, batch["completion_ids"]):
+    for row, completion in zip(rows, batch["completion_ids"], strict=False):
         solution = tok(row["solution"], add_special_tokens=False)["input_ids"][: trainer.args.max_completion_length - 1]
         assert completion == solution + [tok.eos_token_id]
     loss, stats = trainer._opsd_loss(trainer.model, batch)
@@ -835,7 +835,7 @@ def test_grouped_run_trains_like_the_micro_batches_it_groups(tmp_path):
         runs[name] = [r for r in read_metrics(out) if "opsd/true_kl" in r]
         assert json.loads((out / "run_config.json").read_text())["token_mean_rows"] == 2
     assert len(runs["separate"]) == len(runs["grouped"]) == 3
-    for a, b in zip(runs["separate"], runs["grouped"]):
+    for a, b in zip(runs["separate"], runs["grouped"], strict=False):
         # Step 1 from the same weights: float rounding only. Later steps start from weights that
         # differ by it, which Adam's normalised update amplifies in near-zero gradient entries.
         rel = 1e-5 if a["step"] == 1 else 1e-3

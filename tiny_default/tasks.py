@@ -47,7 +47,7 @@ def _mul(x: int, y: int) -> str:
 def _solution(steps: list[tuple[str, str]], answer: int, tail: str = "") -> str:
     words = ["First", "Next", "Then"] if len(steps) == 3 else ["First", "Then"]
     parts = [f"{word}, ${lhs} = {value}${tail if i == len(steps) - 1 else ''}."
-             for i, (word, (lhs, value)) in enumerate(zip(words, steps))]
+             for i, (word, (lhs, value)) in enumerate(zip(words, steps, strict=False))]
     return " ".join(parts) + f" The answer is \\boxed{{{answer}}}."
 
 

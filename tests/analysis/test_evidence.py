@@ -68,7 +68,7 @@ def seed_crossing(arm, seed, target, origin):
     """Hand interpolation on token_grid's numbers (steps 2 and 4)."""
     per_step = TOKENS_PER_STEP[arm][seed]
     points = [(0.0, origin)] + [(per_step * s, accuracy(CORRECT[arm][seed][s])) for s in (2, 4)]
-    for (t0, a0), (t1, a1) in zip(points, points[1:]):
+    for (t0, a0), (t1, a1) in zip(points, points[1:], strict=False):
         if a0 < target <= a1:
             return t0 + (target - a0) * (t1 - t0) / (a1 - a0)
     return None

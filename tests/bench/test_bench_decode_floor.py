@@ -66,7 +66,7 @@ def test_the_plain_read_reads_exactly_the_steps_bytes(interpreted_triton, monkey
     expected = [w[name][:, :, :6].sum() if name in ("key", "value") else w[name].sum()
                 for w in layer for name in ("qkv", "o", "gate_up", "down", "key", "value")] + [lm_head.sum()]
     assert len(calls) == len(expected)
-    for call, want in zip(calls, expected):
+    for call, want in zip(calls, expected, strict=False):
         torch.testing.assert_close(call.out.sum(), want, rtol=1e-5, atol=1e-4)
     weights = sum(w[name].numel() for w in layer for name in sizes) + lm_head.numel()
     assert sum(call.bytes for call in calls) == 4 * (weights + 2 * 2 * 2 * 3 * 6 * 4)

@@ -20,7 +20,7 @@ def reference_logprob(row: torch.Tensor, token: int, temperature: float, top_k: 
     order = sorted(range(values.numel()), key=lambda v: -float(values[v]))[:top_k]
     probs = torch.softmax(values[order], 0)
     kept, mass = [], 0.0
-    for v, p in zip(order, probs.tolist()):
+    for v, p in zip(order, probs.tolist(), strict=False):
         if mass >= top_p:
             break
         kept.append(v)

@@ -59,15 +59,15 @@ def assert_same(loss, stats, expected_loss, expected_stats, got_grads, expected_
 
 
 OPTIONS = [
-    dict(beta=0.0),  # the released default: analytic backward
-    dict(beta=0.0, clip=None, temperature=1.7),
-    dict(beta=0.0, clip_mode="token"),
-    dict(beta=0.0, top_k=10),
-    dict(beta=1.0),
-    dict(beta=1.0, clip_mode="token", temperature=0.6, top_k=25),
-    dict(beta=0.5),
-    dict(beta=0.5, clip=0),
-    dict(beta=0.5, clip_mode="token", top_k=10, temperature=1.3),
+    {"beta": 0.0},  # the released default: analytic backward
+    {"beta": 0.0, "clip": None, "temperature": 1.7},
+    {"beta": 0.0, "clip_mode": "token"},
+    {"beta": 0.0, "top_k": 10},
+    {"beta": 1.0},
+    {"beta": 1.0, "clip_mode": "token", "temperature": 0.6, "top_k": 25},
+    {"beta": 0.5},
+    {"beta": 0.5, "clip": 0},
+    {"beta": 0.5, "clip_mode": "token", "top_k": 10, "temperature": 1.3},
 ]
 
 
@@ -91,7 +91,7 @@ def test_divergence_matches_reference(opts, chunk_size):
 @pytest.mark.parametrize("chunk_size", [8, 100])
 def test_bias_and_frozen_head(chunk_size):
     student, teacher, weight, bias = make_inputs(with_bias=True)
-    opts = dict(beta=0.5, clip_mode="entry", top_k=20, temperature=1.2)
+    opts = {"beta": 0.5, "clip_mode": "entry", "top_k": 20, "temperature": 1.2}
     loss, stats = chunked_divergence_loss(
         student, teacher, weight, lm_head_bias=bias, chunk_size=chunk_size, **opts
     )
@@ -185,7 +185,7 @@ def test_teacher_hidden_gets_no_gradient():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(beta=2.0), dict(chunk_size=0), dict(top_k=-3)],
+    [{"beta": 2.0}, {"chunk_size": 0}, {"top_k": -3}],
 )
 def test_invalid_arguments_raise(kwargs):
     student, teacher, weight, _ = make_inputs()
@@ -210,7 +210,7 @@ def test_shape_mismatch_raises():
         chunked_tinker_loss(student, teacher, weight, torch.zeros(N + 1, dtype=torch.long))
 
 
-COMPILE_OPTIONS = [dict(beta=0.0), dict(beta=0.5, clip_mode="token", top_k=10, temperature=1.3)]
+COMPILE_OPTIONS = [{"beta": 0.0}, {"beta": 0.5, "clip_mode": "token", "top_k": 10, "temperature": 1.3}]
 COMPILE_IDS = ["analytic-grad", "autograd-grad"]
 
 

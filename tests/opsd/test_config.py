@@ -153,7 +153,7 @@ def test_budget_knobs_warn_with_line_and_are_ignored(tmp_path):
     recipe, warnings = parse_recipe(path)
     assert recipe == dataclasses.replace(Recipe(), beta=0.5)
     assert len(warnings) == len(BUDGET_KNOBS)
-    for line, (knob, warning) in enumerate(zip(BUDGET_KNOBS, warnings), start=2):
+    for line, (knob, warning) in enumerate(zip(BUDGET_KNOBS, warnings, strict=False), start=2):
         assert warning.startswith(f"{path}:{line}: {knob} ")
         assert "ignored" in warning and "\n" not in warning
 

@@ -20,7 +20,7 @@ SOURCES = ["math", "olympiads", "math", "amc_aime", "math", "olympiads", "cn_k12
 ROWS = [
     {"problem": f"problem {i}", "solution": f"solution {i}", "COT_Reason": "x" * n,
      "source": source, "Answer": str(i)}
-    for i, (n, source) in enumerate(zip(LENGTHS, SOURCES))
+    for i, (n, source) in enumerate(zip(LENGTHS, SOURCES, strict=False))
 ]
 
 
@@ -214,7 +214,7 @@ def test_shuffled_pairs_every_row_with_another_rows_solution(jsonl):
     solutions = [row["solution"] for row in ROWS]
     foreign = data[SHUFFLED_SOLUTION]
     assert sorted(foreign) == sorted(solutions)  # a permutation of the solutions
-    assert all(f != own for f, own in zip(foreign, solutions))  # never the row's own
+    assert all(f != own for f, own in zip(foreign, solutions, strict=False))  # never the row's own
     assert data.remove_columns(SHUFFLED_SOLUTION).to_list() == ROWS  # nothing else changes
 
 

@@ -210,11 +210,11 @@ def test_nanstd_equals_trls():
 
 
 LOSS_OPTIONS = [
-    dict(),  # on policy: ratio 1, no clip
-    dict(temperature=0.7),
-    dict(off_policy=True, eps_low=0.2, eps_high=0.28),  # the two-sided clip fires
-    dict(off_policy=True, temperature=1.3, beta=0.04),
-    dict(beta=0.1),
+    {},  # on policy: ratio 1, no clip
+    {"temperature": 0.7},
+    {"off_policy": True, "eps_low": 0.2, "eps_high": 0.28},  # the two-sided clip fires
+    {"off_policy": True, "temperature": 1.3, "beta": 0.04},
+    {"beta": 0.1},
 ]
 
 
@@ -230,9 +230,10 @@ def loss_inputs(opts, logits, ids, gen):
     ref = logp + 0.5 * torch.randn(logp.shape, generator=gen, dtype=F64) if opts.get("beta") else None
     eps_low, eps_high = opts.get("eps_low", 0.2), opts.get("eps_high")
     beta = opts.get("beta", 0.0)
-    reference = dict(temperature=temperature, eps_low=eps_low, eps_high=eps_high, old=old, ref=ref, beta=beta)
-    ours = dict(temperature=temperature, epsilon_low=eps_low, epsilon_high=eps_high, old_logp=old, ref_logp=ref,
-                beta=beta)
+    reference = {"temperature": temperature, "eps_low": eps_low, "eps_high": eps_high, "old": old, "ref": ref,
+                 "beta": beta}
+    ours = {"temperature": temperature, "epsilon_low": eps_low, "epsilon_high": eps_high, "old_logp": old,
+            "ref_logp": ref, "beta": beta}
     return reference, ours
 
 
@@ -515,7 +516,7 @@ def test_trl_sampling_flags_are_trls_grpo_defaults():
     TRL 1.16 GRPOConfig's defaults, and the docs give the same flags."""
     grpo_config = pytest.importorskip("trl").GRPOConfig
     defaults = {f.name: f.default for f in dataclasses.fields(grpo_config)}
-    flags = dict(zip(TRL_SAMPLING_FLAGS[::2], TRL_SAMPLING_FLAGS[1::2]))
+    flags = dict(zip(TRL_SAMPLING_FLAGS[::2], TRL_SAMPLING_FLAGS[1::2], strict=False))
     assert {k.lstrip("-"): type(defaults[k.lstrip("-")])(v) for k, v in flags.items()} == {
         "temperature": defaults["temperature"], "top_p": defaults["top_p"], "top_k": defaults["top_k"]}
     research = (Path(__file__).resolve().parents[2] / "docs" / "RESEARCH.md").read_text()

@@ -143,7 +143,7 @@ CLIPS = [("entry", 0.05), ("token", 0.05), ("entry", 0.0), ("token", None)]
 @pytest.mark.parametrize("beta", [0.0, 1.0, 0.5, 0.1])
 @pytest.mark.parametrize("shape,temperature,spread", SHAPES)
 def test_matches_reference(shape, temperature, spread, beta, clip_mode, clip, top_k):
-    opts = dict(beta=beta, temperature=temperature, clip=clip, clip_mode=clip_mode, top_k=top_k)
+    opts = {"beta": beta, "temperature": temperature, "clip": clip, "clip_mode": clip_mode, "top_k": top_k}
     student, teacher = make_logits(shape, spread)
     mask = make_mask(shape[0], shape[1])
 
@@ -257,7 +257,7 @@ def test_entry_clip_loss_can_be_negative():
 def test_bf16_inputs_match_float64(beta, clip_mode):
     student64, teacher64 = make_logits((3, 8, 3000), spread=5.0)
     mask = make_mask(3, 8)
-    opts = dict(beta=beta, clip_mode=clip_mode, temperature=1.1, clip=0.05)
+    opts = {"beta": beta, "clip_mode": clip_mode, "temperature": 1.1, "clip": 0.05}
     student16 = student64.detach().to(torch.bfloat16).requires_grad_(True)
     teacher16 = teacher64.to(torch.bfloat16)
 
@@ -334,7 +334,7 @@ def test_top_k_at_least_vocab_equals_full_vocab():
 
 @pytest.mark.parametrize(
     "opts",
-    [dict(beta=1.5), dict(beta=-0.1), dict(temperature=0.0), dict(clip=-0.1), dict(top_k=-1)],
+    [{"beta": 1.5}, {"beta": -0.1}, {"temperature": 0.0}, {"clip": -0.1}, {"top_k": -1}],
 )
 def test_invalid_options_raise(opts):
     student, teacher = make_logits((3, 2, 5))

@@ -15,10 +15,10 @@ CONFIG = {
 
 
 def data(**changes):
-    values = dict(folder="/runs/a/checkpoint-50", base_model="Qwen/Qwen3-1.7B", adapter_base="Qwen/Qwen3-1.7B",
-                  run_config=CONFIG, step=50, metrics={"step": 50, "loss": 0.0123, "opsd/true_kl": 0.25,
-                                                       "learning_rate": 2.5e-6, "timing/rollout_s": 3.0},
-                  problem="What is $2 + 3$?")
+    values = {"folder": "/runs/a/checkpoint-50", "base_model": "Qwen/Qwen3-1.7B", "adapter_base": "Qwen/Qwen3-1.7B",
+              "run_config": CONFIG, "step": 50, "metrics": {"step": 50, "loss": 0.0123, "opsd/true_kl": 0.25,
+                                                         "learning_rate": 2.5e-6, "timing/rollout_s": 3.0},
+              "problem": "What is $2 + 3$?"}
     values.update(changes)
     return model_card.CardData(**values)
 

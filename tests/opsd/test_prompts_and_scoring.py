@@ -233,7 +233,7 @@ def test_left_geometry():
 
 def test_left_positions_are_unpadded_positions():
     b = build_scoring_batch(PROMPTS, COMPLETIONS, pad_id=PAD, pad_side="left")
-    for row, (prompt, completion) in enumerate(zip(PROMPTS, COMPLETIONS)):
+    for row, (prompt, completion) in enumerate(zip(PROMPTS, COMPLETIONS, strict=False)):
         real = b.attention_mask[row].bool()
         assert b.position_ids[row][real].tolist() == list(range(len(prompt) + len(completion)))
 
@@ -442,7 +442,7 @@ def test_one_forward_gives_each_group_its_own_forward(side):
     for k, g in enumerate(groups):
         torch.testing.assert_close(scored(g, slice(2 * k, 2 * k + 2), one), scored(g), rtol=1e-12, atol=1e-12)
     if side == "right":
-        rows = [r for p, c in GROUPS for r in zip(p, c)]
+        rows = [r for p, c in GROUPS for r in zip(p, c, strict=False)]
         merged = build_scoring_batch([p for p, _ in rows], [c for _, c in rows], pad_id=PAD, pad_side=side)
         second = build_scoring_batch(*GROUPS[1], pad_id=PAD, pad_side=side)
         merged_second = scored(merged)[-int(second.completion_mask.sum()):]

@@ -128,7 +128,7 @@ def _full_logit_kl(model, prompts, completions, pad_id, temperature):
     written out here independently of the trainer: prompt, pads to the longest, completion."""
     width = max(map(len, prompts))
     out = []
-    for prompt, completion in zip(prompts, completions):
+    for prompt, completion in zip(prompts, completions, strict=False):
         ids = prompt + [pad_id] * (width - len(prompt)) + completion
         mask = [1] * len(prompt) + [0] * (width - len(prompt)) + [1] * len(completion)
         with torch.no_grad():

@@ -120,7 +120,7 @@ def test_layers_that_checkpoint_in_call_recompute_the_compiled_forward(detected,
         checkpointed.append(function)
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
-    for layer, on in zip(stack.layers, (True, False)):  # as every_n_layers=2 leaves them
+    for layer, on in zip(stack.layers, (True, False), strict=False):  # as every_n_layers=2 leaves them
         layer._gradient_checkpointing_func, layer.gradient_checkpointing = checkpoint, on
     x = torch.randn(4, 8, requires_grad=True)
     stack(x).backward()
@@ -147,5 +147,5 @@ def test_layers_that_checkpoint_in_call_recompute_the_compiled_forward(detected,
             loss.backward()
         return
     loss.backward()
-    for got, want in zip((p.grad for p in stack.parameters()), expected):
+    for got, want in zip((p.grad for p in stack.parameters()), expected, strict=False):
         torch.testing.assert_close(got, want)

@@ -118,7 +118,7 @@ def assert_loop_scores_like_a_forward(model, atol: float) -> None:
     the loop reports it, against one plain forward of the model over prompt + completion."""
     sampled = sample(model, SAMPLE)
     engine = StaticDecoder.for_model(model, merge_lora=True).sampled_logprobs(len(sampled))
-    for row, (prompt, samples) in enumerate(zip(prompts(), sampled)):
+    for row, (prompt, samples) in enumerate(zip(prompts(), sampled, strict=False)):
         ids = samples[0]
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]

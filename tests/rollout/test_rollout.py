@@ -299,7 +299,7 @@ def test_prefill_writes_the_cache_and_gives_each_prompts_last_logits(tiny, compi
     with torch.no_grad():
         alone = [model(torch.tensor([row]), use_cache=True) for row in rows]
     assert torch.allclose(logits, torch.stack([out.logits[0, -1] for out in alone]), rtol=0, atol=1e-9)
-    for i, (row, out) in enumerate(zip(rows, alone)):
+    for i, (row, out) in enumerate(zip(rows, alone, strict=False)):
         columns = slice(state.width - len(row), state.width)
         for layer in range(len(state.cache.keys)):
             key, value = out.past_key_values.layers[layer].keys, out.past_key_values.layers[layer].values
@@ -497,7 +497,7 @@ def test_engine_logprobs_match_the_trainers_forward(tiny, prompts, merge_lora):
     sampled = graph.generate(prompts, SAMPLE)
     engine = StaticDecoder.for_model(model, merge_lora=merge_lora).sampled_logprobs(len(prompts))
     model.eval()
-    for row, (prompt, samples) in enumerate(zip(prompts, sampled)):
+    for row, (prompt, samples) in enumerate(zip(prompts, sampled, strict=False)):
         ids = samples[0].ids
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
@@ -781,7 +781,7 @@ def test_paged_deadline_hands_back_partial_rows(tiny, prompts):
     assert len(run.tokens) == len(rows) and not all(run.finished)
     assert all(len(t) <= SAMPLE.max_new_tokens for t in run.tokens)
     assert all(len(t) == SAMPLE.max_new_tokens or t[-1:] == [tokenizer.eos_token_id]
-               for t, done in zip(run.tokens, run.finished) if done)
+               for t, done in zip(run.tokens, run.finished, strict=False) if done)
     assert model.config._attn_implementation == "sdpa"
     assert all_ids(backend.generate(prompts, GREEDY)) == all_ids(backend_for(tiny).generate(prompts, GREEDY))
 
@@ -968,8 +968,8 @@ def test_the_whole_row_draw_samples_what_generate_drew(tiny, prompts, top_p):
     settings = SamplingSettings(temperature=1.1, top_p=top_p, top_k=20, max_new_tokens=12)
     backend = backend_for(tiny)
     ids, mask = left_pad(prompts, tokenizer.pad_token_id, torch.device("cpu"))
-    common = dict(max_new_tokens=12, min_new_tokens=0, repetition_penalty=1.0, eos_token_id=[tokenizer.eos_token_id],
-                  pad_token_id=tokenizer.pad_token_id, do_sample=True)
+    common = {"max_new_tokens": 12, "min_new_tokens": 0, "repetition_penalty": 1.0,
+              "eos_token_id": [tokenizer.eos_token_id], "pad_token_id": tokenizer.pad_token_id, "do_sample": True}
     if top_p < 1:
         before_config = GenerationConfig(**common, temperature=1.0, top_p=1.0, top_k=0)
         before_processors = [TemperatureLogitsWarper(1.1), TopKLogitsWarper(20), rollout.NucleusFilter(top_p)]

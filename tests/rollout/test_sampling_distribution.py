@@ -119,7 +119,7 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
 def row_checks(draws: torch.Tensor, target: torch.Tensor) -> list[tuple[int, float]]:
     """Per row: (draws of filtered-out tokens, chi-square p-value)."""
     results = []
-    for row_draws, probs in zip(draws, target):
+    for row_draws, probs in zip(draws, target, strict=False):
         counts = torch.bincount(row_draws, minlength=VOCAB).numpy()
         probs = probs.numpy()
         results.append((int(counts[probs == 0].sum()), chi_square_p(counts, probs)))

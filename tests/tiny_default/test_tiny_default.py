@@ -262,7 +262,7 @@ def test_rebuild_in_fresh_cache_gives_identical_bytes(monkeypatch, tmp_path):
     monkeypatch.setenv("OPSD_CACHE", str(tmp_path))
     rebuilt = [td.tiny_train_path(), td.tiny_eval_path(), td.random_model_dir(0)]
     assert all(tmp_path in path.parents for path in rebuilt)
-    for old, new in zip(originals[:2], rebuilt[:2]):
+    for old, new in zip(originals[:2], rebuilt[:2], strict=False):
         assert old.read_bytes() == new.read_bytes(), old.name
     old_dir, new_dir = originals[2], rebuilt[2]
     assert sorted(p.name for p in old_dir.iterdir()) == sorted(p.name for p in new_dir.iterdir())
