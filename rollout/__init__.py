@@ -9,8 +9,8 @@ is built). This module is the package's facade; the code lives in:
 - `vllm_backend`: `VLLMBackend`, vLLM's offline engine, the production engine for evaluation on
   GPUs; and what the trainer's colocated vLLM shares with it (`vllm_environment`,
   `check_vllm_version`, `kv_cache_options`, the `VLLM_*` constants).
-- `choice`: `make_backend` picks and builds one by name ("transformers" | "vllm" | "auto";
-  `BACKENDS`, `resolve_backend_name`).
+- `choice`: `resolve_backend_name` picks one by name (`BACKENDS`: "transformers" | "vllm" |
+  "auto"); the trainer and evaluation each build the backend they use.
 - `backend`: what both share (`BackendUnavailable`, `eos_token_ids_of`).
 
 Behind the transformers backend: `static_decode` (the project's CUDA-graph decode loop),
@@ -30,7 +30,7 @@ completions, independently of whatever ran before in the process. Changing the b
 (transformers) or the engine may change the samples.
 """
 from rollout.backend import BackendUnavailable, eos_token_ids_of
-from rollout.choice import BACKENDS, make_backend, resolve_backend_name
+from rollout.choice import BACKENDS, resolve_backend_name
 from rollout.transformers_backend import CandidateDraw, NucleusFilter, TransformersBackend, sampling_processors
 from rollout.vllm_backend import (
     VLLM_ENV_DEFAULTS,
@@ -49,6 +49,6 @@ from rollout.vllm_backend import (
 __all__ = [
     "BACKENDS", "BackendUnavailable", "CandidateDraw", "NucleusFilter", "TransformersBackend", "VLLMBackend",
     "VLLM_ENV_DEFAULTS", "VLLM_LORA_RANKS", "VLLM_NO_FLASHINFER", "VLLM_RUN", "VLLM_SUPPORTED",
-    "check_vllm_version", "eos_token_ids_of", "kv_cache_options", "make_backend", "resolve_backend_name",
+    "check_vllm_version", "eos_token_ids_of", "kv_cache_options", "resolve_backend_name",
     "sampling_processors", "vllm_available", "vllm_environment", "vllm_lora_rank",
 ]
