@@ -94,11 +94,6 @@ def build_objective(settings: ObjectiveSettings) -> Objective:
     return BUILDERS[settings.objective, settings.implementation](settings)
 
 
-def make_objective(args) -> Objective:
-    """The run's objective for a resolved OPSDConfig."""
-    return build_objective(objective_settings(args))
-
-
 def _tokens(*values: torch.Tensor, batch: ScoringBatch) -> list[torch.Tensor]:
     """Each [B, C, ...] -> [N, ...]: the real completion tokens only."""
     return [select_completion_tokens(v, batch) for v in values]

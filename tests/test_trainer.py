@@ -19,7 +19,7 @@ import opsd_train
 import opsd_trainer
 from opsd import run_folder, scoring
 from opsd.model_utils import peft_wrapping
-from opsd.objective import make_objective
+from opsd.objective import build_objective, objective_settings
 from opsd.prompts import PromptBuilder
 from opsd.scoring import build_scoring_batch, completion_hidden_states
 from opsd.train_config import SCORING_PAD_MULTIPLE
@@ -712,7 +712,7 @@ def test_chunked_and_full_logit_paths_agree_in_the_trainer(tmp_path, objective):
     results = {}
     for impl in ("chunked", "logits"):
         trainer.args.loss_implementation = impl
-        trainer.objective = make_objective(trainer.args)  # the loss is chosen once, at start
+        trainer.objective = build_objective(objective_settings(trainer.args))  # the loss is chosen once, at start
         model.zero_grad()
         loss, stats = trainer._opsd_loss(model, inputs)
         loss.backward()
@@ -853,7 +853,7 @@ def _step_results(trainer, inputs, settings):
     results = []
     for layers, loss_math, checkpointing in settings:
         trainer.args.compile_layers, trainer.args.compile_loss = layers, loss_math
-        trainer.objective = make_objective(trainer.args)
+        trainer.objective = build_objective(objective_settings(trainer.args))
         set_checkpointing(model, checkpointing)  # under either transformers name (5.17, 5.24)
         model.zero_grad()
         graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from opsd import objective as objectives
-from opsd.objective import BUILDERS, IMPLEMENTATIONS, make_objective
+from opsd.objective import BUILDERS, IMPLEMENTATIONS, build_objective, objective_settings
 from opsd.scoring import build_scoring_batch
 from opsd.train_config import OPSDConfig, resolve_engine_defaults
 
@@ -22,7 +22,7 @@ def test_chunked_loss_takes_an_fsdp2_sharded_lm_head(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    objective = make_objective(_config(tmp_path))
+    objective = build_objective(objective_settings(_config(tmp_path)))
     gen = torch.Generator().manual_seed(0)
     hidden, vocab = 8, 40
     plain = torch.nn.Linear(hidden, vocab, bias=False).double()
@@ -58,8 +58,8 @@ def test_the_table_has_a_builder_for_every_objective_and_implementation():
     ({"loss_type": "sft", "use_tinker_loss": True}, "sft"),  # sft trains on the reference whatever the estimator
 ])
 def test_the_config_picks_the_objective_and_both_implementations_agree(tmp_path, values, name):
-    """make_objective picks BUILDERS[(objective, implementation)] from the config; the chunked
-    and the full-logit objective give the same loss and gradient (float64, random head)."""
+    """The config picks BUILDERS[(objective, implementation)] (objective_settings, build_objective);
+    the chunked and the full-logit objective give the same loss and gradient (float64, random head)."""
     settings = objectives.objective_settings(_config(tmp_path, **values))
     assert (settings.objective, settings.implementation) == (name, "chunked")
     gen = torch.Generator().manual_seed(3)
@@ -73,7 +73,7 @@ def test_the_config_picks_the_objective_and_both_implementations_agree(tmp_path,
     for implementation in IMPLEMENTATIONS:
         student = start.clone().requires_grad_(True)
         config = _config(tmp_path, loss_implementation=implementation, **values)
-        loss, stats = make_objective(config)(student, teacher, batch, head)
+        loss, stats = build_objective(objective_settings(config))(student, teacher, batch, head)
         loss.backward()
         results.append((loss.detach(), student.grad[batch.completion_mask.bool()], stats))
     (chunked, chunked_grad, chunked_stats), (full, full_grad, full_stats) = results
@@ -107,7 +107,7 @@ def test_the_grpo_objective_is_the_same_chunked_and_on_full_logits_and_needs_no_
         student = start.clone().requires_grad_(True)
         config = _config(tmp_path, loss_type="grpo", grpo_loss_type=grpo_loss_type,
                          loss_implementation=implementation)
-        loss, stats = make_objective(config)(student, None, batch, head, rewards)
+        loss, stats = build_objective(objective_settings(config))(student, None, batch, head, rewards)
         loss.backward()
         results.append((loss.detach(), student.grad[batch.completion_mask.bool()], stats))
     (chunked, chunked_grad, chunked_stats), (full, full_grad, full_stats) = results
