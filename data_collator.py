@@ -70,9 +70,9 @@ class OPSDCollator:
         """reason_first: the prompt that asks the teacher to analyse the reference, one per row."""
         return [self.prompts.reason_first_prompt_ids(row) for row in rows]
 
-    def scoring_batch(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-                      pad_side: str | None = None) -> ScoringBatch:
+    def scoring_batch(self, prompt_ids: Sequence[Sequence[int]],
+                      completion_ids: Sequence[Sequence[int]]) -> ScoringBatch:
         """One role's forward inputs: its prompts and the completions, padded by OPSD_PAD_SIDE's
-        geometry (`pad_side` overrides it: research.probe scores one set of rollouts under both)."""
-        return build_scoring_batch(prompt_ids, completion_ids, pad_id=self.pad_id, pad_side=pad_side or self.pad_side,
+        geometry (`pad_side`)."""
+        return build_scoring_batch(prompt_ids, completion_ids, pad_id=self.pad_id, pad_side=self.pad_side,
                                    pad_to_multiple_of=self.pad_to_multiple_of)

@@ -423,15 +423,7 @@ class OPSDTrainer(DistillationTrainer):
         losses, stats = zip(*results, strict=True)
         return torch.stack(losses).mean(), {k: torch.stack([s[k] for s in stats]).mean() for k in stats[0]}
 
-    def scoring_forwards(self, unwrapped, inputs, pad_side: str | None = None) -> ScoringForwards:
-        """Both roles' forwards of one micro-batch (per-row prompt and completion token lists),
-        as the loss sees them, as one group. `pad_side` overrides the run's geometry (the probe
-        scores one set of rollouts under several; research/probe.py)."""
-        rows = len(inputs["completion_ids"])
-        return self.grouped_scoring_forwards(unwrapped, inputs, pad_side=pad_side, rows=rows)[0]
-
-    def grouped_scoring_forwards(self, unwrapped, inputs, pad_side: str | None = None,
-                                 rows: int | None = None) -> list[ScoringForwards]:
+    def grouped_scoring_forwards(self, unwrapped, inputs, rows: int | None = None) -> list[ScoringForwards]:
         """Both roles' forwards of one micro-batch, in groups of `rows` rows (default
         `token_mean_rows`, else the whole micro-batch). Each group is padded as a micro-batch of
         its own; all groups go through one forward per role (`one_forward`)."""
@@ -441,8 +433,8 @@ class OPSDTrainer(DistillationTrainer):
         groups = [slice(start, start + rows) for start in range(0, len(completions), rows)]
 
         def batches(role):
-            return [to_device(self.collator.scoring_batch(inputs[f"{role}_prompt_ids"][g], completions[g], pad_side),
-                              device) for g in groups]
+            return [to_device(self.collator.scoring_batch(inputs[f"{role}_prompt_ids"][g], completions[g]), device)
+                    for g in groups]
 
         students, teachers = batches("student"), batches("teacher")
         if not self._alignment_checked:

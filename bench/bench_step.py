@@ -87,7 +87,7 @@ def trainer_stand_in(args, dev, compiled_layers=None) -> types.SimpleNamespace:
         objective_settings=(settings := objective_settings(args)),
         objective=build_objective(settings),
     )
-    for method in ("scoring_forwards", "grouped_scoring_forwards", "_teacher_weights", "_report_alignment",
+    for method in ("grouped_scoring_forwards", "_teacher_weights", "_report_alignment",
                    "_scoring_layers", "_adapters"):
         setattr(shim, method, types.MethodType(getattr(OPSDTrainer, method), shim))
     return shim

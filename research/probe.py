@@ -12,8 +12,8 @@ configurations, without training (OPSD_EXPERIMENTS.md, "Probe on frozen rollouts
    with the trainer's own rollout code seeded by `--seed`; or the rollouts are read back
    from a file written by `--save-rollouts`.
 3. The baseline and every `--variant` (a comma list of KEY=VALUE over VARIANT_KEYS) score
-   the same rollouts: the trainer's scoring forwards (`OPSDTrainer.scoring_forwards`, both
-   roles, its padding geometry, in micro-batches of `--batch-size`) and the loss's own
+   the same rollouts: the trainer's scoring forwards (`OPSDTrainer.grouped_scoring_forwards`,
+   both roles, the variant's padding geometry, in micro-batches of `--batch-size`) and the loss's own
    per-token function (`opsd.loss.rows_divergence`). Nothing is trained; the student is
    the model with a fresh LoRA adapter, i.e. the trainer's state at its first step, or
    with a run's adapter (`--checkpoint DIR`: checkpoint-N of a run, the trainer's state
@@ -65,6 +65,19 @@ VARIANT_KEYS = (
 STAT_COLUMNS = tuple((label, key.removeprefix("opsd/")) for label, key in KL_LINE_FIELDS if label != "nll")
 SHIFT_KEYS = ("lp_shift_student", "lp_shift_teacher")
 DEFAULT_ROWS = 8
+
+
+def scoring_forwards(trainer, model, inputs, pad_side: str | None = None):
+    """The trainer's forwards of both roles for one micro-batch as one group, as its loss sees
+    them; under `pad_side`'s geometry when given, the run's otherwise: the probe scores one set of
+    rollouts under several, so it lends the trainer a collator of that geometry for the call."""
+    collator = trainer.collator
+    if pad_side is not None:
+        trainer.collator = dataclasses.replace(collator, pad_side=pad_side)
+    try:
+        return trainer.grouped_scoring_forwards(model, inputs, rows=len(inputs["completion_ids"]))[0]
+    finally:
+        trainer.collator = collator
 
 
 class ProbeError(ValueError):
@@ -409,7 +422,7 @@ class Scorer:
 
         if key not in self._forwards:
             with torch.no_grad():
-                self._forwards[key] = self.trainer.scoring_forwards(self.model, inputs, pad_side=pad_side)
+                self._forwards[key] = scoring_forwards(self.trainer, self.model, inputs, pad_side)
         return self._forwards[key]
 
     def score(self, config) -> tuple[list[RowScores], dict]:
@@ -461,7 +474,7 @@ class Scorer:
         if key not in self._alone:
             inputs = {"student_prompt_ids": [student_prompt], "teacher_prompt_ids": [teacher_prompt],
                       "completion_ids": [self.completions[i]]}
-            alone, n = self.trainer.scoring_forwards(self.model, inputs), len(self.completions[i])
+            alone, n = scoring_forwards(self.trainer, self.model, inputs), len(self.completions[i])
             self._alone[key] = []
             for hidden in (alone.student_hidden[0, :n], alone.teacher_hidden[0, :n]):
                 dtype = compute_dtype(hidden, head.weight)

@@ -53,8 +53,6 @@ def test_the_padding_geometry_is_opsd_pad_sides(tmp_path, tokenizer, side):
     assert batch.pad_side == side and batch.prompt_width == 3  # both completions start at column 3
     assert batch.input_ids[0].tolist() == [1, 2, 3, 5, 6, pad]
     assert batch.input_ids[1].tolist() == ([4, pad, pad] if side == "right" else [pad, pad, 4]) + [7, 8, 9]
-    other = "left" if side == "right" else "right"
-    assert collator.scoring_batch(prompts, completions, pad_side=other).pad_side == other  # research.probe's
     wider = dataclasses.replace(collator, pad_to_multiple_of=8).scoring_batch(prompts, completions)
     assert wider.input_ids.shape[1] == 8 and wider.attention_mask[:, 6:].sum() == 0
 
@@ -67,10 +65,10 @@ def test_the_trainer_takes_both_roles_inputs_from_its_collator(tmp_path):
     inputs = trainer._generate_and_score_completions(rows)
     assert inputs["student_prompt_ids"] == trainer.collator.student_prompts(rows)
     assert inputs["teacher_prompt_ids"] == trainer.collator.teacher_prompts(rows)
-    forwards = trainer.scoring_forwards(trainer.model, inputs)
+    [forwards] = trainer.grouped_scoring_forwards(trainer.model, inputs)
     assert forwards.student.pad_side == forwards.teacher.pad_side == "left"
     trainer.collator = dataclasses.replace(trainer.collator, pad_side="right")
-    assert trainer.scoring_forwards(trainer.model, inputs).student.pad_side == "right"
+    assert trainer.grouped_scoring_forwards(trainer.model, inputs)[0].student.pad_side == "right"
 
 
 def test_the_trainer_file_builds_no_prompt_and_pads_nothing_itself():
