@@ -61,8 +61,7 @@ compare: the difference of means B - A, in points, with
    Welch-Satterthwaite df) when both arms have >= 2 runs; when one arm has a single
    run and the other >= 2, a t test that assumes the single run has the other
    arm's run-to-run sd: t = d / (s * sqrt(1 + 1/R)), df = R - 1. The p-value comes
-   from the Student-t CDF implemented here (regularized incomplete beta function,
-   continued fraction). Not available for 1 vs 1.
+   from the Student-t distribution (`scipy.stats.t`). Not available for 1 vs 1.
 3. per-problem paired tests, on each problem's mean accuracy over an arm's runs:
    an exact sign test (problems where B beats A vs where A beats B, ties dropped)
    and an exact sign-flip permutation test of the summed per-problem differences
@@ -93,6 +92,7 @@ from pathlib import Path
 from statistics import NormalDist
 
 import numpy as np
+from scipy.stats import t as student_t
 
 from analysis.tokens import (
     TokensError,
@@ -117,114 +117,33 @@ CHECKPOINTS_VS_ARMS = ("two checkpoints differ: these trained models score diffe
 
 
 # --------------------------------------------------------------------------
-# 1. The Student-t distribution (no scipy)
+# 1. The Student-t distribution (scipy.stats.t)
 # --------------------------------------------------------------------------
 
-def _continued_fraction(term, max_terms: int = 1000, eps: float = 1e-15) -> float:
-    """Value of 1 + a_1 / (1 + a_2 / (1 + a_3 / ...)) with a_j = term(j), by the
-    modified Lentz method (each partial denominator is 1)."""
-    tiny = 1e-300
-    value, c, d = 1.0, 1.0, 0.0
-    for j in range(1, max_terms + 1):
-        a = term(j)
-        d = 1.0 + a * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + a / c
-        c = c if abs(c) > tiny else tiny
-        step = c * d
-        value *= step
-        if abs(step - 1.0) < eps:
-            return value
-    raise ArithmeticError("continued fraction did not converge")
-
-
-def betainc(a: float, b: float, x: float) -> float:
-    """Regularized incomplete beta function I_x(a, b), for a, b > 0 and 0 <= x <= 1.
-
-    I_x(a, b) = x^a (1-x)^b / (a B(a, b)) / (1 + d_1 / (1 + d_2 / (1 + ...))) with
-    d_(2m+1) = -(a+m)(a+b+m) x / ((a+2m)(a+2m+1)) and d_(2m) = m(b-m) x / ((a+2m-1)(a+2m)).
-    The fraction converges fast for x < (a+1)/(a+b+2); above that the symmetry
-    I_x(a, b) = 1 - I_(1-x)(b, a) is used."""
-    if not 0.0 <= x <= 1.0:
-        raise ValueError(f"betainc needs 0 <= x <= 1, got {x}")
-    return _betainc(a, b, x, 1.0 - x)
-
-
-def _betainc(a: float, b: float, x: float, y: float) -> float:
-    """I_x(a, b) with y = 1 - x passed in separately, so that callers who know 1 - x
-    more precisely than the subtraction gives (the t CDF for large df) keep it."""
-    if a <= 0 or b <= 0:
-        raise ValueError(f"betainc needs a, b > 0, got a={a}, b={b}")
-    if x <= 0.0 or y <= 0.0:
-        return 0.0 if x <= 0.0 else 1.0
-    if x > (a + 1.0) / (a + b + 2.0):
-        return 1.0 - _betainc(b, a, y, x)
-
-    def term(j: int) -> float:
-        m = j // 2
-        if j % 2:  # odd: d_(2m+1)
-            return -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
-        return m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
-
-    log_front = (a * math.log(x) + b * math.log(y) - math.log(a)
-                 - (math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)))
-    return math.exp(log_front) / _continued_fraction(term)
-
-
-def _t_tail(t: float, df: float) -> float:
-    """P(|T| >= |t|) = I_(df/(df+t^2))(df/2, 1/2)."""
-    return _betainc(df / 2.0, 0.5, df / (df + t * t), t * t / (df + t * t))
-
-
-# Above this df the standard normal is used: it differs from Student's t by less
-# than 1e-8 there, less than the rounding of lgamma at such large arguments.
-NORMAL_DF = 1e7
+def _check_df(df: float) -> None:
+    if not df > 0:  # scipy answers nan for df <= 0; a caller's bug here must not become a p of nan
+        raise ValueError(f"df must be > 0, got {df}")
 
 
 def t_cdf(t: float, df: float) -> float:
     """P(T <= t) for Student's t with `df` > 0 degrees of freedom (df may be
     fractional, as Welch's is; df = inf is the standard normal)."""
-    if df <= 0:
-        raise ValueError(f"df must be > 0, got {df}")
-    if math.isinf(t):
-        return 1.0 if t > 0 else 0.0
-    if df > NORMAL_DF:
-        return NormalDist().cdf(t)
-    tail = 0.5 * _t_tail(t, df)  # P(T > |t|)
-    return 1.0 - tail if t > 0 else tail
+    _check_df(df)
+    return float(student_t.cdf(t, df))
 
 
 def t_two_sided_p(t: float, df: float) -> float:
     """P(|T| >= |t|)."""
-    if df <= 0:
-        raise ValueError(f"df must be > 0, got {df}")
-    if math.isinf(t):
-        return 0.0
-    if df > NORMAL_DF:
-        return 2.0 * NormalDist().cdf(-abs(t))
-    return min(1.0, _t_tail(t, df))
+    _check_df(df)
+    return min(1.0, 2.0 * float(student_t.sf(abs(t), df)))
 
 
 def t_ppf(q: float, df: float) -> float:
-    """The q-quantile of Student's t (inverse of t_cdf), by bisection."""
+    """The q-quantile of Student's t (inverse of t_cdf)."""
     if not 0.0 < q < 1.0:
         raise ValueError(f"q must be in (0, 1), got {q}")
-    if q < 0.5:
-        return -t_ppf(1.0 - q, df)
-    if q == 0.5:
-        return 0.0
-    low, high = 0.0, 1.0
-    while t_cdf(high, df) < q:
-        low, high = high, 2.0 * high
-    for _ in range(200):
-        mid = 0.5 * (low + high)
-        if t_cdf(mid, df) < q:
-            low = mid
-        else:
-            high = mid
-        if high - low < 1e-12 * max(1.0, high):
-            break
-    return 0.5 * (low + high)
+    _check_df(df)
+    return float(student_t.ppf(q, df))
 
 
 # --------------------------------------------------------------------------

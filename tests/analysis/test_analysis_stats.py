@@ -18,7 +18,6 @@ import pytest
 
 from analysis import stats as run_stats
 from analysis.stats import (
-    betainc,
     bootstrap_difference,
     bootstrap_mean,
     describe,
@@ -105,23 +104,14 @@ def difficulty():
 
 # ---------------------------------------------------------------- Student t
 
-@pytest.mark.parametrize("a, b", [(0.5, 0.5), (2.0, 3.0), (5.0, 0.5), (0.7, 12.0), (30.0, 30.0)])
-def test_betainc_closed_forms_and_symmetry(a, b):
-    for x in (0.01, 0.2, 0.5, 0.8, 0.99):
-        assert betainc(a, 1.0, x) == pytest.approx(x ** a, rel=1e-12)
-        assert betainc(1.0, b, x) == pytest.approx(1 - (1 - x) ** b, rel=1e-12)
-        assert betainc(a, b, x) == pytest.approx(1 - betainc(b, a, 1 - x), abs=1e-13)
-    assert betainc(a, a, 0.5) == pytest.approx(0.5, abs=1e-13)
-    assert (betainc(a, b, 0.0), betainc(a, b, 1.0)) == (0.0, 1.0)
-
-
 @pytest.mark.parametrize("t", [-30.0, -2.5, -0.3, 0.0, 0.7, 1.0, 4.2, 100.0])
 def test_t_cdf_closed_forms(t):
     assert t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, abs=1e-13)        # Cauchy
     assert t_cdf(t, 2) == pytest.approx(0.5 + t / (2 * math.sqrt(2 + t * t)), abs=1e-13)
     normal = 0.5 * (1 + math.erf(t / math.sqrt(2)))
     assert t_cdf(t, 1e5) == pytest.approx(normal, abs=2e-6)                 # t -> normal as df grows
-    assert t_cdf(t, 1e9) == pytest.approx(normal, abs=1e-12) == t_cdf(t, math.inf)
+    assert t_cdf(t, 1e9) == pytest.approx(normal, abs=1e-9)  # t - normal: about phi(t) (t^3 + t) / (4 df) < 0.2 / df
+    assert t_cdf(t, math.inf) == pytest.approx(normal, abs=1e-15)
 
 
 @pytest.mark.parametrize("t, df, p", [
