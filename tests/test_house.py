@@ -121,3 +121,29 @@ def test_the_installed_packages_are_the_house_and_nothing_patches_sys_path():
                for n, line in enumerate(path.read_text().splitlines(), 1)
                if re.search(r"sys\.path\.(insert|append)|PYTHONPATH", line) and not line.lstrip().startswith("#")]
     assert patches == []
+
+
+def test_drift_once_removed_stays_gone():
+    """Issue 53's drift: outside tests/, nothing defines `make_backend` or `make_objective` (tests
+    alone called them; the trainer and evaluation build their own backends, the trainer its
+    objective); neither the trainer nor the collator takes a `pad_side` (the probe's other
+    geometries are research/probe.py's); in opsd/, only train_config imports TRL (opsd/__init__.py
+    says so); analysis/stats.py takes Student's t from scipy, a requirement, not by hand."""
+    defined = [f"{path.relative_to(ROOT)}:{node.lineno}: {node.name}"
+               for path in files(".py") if "tests" not in path.relative_to(ROOT).parts
+               for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+               if isinstance(node, ast.FunctionDef) and node.name in ("make_backend", "make_objective")]
+    assert defined == []
+    hooks = [f"{name}:{node.lineno}: {node.name}" for name in ("opsd_trainer.py", "data_collator.py")
+             for node in ast.walk(ast.parse((ROOT / name).read_text(encoding="utf-8")))
+             if isinstance(node, ast.FunctionDef)
+             and "pad_side" in [a.arg for a in node.args.args + node.args.kwonlyargs]]
+    assert hooks == []
+    trl = sorted(path.name for path in (ROOT / "opsd").glob("*.py")
+                 for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                 if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "trl" for a in node.names)
+                 or isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "trl")
+    assert trl == ["train_config.py"]
+    assert "Only `train_config` imports TRL" in (ROOT / "opsd/__init__.py").read_text(encoding="utf-8")
+    stats = (ROOT / "analysis/stats.py").read_text(encoding="utf-8")
+    assert "from scipy.stats import t as student_t" in stats and "betainc" not in stats
