@@ -92,7 +92,6 @@ from pathlib import Path
 from statistics import NormalDist
 
 import numpy as np
-from scipy.stats import t as student_t
 
 from analysis.tokens import (
     TokensError,
@@ -120,6 +119,15 @@ CHECKPOINTS_VS_ARMS = ("two checkpoints differ: these trained models score diffe
 # 1. The Student-t distribution (scipy.stats.t)
 # --------------------------------------------------------------------------
 
+def _student_t():
+    """scipy.stats.t, imported when a t is first needed: scipy.stats takes most of a second to
+    import, which callers that want this module's constants or tables alone (research.grid's
+    final lines, `opsd stats tokens`) need not pay."""
+    from scipy.stats import t
+
+    return t
+
+
 def _check_df(df: float) -> None:
     if not df > 0:  # scipy answers nan for df <= 0; a caller's bug here must not become a p of nan
         raise ValueError(f"df must be > 0, got {df}")
@@ -129,13 +137,13 @@ def t_cdf(t: float, df: float) -> float:
     """P(T <= t) for Student's t with `df` > 0 degrees of freedom (df may be
     fractional, as Welch's is; df = inf is the standard normal)."""
     _check_df(df)
-    return float(student_t.cdf(t, df))
+    return float(_student_t().cdf(t, df))
 
 
 def t_two_sided_p(t: float, df: float) -> float:
     """P(|T| >= |t|)."""
     _check_df(df)
-    return min(1.0, 2.0 * float(student_t.sf(abs(t), df)))
+    return min(1.0, 2.0 * float(_student_t().sf(abs(t), df)))
 
 
 def t_ppf(q: float, df: float) -> float:
@@ -143,7 +151,7 @@ def t_ppf(q: float, df: float) -> float:
     if not 0.0 < q < 1.0:
         raise ValueError(f"q must be in (0, 1), got {q}")
     _check_df(df)
-    return float(student_t.ppf(q, df))
+    return float(_student_t().ppf(q, df))
 
 
 # --------------------------------------------------------------------------
