@@ -318,7 +318,7 @@ def run_here(grid: Grid, todo: list[Cell], args, gpus: list[str], slots: list, l
 def main(argv=None, prog: str = "python -m research.grid") -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in COMMANDS:  # `status DIR` / `cancel DIR`; else the first argument is the grid file
-        return folder_command(argv)
+        return folder_command(argv, prog)
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("grid", help="grid file (JSON)")
     parser.add_argument("--out", required=True, help="grid folder: one sub-folder per cell, results at the top")

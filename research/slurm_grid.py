@@ -580,12 +580,12 @@ def cancel(out: Path) -> int:
 COMMANDS = ("status", "cancel")
 
 
-def command(argv: list[str]) -> int:
-    """`python -m research.grid status DIR` / `cancel DIR`."""
+def command(argv: list[str], prog: str = "python -m research.grid") -> int:
+    """`python -m research.grid status DIR` / `cancel DIR` (`prog`: the grid command's name, `opsd grid`)."""
     import argparse
 
     name = argv[0]
-    parser = argparse.ArgumentParser(prog=f"python -m research.grid {name}", description=(
+    parser = argparse.ArgumentParser(prog=f"{prog} {name}", description=(
         "each cell of a grid folder: done / running where / pending / failed (with its log) / cancelled"
         if name == "status" else
         "scancel the grid's jobs and mark their cells cancelled (a waiting grid stops; a re-run resubmits them "

@@ -68,6 +68,8 @@ def test_opsd_grid_help_is_research_grids_own_under_its_name():
     assert result.returncode == 0 and result.stdout.startswith("usage: opsd grid ")
     renamed = own.stdout.replace("python -m research.grid", "opsd grid")
     assert " ".join(result.stdout.split()) == " ".join(renamed.split())
+    for sub in ("status", "cancel"):  # its subcommands under the same name
+        assert opsd("grid", sub, "--help").stdout.startswith(f"usage: opsd grid {sub} ")
 
 
 @pytest.mark.parametrize("args, message", [
