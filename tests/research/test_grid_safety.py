@@ -29,6 +29,19 @@ def _grid(tmp_path):
     return grid_file, grid, research.grid.cells(grid, tmp_path / "out")
 
 
+def _hold_run_lock(folder: Path) -> subprocess.Popen:
+    """Another live process holding `folder`'s RunLock (returns once it holds it; kill it to release)."""
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from opsd.run_folder import RunLock
+        with RunLock({str(folder)!r}):
+            print("held", flush=True)
+            time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
 def _only_error_line(run) -> str:
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     lines = run.stderr.strip().splitlines()
@@ -95,15 +108,8 @@ def test_a_cell_held_by_a_live_runner_is_refused_not_run_twice(tmp_path):
     _, grid, cells = _grid(tmp_path)
     cell = cells[0]
     cell.folder.mkdir(parents=True)
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import time
-        from opsd.run_folder import RunLock
-        with RunLock({str(cell.folder)!r}):
-            print("held", flush=True)
-            time.sleep(60)
-    """)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    holder = _hold_run_lock(cell.folder)
     try:
-        assert holder.stdout.readline().strip() == "held"
         outcome = grid_cell.run_cell(grid, cell, lambda message: None, gpus=())
     finally:
         holder.kill()
@@ -298,15 +304,8 @@ def test_status_names_the_process_running_a_cell_here(tmp_path):
     cell.folder.mkdir(parents=True)
     (cell.folder / "cell.json").write_text(json.dumps(grid_cell.cell_identity(grid, cell)))
     (cell.folder / "train.log").write_text(" 25%|##5       | 1/4 [00:04<00:12,  4.00s/it]")
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import time
-        from opsd.run_folder import RunLock
-        with RunLock({str(cell.folder)!r}):
-            print("held", flush=True)
-            time.sleep(60)
-    """)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    holder = _hold_run_lock(cell.folder)
     try:
-        assert holder.stdout.readline().strip() == "held"
         rows = {name: (state, rest) for name, state, rest in slurm_grid.cell_states(tmp_path / "out")}
     finally:
         holder.kill()
