@@ -22,7 +22,7 @@ environment:
   OPSD_EVAL_BACKEND  transformers | vllm | auto           (default auto: vllm with CUDA, else transformers)
   OPSD_EVAL_ENGINE   the transformers backend's engine: auto | dynamic | paged | static | graph | graph_compiled
                      (default auto: paged with CUDA, else and with OPSD_PRESET=tiny dynamic;
-                     python -m evaluation -h says more)
+                     python -m opsd.evaluation -h says more)
   OPSD_EVAL_PAGED_GIB  the paged engine's KV pool in GiB (default half the GPU's total memory, a quarter of RAM on CPU)
   OPSD_EVAL_OUT      output folder for eval_<name>.json   (default <repo>/outputs/eval/<dataset>)
   OPSD_PRESET=tiny   embedded tiny model and its 30-problem eval set, 8 samples of at most 96 tokens each
@@ -58,7 +58,7 @@ checkpoint="$1"
 
 args=("$checkpoint" --backend "${OPSD_EVAL_BACKEND:-auto}" --engine "${OPSD_EVAL_ENGINE:-auto}")
 if [[ -n "${OPSD_PRESET:-}" ]]; then args+=(--preset "$OPSD_PRESET"); fi
-# Only variables that are set are passed: the rest is python -m evaluation's to decide (the
+# Only variables that are set are passed: the rest is python -m opsd.evaluation's to decide (the
 # defaults above, the preset's, or those of the run a checkpoint's run_config.json records).
 if [[ -n "${OPSD_MODEL:-}" ]]; then args+=(--model "$(absolute_if_path "$OPSD_MODEL")"); fi
 if [[ -n "${OPSD_EVAL_DATA:-}" ]]; then args+=(--dataset "$(absolute_if_path "$OPSD_EVAL_DATA")"); fi
@@ -70,4 +70,4 @@ if [[ "$checkpoint" != base ]] && grep -qs '"preset": "tiny"' "$checkpoint/run_c
   echo "[eval] the tiny preset is a pipeline check: its 8 steps at the released learning rate leave the model at base accuracy; bash quickstart.sh shows a run that learns"
 fi
 cd "$repo"
-exec python -m evaluation "${args[@]}"
+exec python -m opsd.evaluation "${args[@]}"

@@ -53,7 +53,7 @@ TINY_PRESET = {  # the embedded default: its worked solutions take ~50 tokens, i
     "rollout_cache_implementation": "dynamic",
 }
 
-TINY_MODELS = ("tiny", "tiny-random")  # tiny_default.TINY, TINY_RANDOM: the embedded models
+TINY_MODELS = ("tiny", "tiny-random")  # opsd.tiny_default.TINY, TINY_RANDOM: the embedded models
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -222,7 +222,7 @@ def parse(argv=None, env=os.environ, quiet: bool = False):
     script_args, config = _layered_parser(layers).parse_args_and_config(argv)
     check_trackers(config.report_to)
     if config.use_vllm:
-        from rollout import BackendUnavailable, check_vllm_version
+        from opsd.rollout import BackendUnavailable, check_vllm_version
 
         try:
             check_vllm_version()
@@ -389,7 +389,7 @@ def build_model_and_tokenizer(script_args: ScriptArguments):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tiny_default import resolve_model
+    from opsd.tiny_default import resolve_model
 
     path = resolve_model(script_args.model_name_or_path)
     if script_args.dtype == "auto":
@@ -496,9 +496,9 @@ def _summary_line(trainer, started: float) -> str:
 
 
 def draw_curves(out: str) -> str | None:
-    """The run's curves.png beside metrics.jsonl (analysis/plots.py); its path, or None with one
+    """The run's curves.png beside metrics.jsonl (opsd/analysis/plots.py); its path, or None with one
     warning line: a finished run never fails for its figure."""
-    from analysis import plots as run_plots  # stdlib at import; matplotlib only once it draws
+    from opsd.analysis import plots as run_plots  # stdlib at import; matplotlib only once it draws
 
     drawn = run_plots.draw_or_warn("training curves", run_plots.plot_run_curves, out)
     return None if drawn is None else os.path.join(os.path.abspath(out), run_plots.CURVES_FILE)  # as checkpoints

@@ -20,7 +20,7 @@ This file is the trainer; its parts live in the method library: the config
 (opsd.train_config), the objective (opsd.objective), each role's prompts and padding geometry
 (data_collator.py, on opsd.prompts and opsd.scoring), the scoring forwards (opsd.scoring), the
 callbacks (opsd.callbacks), the checkpoint's card (opsd.model_card); the patches of TRL's
-vLLM code in rollout.trl_patches.
+vLLM code in opsd.rollout.trl_patches.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ from opsd.grpo import group_advantages, reward_stats
 from opsd.model_utils import checkpointing_is_on, peft_wrapping, set_checkpointing
 from opsd.objective import RowRewards, build_objective, objective_settings
 from opsd.rewards import grader_rewards
+from opsd.rollout import TransformersBackend, kv_cache_options, vllm_environment
+from opsd.rollout.compiled_layers import CompiledLayers
+from opsd.rollout.trl_patches import sync_merged_lora, trl_vllm_engine_options
 from opsd.run_folder import STAGING_DIR, CheckpointWriteError, pause_in_save, remove_if_empty
 from opsd.run_log import BACKWARD_TOKENS_KEY, FORWARD_TOKENS_KEY, SAMPLED_TOKENS_KEY
 from opsd.sampling import ROLLOUT_STREAMS, SamplingSettings, on_policy_step, rollout_seed, to_completion
@@ -62,9 +65,6 @@ from opsd.scoring import (
     to_device,
 )
 from opsd.train_config import OPSDConfig, resolve_engine_defaults
-from rollout import TransformersBackend, kv_cache_options, vllm_environment
-from rollout.compiled_layers import CompiledLayers
-from rollout.trl_patches import sync_merged_lora, trl_vllm_engine_options
 
 
 class NonFiniteLossError(RuntimeError):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install, then run the embedded default end to end (README "Quick start"): one grid
-# (research/grid.py) that evaluates the learned tiny model as it is (base), trains it with OPSD
+# (opsd/research/grid.py) that evaluates the learned tiny model as it is (base), trains it with OPSD
 # and evaluates the trained checkpoint on the same held-out set, then prints each cell's FINAL
-# line and each trained arm's verdict against base (analysis.stats).
+# line and each trained arm's verdict against base (opsd.analysis.stats).
 # - on a machine with a CUDA GPU, grids/quickstart_gpu.json: the released recipe and the arm that
 #   learns here (token clip + left padding), each at the full capped budget (100 steps x batch 32),
 #   on 200 held-out problems;
@@ -27,4 +27,4 @@ else
   grid=grids/quickstart_cpu.json out="${OPSD_OUTPUT:-outputs/quickstart-cpu}" options=()
   echo "[quickstart] CPU: base and token clip + left padding, 12 steps x batch 16 on one problem family ($grid -> $out)"
 fi
-python -m research.grid "$grid" --out "$out" "${options[@]}"  # ends with the FINAL lines and the verdicts
+python -m opsd.research.grid "$grid" --out "$out" "${options[@]}"  # ends with the FINAL lines and the verdicts

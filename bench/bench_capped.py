@@ -48,8 +48,7 @@ STEP_LINE = re.compile(r"\[OPSD kl\] step=(\d+)")
 
 
 def write_random_model(folder: Path, shape: str) -> None:
-    import tiny_default
-
+    from opsd import tiny_default
     model = common.build_base_model(shape)
     model.save_pretrained(folder)
     tiny_default.build_qwen3_tokenizer().save_pretrained(folder)

@@ -33,8 +33,8 @@ import time
 import common
 import torch
 
-from rollout.kernels import attention as decode_attention
-from rollout.kernels import qkv as decode_qkv
+from opsd.rollout.kernels import attention as decode_attention
+from opsd.rollout.kernels import qkv as decode_qkv
 
 LAYERS, BATCH, KV_HEADS, GROUPS, DIM, LENGTH = 28, 32, 8, 2, 128, 1216
 # (block, warps, stages, chunks, span) of split_kv to measure (chunks None: split_count decides;

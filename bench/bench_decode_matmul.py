@@ -31,9 +31,9 @@ import common
 import torch
 import torch.nn.functional as F
 
-from rollout.kernels import matmul as decode_matmul
-from rollout.kernels import triton_support as triton_support
-from rollout.kernels.matmul import GatedConfig, LaunchConfig
+from opsd.rollout.kernels import matmul as decode_matmul
+from opsd.rollout.kernels import triton_support as triton_support
+from opsd.rollout.kernels.matmul import GatedConfig, LaunchConfig
 
 ROWS, LAYERS = 32, 28
 SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (12288, 2048), "down": (2048, 6144),

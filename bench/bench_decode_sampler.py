@@ -23,7 +23,7 @@ import sys
 import common
 import torch
 
-from rollout.kernels import sampler as decode_sampler
+from opsd.rollout.kernels import sampler as decode_sampler
 
 ROWS, VOCAB, K, BLOCK, TEMPERATURE, TOP_P, DRAWS = 32, 151936, 20, 128, 1.1, 0.95, 10
 # 8 bits a pass ([keys x 256] comparisons) did not finish inside run 53's 80 s limit on the H200

@@ -8,7 +8,7 @@ The model is a random-init Qwen3-1.7B-shaped model (bf16, sdpa; `common.build_ba
 Rows are the evaluation's: `--rows` (default 360 = 30 problems x 12 samples) made of
 prompts of random tokens (lengths 100-300), each repeated 12 times, sampled with the
 frozen evaluation settings (temperature 1.0, top_p 0.95, no top-k) through
-`rollout.TransformersBackend`'s engines. EOS is made impossible (its id is the
+`opsd.rollout.TransformersBackend`'s engines. EOS is made impossible (its id is the
 vocabulary size, which no sample can draw), so every row runs to its budget.
 
 - paged: every row at once through `paged_decode.paged_generate` (what
@@ -44,9 +44,9 @@ import common
 import torch
 from bench_rollout import agreement
 
+from opsd.rollout import TransformersBackend
+from opsd.rollout import paged_decode as paged_decode
 from opsd.sampling import SamplingSettings
-from rollout import TransformersBackend
-from rollout import paged_decode as paged_decode
 
 PAD_ID = 151643
 SAMPLES_PER_PROMPT = 12  # the frozen settings' n_samples

@@ -19,8 +19,8 @@ import time
 import common
 import torch
 
-from rollout.kernels import lora_merge as lora_merge
-from rollout.merged_student import MergedStudent
+from opsd.rollout.kernels import lora_merge as lora_merge
+from opsd.rollout.merged_student import MergedStudent
 
 
 def timed_refresh(merged: MergedStudent, repeats: int) -> float:

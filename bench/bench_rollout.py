@@ -5,7 +5,7 @@
 
 The model is the trainer's: a peft LoRA (r=64, alpha=128, all projections) on the
 random-init base, sampled exactly as `OPSDTrainer._sample` does it
-(`rollout.TransformersBackend`, eval mode, no_grad, the recipe's temperature 1.1 /
+(`opsd.rollout.TransformersBackend`, eval mode, no_grad, the recipe's temperature 1.1 /
 top_p 0.95 / top_k 20, one batch of all prompts). Prompt lengths vary (left
 padding is exercised). Per configuration: the first call (compile / graph
 recording included) and the median of the timed calls, in generated tokens per
@@ -26,14 +26,14 @@ import common
 import torch
 
 from opsd.model_utils import causal_lm
+from opsd.rollout import TransformersBackend
+from opsd.rollout import static_decode as static_decode
+from opsd.rollout.kernels import attention as decode_attention
+from opsd.rollout.kernels import matmul as decode_matmul
+from opsd.rollout.kernels import qkv as decode_qkv
+from opsd.rollout.kernels import sampler as decode_sampler
+from opsd.rollout.static_decode import DECODE_ATTENTION, StaticDecoder
 from opsd.sampling import SamplingSettings
-from rollout import TransformersBackend
-from rollout import static_decode as static_decode
-from rollout.kernels import attention as decode_attention
-from rollout.kernels import matmul as decode_matmul
-from rollout.kernels import qkv as decode_qkv
-from rollout.kernels import sampler as decode_sampler
-from rollout.static_decode import DECODE_ATTENTION, StaticDecoder
 
 # configuration suffixes besides attn=NAME, qkv=NAME, topk=N
 FLAGS = ("merged", "fullkv", "unfused", "autotune", "torchmm", "torchgate", "nospan", "separateqkv", "eagerprefill")
@@ -171,7 +171,7 @@ def profile_decode_step(state, steps: int, log) -> dict:
     middle KV window of the rollout, as its recorded graph reads the cache."""
     from torch.profiler import ProfilerActivity, profile
 
-    from rollout.static_decode import _static_attention, attention_limit
+    from opsd.rollout.static_decode import _static_attention, attention_limit
 
     middle = len(state.limits) // 2
     limit = state.limits[middle]

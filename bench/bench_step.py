@@ -41,10 +41,10 @@ from data_collator import OPSDCollator
 from opsd.chunked_loss import chunked_divergence_loss
 from opsd.loss import divergence_loss
 from opsd.objective import build_objective, objective_settings
+from opsd.rollout.compiled_layers import CompiledLayers
 from opsd.scoring import build_scoring_batch, gather_completion_positions
 from opsd.train_config import OPSDConfig, default_scoring_pad_multiple, resolve_engine_defaults
 from opsd_trainer import OPSDTrainer
-from rollout.compiled_layers import CompiledLayers
 
 PAD_ID = 151643
 MEMORY_LIMIT_GIB = 80.0  # "fits" for the throughput target (an 80 GB card)

@@ -15,7 +15,7 @@ to its budget (`ignore_eos`), as a random model's rows do in the own engine's be
   hold against the own engine's `bench_rollout.py` at the same shape.
 - `--mode eval`: `bench_eval_engine.make_rows(360)` (30 prompts of 100-300 tokens x 12) x
   4096 new tokens with the frozen evaluation sampling (T 1.0, top-p 0.95), the engine as
-  `dev_eval.sh`'s vLLM backend builds it (`rollout.VLLMBackend`'s GPU share). Then the same
+  `dev_eval.sh`'s vLLM backend builds it (`opsd.rollout.VLLMBackend`'s GPU share). Then the same
   extrapolation to AIME avg@12 as `bench_eval_engine.py`: 360 samples of
   `--aime-mean-new-tokens` (default 12,000: an assumption, not a measurement) at the measured
   rate, a lower bound (attention grows with the context beyond what was measured, and rows
@@ -43,8 +43,7 @@ AIME_ROWS = 360  # 30 problems x 12 samples
 def write_model_folder(folder: Path, shape: str) -> Path:
     """config.json (bf16) + generation_config.json + the project's Qwen3 tokenizer: all vLLM reads
     when it draws the weights itself."""
-    import tiny_default
-
+    from opsd import tiny_default
     config = common.qwen3_config(shape)
     config.dtype = "bfloat16"  # what vLLM loads the model in
     config.architectures = ["Qwen3ForCausalLM"]
@@ -62,7 +61,7 @@ def mode_settings(mode: str, new_tokens: int | None) -> dict:
                 "new_tokens": new_tokens or 1024, "gpu_memory_utilization": ROLLOUT_GPU_SHARE, "repeats": 2}
     from bench_eval_engine import make_rows
 
-    from rollout import VLLMBackend
+    from opsd.rollout import VLLMBackend
 
     share = inspect.signature(VLLMBackend.__init__).parameters["gpu_memory_utilization"].default
     return {"rows": make_rows(AIME_ROWS, 100, 300), "temperature": 1.0, "top_p": 0.95, "top_k": 0,
@@ -70,7 +69,7 @@ def mode_settings(mode: str, new_tokens: int | None) -> dict:
 
 
 def run(folder: Path, settings: dict, log) -> dict:
-    from rollout import vllm_environment
+    from opsd.rollout import vllm_environment
 
     vllm_environment()  # the sampler without flashinfer where it is missing, as the project runs vLLM
     import vllm

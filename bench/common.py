@@ -6,7 +6,7 @@ Shapes (`SHAPES`, `--shape` of the scripts that take one):
   (vocab 151936, head_dim 128, 8 KV heads, rope_theta 1e6; 1.7B: hidden 2048, intermediate
   6144, 28 layers, 16 heads, tied embeddings; 4B: 2560 / 9728 / 36 / 32, tied; 8B:
   4096 / 12288 / 36 / 32, untied), bf16, sdpa; for the GPU machine.
-- `tiny`: the embedded tiny default (`tiny_default.build_tiny_model()`, fp32), so
+- `tiny`: the embedded tiny default (`opsd.tiny_default.build_tiny_model()`, fp32), so
   the whole benchmark runs end to end on a CPU in about a minute.
 """
 from __future__ import annotations
@@ -84,8 +84,7 @@ def build_base_model(shape: str, seed: int = 0):
 
     torch.manual_seed(seed)
     if shape == "tiny":
-        import tiny_default
-
+        from opsd import tiny_default
         model = tiny_default.build_tiny_model(seed).to(device())
         model.config._attn_implementation = "sdpa"
         return model

@@ -34,10 +34,10 @@ import common
 import torch
 import torch.nn.functional as F
 
-from rollout.kernels import attention as decode_attention
-from rollout.kernels import matmul as decode_matmul
-from rollout.kernels import triton_support
-from rollout.static_decode import decode_limits
+from opsd.rollout.kernels import attention as decode_attention
+from opsd.rollout.kernels import matmul as decode_matmul
+from opsd.rollout.kernels import triton_support
+from opsd.rollout.static_decode import decode_limits
 
 ROWS, WIDTH, NEW_TOKENS, WINDOW, KV_HEADS, HEAD_DIM, VOCAB = 32, 192, 1024, 128, 8, 128, 151936
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One grid, two executors, on this machine's GPU(s), in one call (BENCHMARKS.md, "Grids"):
 #   bash bench/grid_pool_gpu.sh OUT_DIR OLD_GRID_PY [GRID.json] [K]
-# A: OLD_GRID_PY (research/grid.py of a commit before the GPU pool: every cell a thread of one
+# A: OLD_GRID_PY (opsd/research/grid.py of a commit before the GPU pool: every cell a thread of one
 #    process, no GPU assignment) with --parallel K;
-# B: this checkout's research.grid, its GPU pool with --cells-per-gpu K (each cell its own
+# B: this checkout's opsd.research.grid, its GPU pool with --cells-per-gpu K (each cell its own
 #    CUDA_VISIBLE_DEVICES slot).
 # Same cells (default grids/quickstart_gpu.json, K = 3), each in its own folder; prints the wall
 # time of each and whether results.json and every cell's eval.json agree, and keeps the logs.
@@ -12,7 +12,7 @@
 # after the start (default 570).
 set -uo pipefail
 OUT_DIR=${1:?usage: grid_pool_gpu.sh OUT_DIR OLD_GRID_PY [GRID.json] [K]}
-OLD=${2:?the research/grid.py to compare with}
+OLD=${2:?the opsd/research/grid.py to compare with}
 GRID=${3:-grids/quickstart_gpu.json}
 K=${4:-3}
 END_S=${END_S:-570}
@@ -29,7 +29,7 @@ fi
 if [[ " $ARMS " == *" b "* ]]; then
   rm -rf /tmp/grid_b
   start=$SECONDS
-  timeout $((END_S - SECONDS)) python3 -m research.grid "$GRID" --out /tmp/grid_b --cells-per-gpu "$K" \
+  timeout $((END_S - SECONDS)) python3 -m opsd.research.grid "$GRID" --out /tmp/grid_b --cells-per-gpu "$K" \
     > "$OUT_DIR/grid_b.log" 2>&1
   echo "B (GPU pool, --cells-per-gpu $K) exit $? in $((SECONDS - start)) s" | tee -a /tmp/grid_pool_summary.txt
   grep -E "GPU pool|on GPU" "$OUT_DIR/grid_b.log" | head -8 | tee -a /tmp/grid_pool_summary.txt

@@ -25,8 +25,8 @@ import torch
 from bench_rollout import EOS_IDS, PAD_ID, bench_prompts, recipe_sampling, trainer_model
 
 from opsd.model_utils import causal_lm
-from rollout import TransformersBackend
-from rollout import static_decode as static_decode
+from opsd.rollout import TransformersBackend
+from opsd.rollout import static_decode as static_decode
 
 PHASES = (("refresh", static_decode.StaticDecoder, "network"), ("prefill", static_decode._DecodeState, "prefill"),
           ("run", static_decode._DecodeState, "run"), ("call", TransformersBackend, "generate"))

@@ -4,12 +4,12 @@
 # needs vLLM (0.26.0 with torch 2.11 was run) and the project's packages importable.
 # 1. checks/vllm_sync_check.py twice, in the background: as shipped (must pass) and with every
 #    weight sync after the first skipped (must fail);
-# 2. grids/tiny_engines.json with research/grid.py into runs/tiny_engines (resumable): the learned
+# 2. grids/tiny_engines.json with opsd/research/grid.py into runs/tiny_engines (resumable): the learned
 #    tiny default trained 100 x 32 by the own engine and by vLLM colocate (token clip + left
 #    padding, seeds 10-12), the released recipe by vLLM, every cell evaluated with vLLM; then
-#    python -m analysis.stats compare of the two engines' arms;
+#    python -m opsd.analysis.stats compare of the two engines' arms;
 # 3. eval parity: the base model and the vLLM-trained checkpoints evaluated again with the
-#    transformers backend, each pair compared problem by problem (python -m analysis.stats compare).
+#    transformers backend, each pair compared problem by problem (python -m opsd.analysis.stats compare).
 # Everything stops by END_S seconds after the start (default 560). OUT_DIR gets sync.json,
 # sync_skipped.json, results.md, parity.md and vllm_gpu.tgz (every log and report).
 set -uo pipefail
@@ -22,18 +22,18 @@ work=runs/vllm_gpu
 mkdir -p "$work"
 python3 -c "import vllm, torch, transformers, trl; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)" | tee -a "$OUT_DIR/machine.txt"
 
-python3 checks/vllm_sync_check.py --json "$OUT_DIR/sync.json" > "$work/sync.log" 2>&1 &
+python3 -m checks.vllm_sync_check --json "$OUT_DIR/sync.json" > "$work/sync.log" 2>&1 &
 sync_pid=$!
-python3 checks/vllm_sync_check.py --skip-sync --json "$OUT_DIR/sync_skipped.json" > "$work/sync_skipped.log" 2>&1 &
+python3 -m checks.vllm_sync_check --skip-sync --json "$OUT_DIR/sync_skipped.json" > "$work/sync_skipped.log" 2>&1 &
 stale_pid=$!
 
 grid=runs/tiny_engines
-timeout $((END_S - SECONDS - 150)) python3 -m research.grid grids/tiny_engines.json --out "$grid" --cells-per-gpu 10 \
+timeout $((END_S - SECONDS - 150)) python3 -m opsd.research.grid grids/tiny_engines.json --out "$grid" --cells-per-gpu 10 \
   > "$work/grid.log" 2>&1
-echo "research.grid exit $?" | tee -a "$work/grid.log"
+echo "opsd.research.grid exit $?" | tee -a "$work/grid.log"
 cp "$grid/results.md" "$OUT_DIR/results.md" 2>/dev/null
 { echo; echo "## Engines: own engine (A) vs vLLM colocate (B), token clip + left padding, seeds 10-12"
-  python3 -m analysis.stats compare --a "$grid"/own_token_left/seed-*/eval.json --b "$grid"/vllm_token_left/seed-*/eval.json 2>&1
+  python3 -m opsd.analysis.stats compare --a "$grid"/own_token_left/seed-*/eval.json --b "$grid"/vllm_token_left/seed-*/eval.json 2>&1
 } >> "$OUT_DIR/results.md"
 
 parity=runs/tiny_engines_parity
@@ -44,7 +44,7 @@ for cell in base vllm_token_left/seed-10 vllm_token_left/seed-11 vllm_token_left
   ckpt=base; [[ "$cell" == base ]] || ckpt="$grid/$cell/run/checkpoint-100"
   name=${cell//\//_}
   compgen -G "$parity/$name/eval_*.json" > /dev/null && continue  # done in an earlier call
-  timeout $((END_S - SECONDS - 20)) python3 -m evaluation "$ckpt" --preset tiny --dataset tiny:27182:200 \
+  timeout $((END_S - SECONDS - 20)) python3 -m opsd.evaluation "$ckpt" --preset tiny --dataset tiny:27182:200 \
     --backend transformers --output-dir "$parity/$name" > "$work/parity_$name.log" 2>&1 &
   pids+=($!)
 done
@@ -56,7 +56,7 @@ wait "${pids[@]}" 2>/dev/null
     hf=$(ls "$parity/$name"/eval_*.json 2>/dev/null | head -1)
     [[ -n "$hf" ]] || { echo "$cell: no transformers report"; continue; }
     echo "## $cell"
-    python3 -m analysis.stats compare --a "$grid/$cell/eval.json" --b "$hf" 2>&1 | grep -E "^(arm|A |B |  per problem|verdict)"
+    python3 -m opsd.analysis.stats compare --a "$grid/$cell/eval.json" --b "$hf" 2>&1 | grep -E "^(arm|A |B |  per problem|verdict)"
   done
 } > "$OUT_DIR/parity.md" 2>&1
 

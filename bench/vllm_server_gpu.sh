@@ -16,7 +16,7 @@ OUT_DIR=${1:?usage: vllm_server_gpu.sh OUT_DIR}
 PORT=${PORT:-8000}
 source "$(dirname "$0")/gpu_env.sh"
 gpu_env "$OUT_DIR" || exit 1
-model=$(python3 -c "import tiny_default; print(tiny_default.resolve_model('tiny'))")
+model=$(python3 -c "from opsd import tiny_default; print(tiny_default.resolve_model('tiny'))")
 work=runs/vllm_server
 rm -rf "$work"; mkdir -p "$work"
 

@@ -1,10 +1,10 @@
 """Does vLLM sample from the student the trainer holds? (GPU machine with vLLM)
 
-    python checks/vllm_sync_check.py --json $OUT/sync.json                 # must pass (exit 0)
-    python checks/vllm_sync_check.py --skip-sync --json $OUT/stale.json    # must fail (exit 1): the check's own test
+    python -m checks.vllm_sync_check --json $OUT/sync.json                 # must pass (exit 0)
+    python -m checks.vllm_sync_check --skip-sync --json $OUT/stale.json    # must fail (exit 1): the check's own test
 
 Runs `OPSDTrainer` with vLLM colocate (TRL's `VLLMGeneration`, with the project's out-of-place
-LoRA merge, `rollout/vllm_weights.py`) on the learned tiny default at the arm that learns there
+LoRA merge, `opsd/rollout/vllm_weights.py`) on the learned tiny default at the arm that learns there
 (`OPSD_CLIP_MODE=token`, `OPSD_PAD_SIDE=left`, lr 2e-4, batch 32) for `--steps` optimizer steps.
 At every rollout, after k optimizer steps (k = 0 .. steps-1), it compares two distributions over
 the tokens vLLM sampled:

@@ -1,4 +1,10 @@
-"""The method's library: what OPSD is, apart from any engine or entry point.
+"""The project's one installed package. Its layers are subpackages, bottom up (tests/test_imports.py):
+`tiny_default` (the embedded offline default), the modules of this folder (the method's library,
+below), `rollout` (the rollout engine) and `analysis` (statistics, plots), `evaluation`, then the
+research fork's root files (opsd_train.py, opsd_trainer.py, data_collator.py), `research` (grids,
+the probe) and `command` (the `opsd` command).
+
+The method's library is what OPSD is, apart from any engine or entry point:
 
 - `config`: every setting declared once (recipe keys, `OPSD_*` switches and variables, the
   accelerate configs), parsed and validated before anything loads (`python -m opsd.config`);

@@ -2,7 +2,7 @@
 
 Each subcommand is an entry point's own command line, given the rest of the arguments
 unchanged and its name as `prog`: `opsd grid GRID.json --out DIR` is
-`python -m research.grid GRID.json --out DIR`, and `opsd grid --help` is research.grid's help
+`python -m opsd.research.grid GRID.json --out DIR`, and `opsd grid --help` is opsd.research.grid's help
 with `opsd grid` in its usage line. `python -m ...` keeps working; train_capped.sh and
 dev_eval.sh call the same code.
 
@@ -29,31 +29,31 @@ def _train(argv: list[str], prog: str) -> int:
 
 
 def _eval(argv: list[str], prog: str) -> int:
-    from evaluation.evaluate import main
+    from opsd.evaluation.evaluate import main
 
     return main(argv, prog=prog)
 
 
 def _grid(argv: list[str], prog: str) -> int:
-    from research.grid import main
+    from opsd.research.grid import main
 
     return main(argv, prog=prog)
 
 
 def _stats(argv: list[str], prog: str) -> int:
-    from analysis.stats import main
+    from opsd.analysis.stats import main
 
     return main(argv, prog=prog)
 
 
 def _plot(argv: list[str], prog: str) -> int:
-    from analysis.plots import main
+    from opsd.analysis.plots import main
 
     return main(argv, prog=prog)
 
 
 def _probe(argv: list[str], prog: str) -> int:
-    from research.probe import main
+    from opsd.research.probe import main
 
     return main(argv, prog=prog)
 

@@ -485,7 +485,7 @@ SCRIPT_VARIABLES = {
                             "train_capped.sh, quickstart.sh"),
     "OPSD_PRESET": Variable("`tiny`: embedded model + data, 8 steps x batch 4, completions of at most 64 tokens, "
                             "no compilation (`OPSD_MODEL` / `OPSD_DATA`, when set, still win)", "unset",
-                            "train_capped.sh, dev_eval.sh, python -m evaluation", ("tiny",),
+                            "train_capped.sh, dev_eval.sh, python -m opsd.evaluation", ("tiny",),
                             "is not a preset; the only one is tiny (or leave it unset)"),
     "OPSD_NUM_PROCESSES": Variable("training processes, one GPU each; fewer than the visible GPUs train on the "
                                    "first ones", "the visible GPUs (server mode: less the server's), else 1",
@@ -518,10 +518,10 @@ SCRIPT_VARIABLES = {
                                  "`graph_compiled`", "`auto` (`paged` on CUDA, else `dynamic`)", "dev_eval.sh"),
     "OPSD_EVAL_PAGED_GIB": Variable("the paged engine's KV pool in GiB (the samples depend on it; other engines "
                                     "ignore it)", "half the GPU's total memory, a quarter of RAM on CPU; in a "
-                                    "`research.grid` cell 32", "python -m evaluation, dev_eval.sh"),
+                                    "`opsd.research.grid` cell 32", "python -m opsd.evaluation, dev_eval.sh"),
     "OPSD_EVAL_OUT": Variable("folder of `eval_<name>.json`", "`outputs/eval/<dataset>`", "dev_eval.sh"),
     "OPSD_CACHE": Variable("the embedded default's cache folder", "`.cache/opsd` in the repository",
-                           "tiny_default"),
+                           "opsd.tiny_default"),
 }
 # Known but not a user setting: accepted by check_env, listed by neither `variables` nor the docs' tables.
 INTERNAL_VARIABLES = {

@@ -6,7 +6,7 @@ or row at fault.
 
 A data `spec` is one of:
 - "tiny", "tiny:SEED", "tiny:SEED:N" or "tiny:SEED:N:FAMILY": the embedded default's generated sets
-  (`tiny_default`; offline runs, tests);
+  (`opsd.tiny_default`; offline runs, tests);
 - a local `.json` (a JSON list of objects, or JSON lines), `.jsonl` or `.parquet` file;
 - otherwise a Hugging Face dataset name, loaded with `load_dataset(name, split="train")`.
 
@@ -47,7 +47,7 @@ from opsd.prompts import SHUFFLED_SOLUTION
 
 RELEASED_TRAIN_DATASET = "siyanzhao/Openthoughts_math_30k_opsd"
 DEFAULT_EVAL_DATASET = "HuggingFaceH4/aime_2024"  # split "train", columns problem, answer
-TINY = "tiny"  # tiny_default.TINY; checked here so that real runs never import tiny_default
+TINY = "tiny"  # opsd.tiny_default.TINY; checked here so that real runs never import tiny_default
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
 
 
@@ -104,8 +104,7 @@ def _load(spec: str, role: str) -> tuple[datasets.Dataset, str]:
     """The raw table (at least one row) and how to name it in messages
     ("train file data/x.jsonl", "eval dataset HuggingFaceH4/aime_2024")."""
     if spec == TINY or spec.startswith(TINY + ":"):
-        import tiny_default
-
+        from opsd import tiny_default
         if not tiny_default.is_tiny_name(spec):
             raise DataError(f"{role} dataset {spec!r}: expected {tiny_default.NAME_FORMS} "
                             f"(SEED an integer >= 0, N >= 1, FAMILY one of {', '.join(tiny_default.tasks.SOURCES)})")

@@ -4,7 +4,7 @@ compared by normalised string form and by math-verify, in a worker process that 
     from opsd.grading import grade, is_correct
     grade(completion, gold, truncated=False)  # GradeResult(answer, correct, reason)
 
-The evaluation (evaluation.evaluate) grades every sample with `grade_sample`; research code
+The evaluation (opsd.evaluation.evaluate) grades every sample with `grade_sample`; research code
 calls `is_correct` / `grade` / `check_answer` the same way, from a script, `python -c` or a
 notebook. An answer checker that fails raises GradingError, never a "wrong" grade. Imports the
 standard library and opsd.answers only (math-verify runs in opsd/grading_worker.py, a

@@ -1,7 +1,7 @@
 """JSON-lines files (one JSON object per line) read with one-line errors.
 
-Shared by the readers of training data (`opsd.data`), of saved rollouts (`research.probe`)
-and of `metrics.jsonl` (`analysis.plots`); each passes its own error class and keeps its own
+Shared by the readers of training data (`opsd.data`), of saved rollouts (`opsd.research.probe`)
+and of `metrics.jsonl` (`opsd.analysis.plots`); each passes its own error class and keeps its own
 field checks. Blank lines are skipped; lines are numbered from 1 as an editor shows them.
 Every problem is `error(message)` with a one-line message naming the file (as `name`,
 the path unless given) and, for a bad line, its number:

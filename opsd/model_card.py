@@ -23,7 +23,7 @@ from opsd.config import SWITCH_VALUES, SWITCH_VARIABLES, Recipe
 from opsd.prompts import student_enable_thinking, student_messages
 from opsd.run_folder import write_text_atomic
 from opsd.run_log import KL_LINE_FIELDS
-from tiny_default import resolve_model
+from opsd.tiny_default import resolve_model
 
 CARD_FILE = "README.md"
 EMBEDDED_MODELS = ("tiny", "tiny-random")  # tiny_default's models: a folder in its cache
@@ -187,9 +187,10 @@ def model_card(data: CardData) -> str:
               "This folder holds the adapter and the tokenizer; `adapter_config.json` names the base model "
               f"(`{data.adapter_base}`), which `AutoPeftModelForCausalLM` loads."]
     if data.base_model in EMBEDDED_MODELS:
-        lines.append(f"That is the cache folder `{data.base_model}` was built into; if it is gone, rebuild it "
-                     "from the repository's root with the same OPSD_CACHE: "
-                     f"`python -c \"from tiny_default import resolve_model; resolve_model('{data.base_model}')\"`.")
+        lines.append(f"That is the cache folder `{data.base_model}` was built into; if it is gone, rebuild "
+                     "it from the repository's root with the same OPSD_CACHE: "
+                     "`python -c \"from opsd.tiny_default import resolve_model; "
+                     f"resolve_model('{data.base_model}')\"`.")
     lines += ["", "```python", loading_snippet(data).rstrip("\n"), "```", ""]
     return "\n".join(lines)
 

@@ -10,10 +10,10 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-# The engines of rollout.TransformersBackend (None = "dynamic"; "paged" is rollout/paged_decode.py),
+# The engines of opsd.rollout.TransformersBackend (None = "dynamic"; "paged" is opsd/rollout/paged_decode.py),
 # declared here so that the trainer's config can check them without importing the engine.
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static", "graph", "graph_compiled", "paged", "auto")
-GRAPH_LOOPS = ("graph", "graph_compiled")  # the CUDA-graph decode loops (rollout.static_decode)
+GRAPH_LOOPS = ("graph", "graph_compiled")  # the CUDA-graph decode loops (opsd.rollout.static_decode)
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,7 @@ class OPSDConfig(DistillationConfig):
             "help": "transformers rollouts (when vLLM is off): auto (CUDA: graph_compiled, the compiled and "
             "recorded static-cache decode loop, measured fastest in BENCHMARKS.md; CPU: the dynamic cache), "
             "graph_compiled, graph, static (generate + static cache), paged (transformers' continuous batching over "
-            "a bounded paged KV cache, rollout/paged_decode.py; meant for long evaluations) or dynamic / None "
+            "a bounded paged KV cache, opsd/rollout/paged_decode.py; meant for long evaluations) or dynamic / None "
             "(generate + dynamic cache)."
         },
     )

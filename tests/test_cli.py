@@ -7,7 +7,7 @@ from test_trainer import _fake_tracker, _without_report_to, tiny_argv
 import opsd_train
 from data_collator import prompt_builder
 from opsd import train_config
-from tiny_default import build_qwen3_tokenizer
+from opsd.tiny_default import build_qwen3_tokenizer
 
 SWITCHES = [
     ("OPSD_CLIP_MODE", "token", "clip_mode"),

@@ -17,11 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # main it calls.
 ENTRY_POINTS = {
     "train": ("opsd_train", [sys.executable, "opsd_train.py"]),
-    "eval": ("evaluation.evaluate", [sys.executable, "-m", "evaluation"]),
-    "grid": ("research.grid", [sys.executable, "-m", "research.grid"]),
-    "stats": ("analysis.stats", [sys.executable, "-m", "analysis.stats"]),
-    "plot": ("analysis.plots", [sys.executable, "-m", "analysis.plots"]),
-    "probe": ("research.probe", [sys.executable, "-m", "research.probe"]),
+    "eval": ("opsd.evaluation.evaluate", [sys.executable, "-m", "opsd.evaluation"]),
+    "grid": ("opsd.research.grid", [sys.executable, "-m", "opsd.research.grid"]),
+    "stats": ("opsd.analysis.stats", [sys.executable, "-m", "opsd.analysis.stats"]),
+    "plot": ("opsd.analysis.plots", [sys.executable, "-m", "opsd.analysis.plots"]),
+    "probe": ("opsd.research.probe", [sys.executable, "-m", "opsd.research.probe"]),
     "config": ("opsd.config", [sys.executable, "-m", "opsd.config"]),
     "doctor": ("opsd.gpu_stack", [sys.executable, "checks/check_gpu_stack.py"]),
 }
@@ -63,10 +63,10 @@ def test_opsd_config_variables_is_the_modules_own():
 
 
 def test_opsd_grid_help_is_research_grids_own_under_its_name():
-    """The arguments go through unchanged, so subcommands research.grid gains arrive as they are."""
+    """The arguments go through unchanged, so subcommands opsd.research.grid gains arrive as they are."""
     result, own = opsd("grid", "--help"), same_as("grid", "--help")
     assert result.returncode == 0 and result.stdout.startswith("usage: opsd grid ")
-    renamed = own.stdout.replace("python -m research.grid", "opsd grid")
+    renamed = own.stdout.replace("python -m opsd.research.grid", "opsd grid")
     assert " ".join(result.stdout.split()) == " ".join(renamed.split())
     for sub in ("status", "cancel"):  # its subcommands under the same name
         assert opsd("grid", sub, "--help").stdout.startswith(f"usage: opsd grid {sub} ")

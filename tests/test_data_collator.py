@@ -10,7 +10,7 @@ from test_trainer import make_trainer, tiny_argv
 
 import opsd_train
 from data_collator import OPSDCollator
-from tiny_default import build_qwen3_tokenizer
+from opsd.tiny_default import build_qwen3_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

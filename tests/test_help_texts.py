@@ -37,12 +37,12 @@ def test_opsd_train_help_is_short_fast_and_points_to_the_full_list():
 
 
 def test_grid_and_stats_help_name_no_internal_module_and_say_where_the_format_is():
-    grid = run("-m", "research.grid", "--help")
+    grid = run("-m", "opsd.research.grid", "--help")
     assert grid.returncode == 0
     assert "run_stats" not in grid.stdout and "docs/RESEARCH.md" in grid.stdout
-    tokens = run("-m", "analysis.stats", "tokens", "--help")
+    tokens = run("-m", "opsd.analysis.stats", "tokens", "--help")
     assert tokens.returncode == 0
-    assert "an research" not in tokens.stdout and "a research.grid folder" in tokens.stdout
+    assert "an research" not in tokens.stdout and "a opsd.research.grid folder" in tokens.stdout
 
 
 def test_variables_state_defaults_without_nested_parentheses():
@@ -60,12 +60,12 @@ def test_variables_state_defaults_without_nested_parentheses():
 
 def test_the_paged_pools_default_is_stated_one_way_everywhere():
     from opsd.config import SCRIPT_VARIABLES
-    from rollout.paged_decode import CACHE_FRACTION
+    from opsd.rollout.paged_decode import CACHE_FRACTION
 
     assert CACHE_FRACTION == {"cuda": 0.5, "cpu": 0.25}  # what the words below say
     words = "half the GPU's total memory, a quarter of RAM on CPU"
     assert SCRIPT_VARIABLES["OPSD_EVAL_PAGED_GIB"].default.startswith(words)
-    for path in ("dev_eval.sh", "docs/SPEC.md", "docs/EVALUATION.md", "docs/ENGINE.md", "evaluation/evaluate.py"):
+    for path in ("dev_eval.sh", "docs/SPEC.md", "docs/EVALUATION.md", "docs/ENGINE.md", "opsd/evaluation/evaluate.py"):
         text = " ".join((ROOT / path).read_text(encoding="utf-8").replace('"', " ").split())
         mentions = text.split("half the GPU's")[1:]
         assert mentions and all(m.startswith(words.removeprefix("half the GPU's")) for m in mentions), path

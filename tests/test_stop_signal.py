@@ -67,8 +67,8 @@ def test_a_stop_request_with_stdout_gone_is_still_one(monkeypatch):
 def test_a_grid_cells_launcher_waits_for_the_checkpoint_within_slurms_wait(tmp_path, monkeypatch):
     """A 2-GPU grid cell trains under accelerate launch with the launcher's grace set (not torch's
     30 s), and shorter than SlurmCell.checkpoint's wait, which then kills the launcher."""
-    from research import cell as research_cell
-    from research import slurm_grid
+    from opsd.research import cell as research_cell
+    from opsd.research import slurm_grid
 
     class Launched(Exception):
         pass

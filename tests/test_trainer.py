@@ -22,9 +22,9 @@ from opsd.model_utils import peft_wrapping
 from opsd.objective import build_objective, objective_settings
 from opsd.prompts import PromptBuilder
 from opsd.scoring import build_scoring_batch, completion_hidden_states
+from opsd.tiny_default import build_qwen3_tokenizer, resolve_model
 from opsd.train_config import SCORING_PAD_MULTIPLE
 from opsd_trainer import OPSDTrainer
-from tiny_default import build_qwen3_tokenizer, resolve_model
 
 # The sharp random tiny model: large divergences and clips that fire, so the numerical
 # comparisons below are meaningful (the learned `tiny` sits near clip thresholds).
@@ -159,8 +159,7 @@ def test_a_tiny_checkpoint_loads_the_hugging_face_way_and_its_cards_snippet_runs
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoTokenizer
 
-    import tiny_default
-
+    from opsd import tiny_default
     out = tmp_path / "run"
     argv = tiny_argv(out, 1, "--max_completion_length", "64")
     argv[argv.index("--model_name_or_path") + 1] = "tiny"  # the preset's learned model
@@ -191,7 +190,7 @@ def test_a_tiny_checkpoint_loads_the_hugging_face_way_and_its_cards_snippet_runs
 
 def test_a_figure_that_cannot_be_drawn_is_one_warning_not_a_failure(tmp_path, monkeypatch, capsys):
     """draw_curves runs after the last step: whatever fails there is one warning line."""
-    from analysis import plots as run_plots
+    from opsd.analysis import plots as run_plots
 
     assert opsd_train.draw_curves(str(tmp_path)) is None  # no metrics.jsonl
     err = capsys.readouterr().err
@@ -607,7 +606,7 @@ def test_token_clip_run_lowers_true_kl(tmp_path, monkeypatch, capsys):
     (different problems have very different KL); lr 1e-3 is stable on the tiny model;
     24-token completions keep it cheap (the KL still halves within 12 steps).
     """
-    from tiny_default import tiny_train_path
+    from opsd.tiny_default import tiny_train_path
 
     rows = tmp_path / "eight.jsonl"
     rows.write_text("".join(tiny_train_path().read_text().splitlines(keepends=True)[:8]))

@@ -1,4 +1,4 @@
-"""analysis/plots.py on fake run folders: a run's curves, runs and grid arms overlaid, the
+"""opsd/analysis/plots.py on fake run folders: a run's curves, runs and grid arms overlaid, the
 numbers behind a grid arm's line and band, and bad input (one `error:` line, exit 2,
 no PNG left behind)."""
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis import plots as run_plots
+from opsd.analysis import plots as run_plots
 from opsd.run_log import KL_LINE_FIELDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +45,7 @@ def no_pngs(folder: Path):
 
 
 def test_importing_the_plots_does_not_import_matplotlib():
-    code = "import sys; from analysis import plots; print('matplotlib' in sys.modules)"
+    code = "import sys; from opsd.analysis import plots; print('matplotlib' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "False", result.stderr
 
@@ -130,7 +130,7 @@ def test_grid_arms_are_seed_means_with_a_range_band(tmp_path):
     assert entry.low is None and entry.values == (1.0, 2.0, 3.0)  # one seed: no band
     assert token.values == pytest.approx((3.0, 6.0, 9.0))  # mean of 1x, 2x, 6x the step
     assert token.low == (1.0, 2.0, 3.0) and token.high == (6.0, 12.0, 18.0)
-    # The grid's own order (research/grid.py passes it), default output beside results.md.
+    # The grid's own order (opsd/research/grid.py passes it), default output beside results.md.
     drawn = run_plots.overlay_grid(grid, metrics=["loss"], arms=["token", "entry", "base"])
     assert drawn == [("loss", "token (3 seeds)"), ("loss", "entry (1 seed)")]
     assert_png(grid / "curves.png")
@@ -170,7 +170,7 @@ def test_bad_input_is_one_line_exit_2_and_no_png(tmp_path, capsys):
     one_error_line(capsys, ["overlay", good, "--out", tmp_path / "o.jpg"], "must be a .png file")
     one_error_line(capsys, ["overlay", good, "--out", tmp_path / "no" / "o.png"], "no such folder")
     one_error_line(capsys, ["overlay", good], "needs --out")
-    one_error_line(capsys, ["overlay", "--grid", good], "not a research.grid folder")
+    one_error_line(capsys, ["overlay", "--grid", good], "not a opsd.research.grid folder")
     one_error_line(capsys, ["overlay", "--grid", tmp_path / "nogrid", "--out", tmp_path / "g.png"], "no such folder")
     assert no_pngs(tmp_path)
 
@@ -233,11 +233,11 @@ def test_a_failed_write_leaves_no_partial_png(tmp_path, monkeypatch):
 
 def test_cli_in_a_real_process(tmp_path):
     run = write_run(tmp_path / "run")
-    ok = subprocess.run([sys.executable, "-m", "analysis.plots", "curves", str(run)],
+    ok = subprocess.run([sys.executable, "-m", "opsd.analysis.plots", "curves", str(run)],
                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert ok.returncode == 0 and ok.stderr == "", ok.stderr
     assert_png(run / "curves.png")
-    bad = subprocess.run([sys.executable, "-m", "analysis.plots", "curves", str(tmp_path / "nope")],
+    bad = subprocess.run([sys.executable, "-m", "opsd.analysis.plots", "curves", str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr == f"error: {tmp_path / 'nope'}: no such folder\n"
 

@@ -1,11 +1,11 @@
-"""analysis/stats.py: the Student-t code against closed forms, table values and numeric
+"""opsd/analysis/stats.py: the Student-t code against closed forms, table values and numeric
 integration; descriptive statistics and tests against hand-computed values;
 bootstrap reproducibility and coverage on synthetic arms with a known effect;
 input validation; the command line end to end on synthetic eval reports.
 
-The synthetic reports are built with the evaluation's own pieces (evaluation.evaluate's frozen
-settings and write_json_atomic, evaluation.metrics' problem_summary and summarize) and the same
-top-level fields that evaluation.evaluate.evaluate() writes, so they follow the real report schema."""
+The synthetic reports are built with the evaluation's own pieces (opsd.evaluation.evaluate's frozen
+settings and write_json_atomic, opsd.evaluation.metrics' problem_summary and summarize) and the same
+top-level fields that opsd.evaluation.evaluate.evaluate() writes, so they follow the real report schema."""
 import json
 import math
 import subprocess
@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis import stats as run_stats
-from analysis.stats import (
+from opsd.analysis import stats as run_stats
+from opsd.analysis.stats import (
     bootstrap_difference,
     bootstrap_mean,
     describe,
@@ -33,8 +33,8 @@ from analysis.stats import (
     verdict,
     welch_t,
 )
-from evaluation.evaluate import FROZEN_SETTINGS, TINY_SETTINGS, write_json_atomic
-from evaluation.metrics import problem_summary, summarize
+from opsd.evaluation.evaluate import FROZEN_SETTINGS, TINY_SETTINGS, write_json_atomic
+from opsd.evaluation.metrics import problem_summary, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 DATASET = "HuggingFaceH4/aime_2024"
@@ -49,7 +49,7 @@ def problem_text(i):
 
 def report_from_flags(flags, settings=FROZEN_SETTINGS, dataset=DATASET, checkpoint="run/checkpoint-100",
                       problem_texts=None):
-    """An eval report as evaluation.evaluate.evaluate() writes it, from correct flags [problem][sample]."""
+    """An eval report as opsd.evaluation.evaluate.evaluate() writes it, from correct flags [problem][sample]."""
     records = []
     for i, row in enumerate(flags):
         gold = str(100 + i)
@@ -397,14 +397,14 @@ def test_bad_inputs_exit_2_with_one_line(arms, tmp_path, capsys, difficulty):
 
 
 def test_missing_file_from_a_real_process(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "analysis.stats", "summary", str(tmp_path / "nope.json")],
+    proc = subprocess.run([sys.executable, "-m", "opsd.analysis.stats", "summary", str(tmp_path / "nope.json")],
                           capture_output=True, text=True, timeout=60, check=False, cwd=ROOT)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == f"error: {tmp_path / 'nope.json'}: no such file\n"
 
 
 def test_a_reader_that_closed_the_output_early_gets_no_traceback(arms):
-    """`python -m analysis.stats summary ... | head` after head exited: a quiet exit, no BrokenPipeError."""
+    """`python -m opsd.analysis.stats summary ... | head` after head exited: a quiet exit, no BrokenPipeError."""
     import os
 
     from opsd.cli import CLOSED_OUTPUT_STATUS
@@ -412,7 +412,7 @@ def test_a_reader_that_closed_the_output_early_gets_no_traceback(arms):
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        proc = subprocess.run([sys.executable, "-m", "analysis.stats", "summary", *arms[2], "--bootstrap", "100"],
+        proc = subprocess.run([sys.executable, "-m", "opsd.analysis.stats", "summary", *arms[2], "--bootstrap", "100"],
                               stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60, cwd=ROOT)
     finally:
         os.close(write_end)
@@ -432,7 +432,7 @@ def test_compare_end_to_end(arms, tmp_path, capsys):
     assert result["difference"] == pytest.approx(b.mean() - a.mean())
     assert result["arms"]["A"]["per_run"] == pytest.approx(list(a.mean(axis=1)))
     assert result["arms"]["B"]["sd"] == pytest.approx(b.mean(axis=1).std(ddof=1))
-    order = sorted(range(P), key=problem_text)  # analysis.stats puts problems in (text, gold) order
+    order = sorted(range(P), key=problem_text)  # opsd.analysis.stats puts problems in (text, gold) order
     boot = bootstrap_difference(a[:, order], b[:, order], 2000, seed=3)
     welch = welch_t(a.mean(axis=1), b.mean(axis=1))
     assert result["bootstrap"]["ci"] == pytest.approx(boot["ci"])
@@ -513,7 +513,7 @@ def test_summary_end_to_end(arms, tmp_path, capsys):
 
 def test_plot_draws_the_printed_numbers(arms, tmp_path, capsys):
     """--plot draws exactly the numbers of the result (the same dict --json writes)."""
-    from analysis import plots as run_plots
+    from opsd.analysis import plots as run_plots
 
     _, _, paths_a, paths_b = arms
     png, out_json = tmp_path / "cmp.png", tmp_path / "cmp.out.json"

@@ -1,13 +1,13 @@
-"""analysis/tokens.py: a run's cumulative sampled tokens (`tokens/sampled` of metrics.jsonl), a
-grid's accuracy against them (`python -m analysis.stats tokens`), and its plot."""
+"""opsd/analysis/tokens.py: a run's cumulative sampled tokens (`tokens/sampled` of metrics.jsonl), a
+grid's accuracy against them (`python -m opsd.analysis.stats tokens`), and its plot."""
 import json
 
 import pytest
 from token_grid import CORRECT, STEPS, accuracy, write_grid, write_run
 
-from analysis import plots as run_plots
-from analysis import stats as run_stats
-from analysis import tokens as run_tokens
+from opsd.analysis import plots as run_plots
+from opsd.analysis import stats as run_stats
+from opsd.analysis import tokens as run_tokens
 from opsd.run_log import append_metrics
 
 

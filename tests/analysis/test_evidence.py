@@ -1,6 +1,6 @@
-"""analysis/evidence.py: TOST against scipy's t distribution written out by hand, tokens to
+"""opsd/analysis/evidence.py: TOST against scipy's t distribution written out by hand, tokens to
 reach an accuracy against hand interpolation on the hand-made grid of token_grid.py, and the
-`python -m analysis.stats equivalence / reach` command lines (bad input: one line, exit 2)."""
+`python -m opsd.analysis.stats equivalence / reach` command lines (bad input: one line, exit 2)."""
 import json
 import math
 
@@ -9,8 +9,8 @@ import pytest
 from scipy import stats as sp
 from token_grid import CORRECT, TOKENS_PER_STEP, accuracy, write_grid
 
-from analysis import evidence
-from analysis import stats as run_stats
+from opsd.analysis import evidence
+from opsd.analysis import stats as run_stats
 
 
 def hand_tost(a, b, margin, alpha):

@@ -1,12 +1,12 @@
-"""A research/grid.py folder with sampled tokens, built by hand with the project's own writers
-(opsd.run_log.append_metrics, analysis.stats.sweep_checkpoints, the evaluation's report
+"""A opsd/research/grid.py folder with sampled tokens, built by hand with the project's own writers
+(opsd.run_log.append_metrics, opsd.analysis.stats.sweep_checkpoints, the evaluation's report
 summary): shared by tests/analysis/test_analysis_tokens.py and tests/research/test_grid.py."""
 from dataclasses import asdict
 from pathlib import Path
 
-from analysis import stats as run_stats
-from evaluation.evaluate import TINY_SETTINGS, write_json_atomic
-from evaluation.metrics import problem_summary, summarize
+from opsd.analysis import stats as run_stats
+from opsd.evaluation.evaluate import TINY_SETTINGS, write_json_atomic
+from opsd.evaluation.metrics import problem_summary, summarize
 from opsd.run_log import append_metrics
 
 K = TINY_SETTINGS.n_samples
@@ -28,7 +28,7 @@ def accuracy(counts) -> float:
 
 
 def report(counts, checkpoint: str) -> dict:
-    """An eval report as evaluation.evaluate writes it, problem i with counts[i] correct samples."""
+    """An eval report as opsd.evaluation.evaluate writes it, problem i with counts[i] correct samples."""
     records = []
     for i, correct in enumerate(counts):
         gold = str(100 + i)
@@ -59,7 +59,7 @@ def write_cell(cell: Path, arm: str, seed: int, sweep: bool = True) -> None:
         paths.append(path)
     write_json_atomic(cell / "eval.json", report(CORRECT[arm][seed][STEPS[-1]],
                                                  str(cell / "run" / f"checkpoint-{STEPS[-1]}")))
-    if sweep:  # as evaluation/sweep.py writes it, copied by the grid to the cell's sweep.json
+    if sweep:  # as opsd/evaluation/sweep.py writes it, copied by the grid to the cell's sweep.json
         result = run_stats.sweep_checkpoints(STEPS, [run_stats.load_run(p) for p in paths], 200, 0)
         result["run_folder"] = str(cell / "run")
         write_json_atomic(cell / "sweep.json", result)

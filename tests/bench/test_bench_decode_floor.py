@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import common  # noqa: E402
 import decode_floor  # noqa: E402
 
-from rollout.static_decode import decode_limits  # noqa: E402
+from opsd.rollout.static_decode import decode_limits  # noqa: E402
 
 
 @pytest.mark.parametrize("shape", sorted(common.SHAPES))

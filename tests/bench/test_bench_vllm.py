@@ -32,7 +32,7 @@ def test_the_model_folder_is_the_shape_in_bf16_with_the_tokenizer(shape, tmp_pat
 
 
 def test_the_modes_are_the_recipes_rollouts_and_the_frozen_evaluation():
-    from rollout import VLLMBackend
+    from opsd.rollout import VLLMBackend
 
     rollout = bench_vllm.mode_settings("rollout", None)
     assert len(rollout["rows"]) == 32 and rollout["new_tokens"] == 1024
@@ -76,8 +76,7 @@ def test_the_timing_loop_asks_vllm_for_the_modes_sampling(monkeypatch, tmp_path,
     module, inputs = fake_vllm(calls)
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
-    import rollout
-
+    from opsd import rollout
     monkeypatch.setattr(rollout, "vllm_environment", lambda: {})
     monkeypatch.setattr(bench_vllm, "write_model_folder", lambda folder, shape: folder)
     out = tmp_path / "vllm.json"

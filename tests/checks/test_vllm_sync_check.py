@@ -50,7 +50,7 @@ def test_processed_logprobs_match_a_float64_reference():
 def peft_model():
     from peft import LoraConfig, get_peft_model
 
-    import tiny_default
+    from opsd import tiny_default
     from opsd.model_utils import peft_wrapping
 
     with peft_wrapping():

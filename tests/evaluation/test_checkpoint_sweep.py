@@ -1,4 +1,4 @@
-"""The checkpoint sweep (`dev_eval.sh RUN_FOLDER`, evaluation/sweep.py): every checkpoint of a
+"""The checkpoint sweep (`dev_eval.sh RUN_FOLDER`, opsd/evaluation/sweep.py): every checkpoint of a
 run in step order, resumable, an accuracy-vs-step table and plot, the best checkpoint against
 the last (run_stats.sweep_checkpoints)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis import stats as run_stats
+from opsd.analysis import stats as run_stats
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,8 +77,8 @@ def two_checkpoints(tmp_path_factory):
 
 @pytest.mark.slow
 def test_sweep_evaluates_every_checkpoint_then_skips_them(two_checkpoints, tmp_path, capsys):
-    from evaluation import evaluate
-    from evaluation import sweep as checkpoint_sweep
+    from opsd.evaluation import evaluate
+    from opsd.evaluation import sweep as checkpoint_sweep
 
     run, evals = two_checkpoints, tmp_path / "evals"
     env = {**os.environ, "OPSD_PRESET": "tiny", "OPSD_MODEL": "tiny-random", "OPSD_EVAL_DATA": EVAL_SET,
@@ -123,7 +123,7 @@ def test_sweep_evaluates_every_checkpoint_then_skips_them(two_checkpoints, tmp_p
 
 
 def test_a_run_folder_is_told_from_a_checkpoint(tmp_path):
-    from evaluation import sweep as checkpoint_sweep
+    from opsd.evaluation import sweep as checkpoint_sweep
 
     (tmp_path / "checkpoint-3").mkdir()
     assert not checkpoint_sweep.is_run_folder(str(tmp_path))  # no trainer_state.json: not a complete checkpoint
@@ -143,8 +143,8 @@ def test_a_tiny_run_is_evaluated_on_the_tiny_presets_eval_set_without_the_hub(tw
     or checkpoint whose run_config.json records the tiny preset is evaluated with its own model on
     the tiny preset's eval set and settings, said in one line before anything loads; the hub is
     never asked (HF_HUB_OFFLINE=1: a hub dataset would fail)."""
-    import tiny_default
-    from evaluation import evaluate
+    from opsd import tiny_default
+    from opsd.evaluation import evaluate
 
     for name in ("OPSD_PRESET", "OPSD_MODEL", "OPSD_EVAL_DATA"):
         monkeypatch.delenv(name, raising=False)
@@ -173,7 +173,7 @@ def test_a_tiny_run_is_evaluated_on_the_tiny_presets_eval_set_without_the_hub(tw
 def test_a_checkpoint_without_run_config_names_the_hub_dataset_it_needs(tmp_path):
     """Where nothing says what a checkpoint was trained on, one line says before any hub access
     which hub dataset the default needs and how to choose another."""
-    from evaluation import evaluate
+    from opsd.evaluation import evaluate
 
     checkpoint = tmp_path / "checkpoint-3"
     checkpoint.mkdir()

@@ -1,4 +1,4 @@
-"""Evaluation (evaluation/evaluate.py, dev_eval.sh): report names, the frozen settings, inputs, and
+"""Evaluation (opsd/evaluation/evaluate.py, dev_eval.sh): report names, the frozen settings, inputs, and
 end-to-end runs of the tiny preset (grading: tests/opsd/test_grading.py; metrics and the FINAL
 line: tests/evaluation/test_metrics.py).
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from answer_workers import installed_workers
 
-from evaluation import evaluate
-from evaluation.evaluate import TINY_SETTINGS
+from opsd.evaluation import evaluate
+from opsd.evaluation.evaluate import TINY_SETTINGS
 
 ROOT = Path(__file__).resolve().parents[2]
 FINAL_RE = re.compile(r"^FINAL avg@(\d+) accuracy: (\d+\.\d\d)% \((\d+)/(\d+) solutions correct on (\d+) problems\)$")
@@ -76,7 +76,7 @@ def base_run(tmp_path_factory):
 
 
 def in_process(capsys, *argv):
-    """evaluation.evaluate's entry point in this process: (exit status, stdout, stderr)."""
+    """opsd.evaluation.evaluate's entry point in this process: (exit status, stdout, stderr)."""
     status = evaluate.main([*argv, "--preset", "tiny", "--backend", "transformers"])
     captured = capsys.readouterr()
     return status, captured.out, captured.err
@@ -121,8 +121,7 @@ def first_problems(tmp_path_factory):
     """The first FIRST problems of EVAL_SET as a local file. Problems are sampled in
     chunks seeded from (seed, the chunk's first problem) (`problem_chunks`), so the
     same seed must give these problems the same completions as in the full run."""
-    import tiny_default
-
+    from opsd import tiny_default
     rows = tiny_default.tiny_eval_path(EVAL_SET).read_text().splitlines(keepends=True)[:FIRST]
     path = tmp_path_factory.mktemp("data") / "first.jsonl"
     path.write_text("".join(rows))
@@ -145,7 +144,7 @@ def make_lora_checkpoint(folder: Path) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    import tiny_default
+    from opsd import tiny_default
     from opsd.model_utils import peft_wrapping
 
     model = AutoModelForCausalLM.from_pretrained(tiny_default.resolve_model("tiny"))  # the preset's model
@@ -288,7 +287,7 @@ def test_engine_choice():
 def test_paged_engine_end_to_end(tmp_path, monkeypatch, capsys):
     """The tiny preset (2 samples of up to 96 tokens here) on 4 problems through the
     paged engine: every problem's samples in one call, graded, the engine in the report."""
-    from rollout.paged_decode import DEFAULT_MAX_ROWS
+    from opsd.rollout.paged_decode import DEFAULT_MAX_ROWS
 
     monkeypatch.setattr(evaluate, "TINY_SETTINGS", evaluate.replace(TINY_SETTINGS, n_samples=2))
     calls = []
@@ -458,7 +457,7 @@ def test_vllm_evaluation_env_logs_teardown_and_last_line(monkeypatch, tmp_path, 
     modules, logger = fake_vllm_modules(events)
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
-    from rollout import vllm_backend
+    from opsd.rollout import vllm_backend
 
     monkeypatch.setattr(vllm_backend, "check_vllm_version", lambda: "0.26.0")  # the fake has no package metadata
     # A budget that leaves the tiny prompts too little of the context: the warning case.
@@ -490,7 +489,7 @@ def test_vllm_evaluation_env_logs_teardown_and_last_line(monkeypatch, tmp_path, 
 def test_a_vllm_outside_the_supported_range_is_one_line_before_loading(monkeypatch, tmp_path, capsys):
     from importlib import metadata
 
-    from rollout import vllm_backend
+    from opsd.rollout import vllm_backend
 
     monkeypatch.setattr(vllm_backend, "import_vllm", lambda: None)  # "installed"
     monkeypatch.setattr(metadata, "version", lambda name: "0.40.0" if name == "vllm" else "0")

@@ -1,13 +1,13 @@
-"""The evaluation's metrics (evaluation/metrics.py): pass@k, majority vote, the report's `metrics`
+"""The evaluation's metrics (opsd/evaluation/metrics.py): pass@k, majority vote, the report's `metrics`
 (with `graded_by`, how each sample was graded) and the FINAL line."""
 import types
 
 import pytest
 from answer_workers import fake_worker, installed_workers
 
-from evaluation import evaluate
-from evaluation.metrics import final_line, graded_by_counts, majority_vote, pass_at_k, problem_summary, summarize
 from opsd import grading
+from opsd.evaluation import evaluate
+from opsd.evaluation.metrics import final_line, graded_by_counts, majority_vote, pass_at_k, problem_summary, summarize
 
 # ---------------------------------------------------------------- metrics and the FINAL line
 

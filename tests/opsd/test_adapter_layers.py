@@ -11,8 +11,7 @@ from module_walks import record_module_walks
 from peft.helpers import disable_input_dtype_casting
 from peft.tuners.tuners_utils import BaseTunerLayer
 
-import tiny_default
-from opsd import scoring
+from opsd import scoring, tiny_default
 from opsd.adapter_layers import AdapterLayers
 
 IDS = torch.tensor([[3, 17, 42, 9, 5, 77]])

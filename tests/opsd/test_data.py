@@ -10,7 +10,7 @@ import pytest
 from one_line_errors import one_line_message
 
 import opsd.data
-import tiny_default
+from opsd import tiny_default
 from opsd.data import DataError, load_eval_dataset, load_train_dataset
 from opsd.prompts import SHUFFLED_SOLUTION
 

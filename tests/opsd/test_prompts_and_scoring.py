@@ -5,8 +5,7 @@ import warnings
 import pytest
 import torch
 
-import tiny_default
-from opsd import prompts
+from opsd import prompts, tiny_default
 from opsd.prompts import PromptBuilder, PromptLengthWarning
 from opsd.scoring import (
     AlignmentError,

@@ -21,5 +21,5 @@ FAKE_GPUS = "3,5"  # CUDA_VISIBLE_DEVICES of the grid: two GPU ids, each cell's 
 
 
 def run_grid(grid_file, out, *extra, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "research.grid", str(grid_file), "--out", str(out), *extra],
+    return subprocess.run([sys.executable, "-m", "opsd.research.grid", str(grid_file), "--out", str(out), *extra],
                           capture_output=True, text=True, cwd=REPO, timeout=900, env={**os.environ, **(env or {})})

@@ -1,4 +1,4 @@
-"""research/grid.py: arms x seeds on the tiny preset, paired seeds, resumable, one table."""
+"""opsd/research/grid.py: arms x seeds on the tiny preset, paired seeds, resumable, one table."""
 import json
 import os
 import re
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from grid_cases import CELLS, FAKE_GPUS, GRID, run_grid
 
-import research.grid
-from research import executors
+import opsd.research.grid
+from opsd.research import executors
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,7 +42,7 @@ def test_two_arms_two_seeds_end_to_end_and_resume(local_grid):
     # Each cell records what its results depend on and where it ran (cell.json).
     recorded = json.loads((out / "token" / "seed-0" / "cell.json").read_text())
     assert recorded["processes"] == 1 and recorded["env"] == {"OPSD_CLIP_MODE": "token"}
-    assert recorded["variables"]["OPSD_EVAL_PAGED_GIB"] == research.grid.EVAL_PAGED_GIB
+    assert recorded["variables"]["OPSD_EVAL_PAGED_GIB"] == opsd.research.grid.EVAL_PAGED_GIB
     snapshot = out / "code" / recorded["provenance"]["code"]  # the code every cell ran: a copy made at the start
     assert (snapshot / "opsd_train.py").is_file() and not (snapshot / "tests").exists()
     assert f" {snapshot / 'opsd_train.py'} " in (out / "token" / "seed-0" / "train.log").read_text()
@@ -91,8 +91,8 @@ def test_the_local_pool_puts_each_cell_on_its_own_gpu(local_grid):
 def test_bad_grid_files_are_one_line_errors(tmp_path, spec, message):
     grid_file = tmp_path / "g.json"
     grid_file.write_text(json.dumps(spec))
-    with pytest.raises(research.grid.GridError, match=message):
-        research.grid.load_grid(str(grid_file))
+    with pytest.raises(opsd.research.grid.GridError, match=message):
+        opsd.research.grid.load_grid(str(grid_file))
     result = run_grid(grid_file, tmp_path / "out")
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and result.stderr.startswith("error:")
 
@@ -101,7 +101,7 @@ def test_shipped_grids_load():
     shipped = [p for p in (REPO / "grids").rglob("*.json") if "results" not in p.parts]
     assert len(shipped) > 10
     for path in shipped:
-        grid = research.grid.load_grid(str(path))
+        grid = opsd.research.grid.load_grid(str(path))
         assert grid.arms and grid.baseline in {a.name for a in grid.arms}
 
 
@@ -110,7 +110,7 @@ def test_the_cpu_quickstart_trains_and_evaluates_one_family_on_disjoint_problems
     12 x 16, trained on one family's train split, evaluated on 40 problems of its eval split."""
     from opsd.data import load_eval_dataset, load_train_dataset
 
-    grid = research.grid.load_grid(str(REPO / "grids" / "quickstart_cpu.json"))
+    grid = opsd.research.grid.load_grid(str(REPO / "grids" / "quickstart_cpu.json"))
     (arm,) = [a for a in grid.arms if a.train]
     assert grid.preset == "tiny" and grid.baseline == "base" and grid.seeds == (10,)
     assert arm.env == {"OPSD_CLIP_MODE": "token", "OPSD_PAD_SIDE": "left"}
@@ -126,20 +126,21 @@ def test_the_cpu_quickstart_trains_and_evaluates_one_family_on_disjoint_problems
 def test_grid_curves_follow_the_grid_and_never_fail_it(tmp_path, capsys):
     """The arms' curves in the grid's order (untrained arms have none); a grid without a
     trained cell gets one warning line instead of a figure."""
-    arms = (research.grid.Arm("base", train=False), research.grid.Arm("token"), research.grid.Arm("entry"))
-    grid = research.grid.Grid(arms=arms, seeds=(0, 1), eval_data=None, preset="tiny",
-                              budget=research.grid.BUDGET_DEFAULT, recipe={}, baseline="base")
+    Arm = opsd.research.grid.Arm
+    arms = (Arm("base", train=False), Arm("token"), Arm("entry"))
+    grid = opsd.research.grid.Grid(arms=arms, seeds=(0, 1), eval_data=None, preset="tiny",
+                              budget=opsd.research.grid.BUDGET_DEFAULT, recipe={}, baseline="base")
     out = tmp_path / "grid"
-    assert research.grid.draw_curves(grid, out) is None
+    assert opsd.research.grid.draw_curves(grid, out) is None
     assert capsys.readouterr().err.startswith(f"warning: grid curves not drawn: {out}: no such folder")
-    for cell in research.grid.cells(grid, out):
+    for cell in opsd.research.grid.cells(grid, out):
         if cell.arm.train:
             (cell.folder / "run").mkdir(parents=True)
             (cell.folder / "run" / "metrics.jsonl").write_text(
                 "".join(f'{{"step": {s}, "loss": {s * (cell.seed + 1)}, "opsd/true_kl": 0.1}}\n' for s in (1, 2)))
-    assert research.grid.draw_curves(grid, out) == out / "curves.png"
+    assert opsd.research.grid.draw_curves(grid, out) == out / "curves.png"
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    from analysis import plots as run_plots
+    from opsd.analysis import plots as run_plots
 
     curves = run_plots.grid_curves(out, ["loss"], [arm.name for arm in grid.arms])["loss"]
     assert [c.label for c in curves] == ["token (2 seeds)", "entry (2 seeds)"]
@@ -151,9 +152,9 @@ def test_eval_flags_reach_every_cells_evaluation(tmp_path):
     grid_file.write_text(json.dumps({"preset": "tiny", "eval_data": "tiny:5:2", "seeds": [3],
                                      "eval_flags": ["--backend", "transformers", "--batch-size", "4"],
                                      "arms": {"base": {"train": False}, "a": {}}}))
-    grid = research.grid.load_grid(str(grid_file))
-    for cell in research.grid.cells(grid, tmp_path / "out"):
-        command = research.grid.eval_command(grid, cell)
+    grid = opsd.research.grid.load_grid(str(grid_file))
+    for cell in opsd.research.grid.cells(grid, tmp_path / "out"):
+        command = opsd.research.grid.eval_command(grid, cell)
         assert command[-4:] == ["--backend", "transformers", "--batch-size", "4"]
 
 
@@ -210,25 +211,25 @@ def test_results_give_each_arms_sampled_tokens_next_to_its_accuracy(tmp_path, ca
     swept step in results.json), - for the untrained arm, 0 for SFT, not recorded for an older run; a
     swept grid draws accuracy_vs_tokens.png."""
     token_grid = _token_grid()
-    arms = tuple(research.grid.Arm(name, train=name != "base") for name in ("base", "opsd", "sft", "old"))
-    grid = research.grid.Grid(arms=arms, seeds=(0, 1), eval_data=None, preset="tiny", baseline="base",
-                              budget={**research.grid.BUDGET_DEFAULT, "max_steps": 4}, recipe={}, sweep_every=2)
+    arms = tuple(opsd.research.grid.Arm(name, train=name != "base") for name in ("base", "opsd", "sft", "old"))
+    grid = opsd.research.grid.Grid(arms=arms, seeds=(0, 1), eval_data=None, preset="tiny", baseline="base",
+                              budget={**opsd.research.grid.BUDGET_DEFAULT, "max_steps": 4}, recipe={}, sweep_every=2)
     out = token_grid.write_grid(tmp_path / "grid", arms=("opsd", "sft", "old"))
-    table = research.grid.results(grid, out, research.grid.cells(grid, out))
+    table = opsd.research.grid.results(grid, out, opsd.research.grid.cells(grid, out))
     a = table["arms"]
     assert a["opsd"]["sampled_tokens_per_run"] == [4000, 12000] and a["opsd"]["sampled_tokens"] == 8000
     assert a["opsd"]["per_step_sampled_tokens"] == {"2": 4000, "4": 8000}
     assert a["sft"]["sampled_tokens"] == 0 and a["sft"]["sampled_tokens_per_run"] == [0, 0]
     assert a["old"]["sampled_tokens"] is None and a["old"]["sampled_tokens_per_run"] == [None]
     assert a["base"]["sampled_tokens"] == 0 and not a["base"]["trained"]
-    text = research.grid.markdown(table)
+    text = opsd.research.grid.markdown(table)
     assert "| mean | sampled tokens | forward + backward tokens | vs base (95% CI) |" in text
     rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
     assert rows["| opsd"][4] == "8 k" and rows["| opsd"][3] == f"{a['opsd']['mean']:.2f}"
     assert rows["| sft"][4] == "0" and rows["| old"][4] == "not recorded" and rows["| base"][4] == "-"
-    assert research.grid.draw_accuracy_vs_tokens(grid, out) == out / "accuracy_vs_tokens.png"
+    assert opsd.research.grid.draw_accuracy_vs_tokens(grid, out) == out / "accuracy_vs_tokens.png"
     assert (out / "accuracy_vs_tokens.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert research.grid.draw_accuracy_vs_tokens(research.grid.Grid(**{**grid.__dict__, "sweep_every": None}),
+    assert opsd.research.grid.draw_accuracy_vs_tokens(opsd.research.grid.Grid(**{**grid.__dict__, "sweep_every": None}),
                                                  out) is None
     assert capsys.readouterr().err == ""
 
@@ -285,9 +286,9 @@ def test_the_pool_runs_every_cell_and_never_more_than_k_on_a_gpu():
 def test_a_multi_gpu_cell_trains_as_that_many_ddp_processes_with_the_grids_global_batch(tmp_path):
     grid_file = tmp_path / "g.json"
     grid_file.write_text(json.dumps({**GRID, "budget": {"max_steps": 100, "global_batch": 32, "per_device_batch": 4}}))
-    grid = research.grid.load_grid(str(grid_file))
-    cell = research.grid.cells(grid, tmp_path / "out")[0]
-    command = research.grid.train_command(grid, cell, processes=2, port=29501)
+    grid = opsd.research.grid.load_grid(str(grid_file))
+    cell = opsd.research.grid.cells(grid, tmp_path / "out")[0]
+    command = opsd.research.grid.train_command(grid, cell, processes=2, port=29501)
     assert command[1:4] == ["-m", "accelerate.commands.launch", "--config_file"]
     assert command[command.index("--num_processes") + 1] == "2" and "--main_process_port" in command
     assert command[command.index("--gradient_accumulation_steps") + 1] == "4"  # 32 = 4 x 4 x 2
@@ -365,19 +366,19 @@ def test_slurm_without_sbatch_or_without_submitit_is_one_line(tmp_path):
 def test_a_folder_holding_another_grids_cells_is_refused(tmp_path):
     grid_file = tmp_path / "g.json"
     grid_file.write_text(json.dumps(GRID))
-    grid = research.grid.load_grid(str(grid_file))
+    grid = opsd.research.grid.load_grid(str(grid_file))
     out = tmp_path / "out"
-    cell = research.grid.cells(grid, out)[1]  # entry/seed-1
+    cell = opsd.research.grid.cells(grid, out)[1]  # entry/seed-1
     cell.folder.mkdir(parents=True)
-    other = {**research.grid.cell_identity(grid, cell), "recipe": {"learning_rate": 1e-3}}
+    other = {**opsd.research.grid.cell_identity(grid, cell), "recipe": {"learning_rate": 1e-3}}
     (cell.folder / "cell.json").write_text(json.dumps(other))
     line = _error_line(run_grid(grid_file, out))
     assert f"{cell.folder} holds a cell of other settings (recipe.learning_rate: 0.001 there, 0.0002 now)" in line
     assert "use another --out" in line
     assert sorted(p.name for p in cell.folder.iterdir()) == ["cell.json"]  # nothing ran or was written
     # The same cell (its identity unchanged) is accepted: a re-run, or a grid with more arms or seeds.
-    (cell.folder / "cell.json").write_text(json.dumps(research.grid.cell_identity(grid, cell)))
-    research.grid.check_cell_identity(grid, cell)
+    (cell.folder / "cell.json").write_text(json.dumps(opsd.research.grid.cell_identity(grid, cell)))
+    opsd.research.grid.check_cell_identity(grid, cell)
 
 
 def test_a_cancelled_job_is_told_from_a_requeued_or_timed_out_one(tmp_path):
@@ -390,5 +391,5 @@ def test_a_cancelled_job_is_told_from_a_requeued_or_timed_out_one(tmp_path):
     log("2_0", "*** JOB 2 ON vm CANCELLED AT 2026-12-04T12:29:30 DUE TO JOB REQUEUE ***\nlater output\n")
     log("3", "*** JOB 3 ON vm CANCELLED AT 2026-12-04T12:29:30 DUE TO TIME LIMIT ***\n")
     log("4", "RuntimeError: a/seed-0: failed: train exited 1 (see x/train.log)\n")
-    assert [research.grid._job_cancelled(tmp_path, job) for job in ("1_0", "2_0", "3", "4", "5")] == [
+    assert [opsd.research.grid._job_cancelled(tmp_path, job) for job in ("1_0", "2_0", "3", "4", "5")] == [
         True, False, False, False, False]

@@ -1,12 +1,12 @@
-"""research.grid's compute column: each arm's forward + backward tokens at the last checkpoint
+"""opsd.research.grid's compute column: each arm's forward + backward tokens at the last checkpoint
 (`tokens/forward`, `tokens/backward` of each seed's metrics.jsonl, mean over the seeds) in
 results.json and results.md, beside its sampled tokens, on the hand-made grid of
 tests/analysis/token_grid.py."""
 import importlib.util
 from pathlib import Path
 
-import research.grid
-from analysis.tokens import read_pass_tokens
+import opsd.research.grid
+from opsd.analysis.tokens import read_pass_tokens
 from opsd.run_log import append_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,15 +38,15 @@ def test_results_give_each_arms_forward_and_backward_tokens(tmp_path):
     assert read_pass_tokens(out / "opsd" / "seed-1" / "run") == ({1: 7000, 2: 14000, 3: 21000, 4: 28000},
                                                                 {1: 3000, 2: 6000, 3: 9000, 4: 12000})
     assert read_pass_tokens(out / "old" / "seed-0" / "run") == (None, None)
-    arms = tuple(research.grid.Arm(name, train=name != "base") for name in ("base", "opsd", "sft", "old"))
-    grid = research.grid.Grid(arms=arms, seeds=(0, 1), eval_data=None, preset="tiny", baseline="base",
-                              budget={**research.grid.BUDGET_DEFAULT, "max_steps": 4}, recipe={}, sweep_every=2)
-    a = research.grid.results(grid, out, research.grid.cells(grid, out))["arms"]
+    arms = tuple(opsd.research.grid.Arm(name, train=name != "base") for name in ("base", "opsd", "sft", "old"))
+    grid = opsd.research.grid.Grid(arms=arms, seeds=(0, 1), eval_data=None, preset="tiny", baseline="base",
+                              budget={**opsd.research.grid.BUDGET_DEFAULT, "max_steps": 4}, recipe={}, sweep_every=2)
+    a = opsd.research.grid.results(grid, out, opsd.research.grid.cells(grid, out))["arms"]
     assert a["opsd"]["forward_tokens_per_run"] == [20000, 28000] and a["opsd"]["forward_tokens"] == 24000
     assert a["opsd"]["backward_tokens_per_run"] == [8000, 12000] and a["opsd"]["backward_tokens"] == 10000
     assert a["sft"]["forward_tokens"] == 4000 and a["sft"]["backward_tokens"] == 1800
     assert a["old"]["forward_tokens"] is None and a["old"]["forward_tokens_per_run"] == [None]
-    text = research.grid.markdown({"grid": {"eval_data": None, "budget": {}, "seeds": [0, 1], "baseline": "base"},
+    text = opsd.research.grid.markdown({"grid": {"eval_data": None, "budget": {}, "seeds": [0, 1], "baseline": "base"},
                                    "arms": a})
     rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
     assert rows["| arm"][5] == "forward + backward tokens"

@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 from grid_cases import GRID, run_grid
 
-import research.grid
-from evaluation import evaluate
-from research import cell as grid_cell
-from research import executors
+import opsd.research.grid
+from opsd.evaluation import evaluate
+from opsd.research import cell as grid_cell
+from opsd.research import executors
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 def _grid(tmp_path):
     grid_file = tmp_path / "g.json"
     grid_file.write_text(json.dumps(GRID))
-    grid = research.grid.load_grid(str(grid_file))
-    return grid_file, grid, research.grid.cells(grid, tmp_path / "out")
+    grid = opsd.research.grid.load_grid(str(grid_file))
+    return grid_file, grid, opsd.research.grid.cells(grid, tmp_path / "out")
 
 
 def _hold_run_lock(folder: Path) -> subprocess.Popen:
@@ -56,7 +56,7 @@ def test_a_second_grid_on_the_same_out_is_refused_and_a_dead_ones_lock_is_not_st
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from research.grid import GridLock
+        from opsd.research.grid import GridLock
         with GridLock(Path({str(out)!r})):
             print("held", flush=True)
             time.sleep(60)
@@ -70,7 +70,7 @@ def test_a_second_grid_on_the_same_out_is_refused_and_a_dead_ones_lock_is_not_st
         holder.kill()
         holder.wait()
     # The kernel dropped the killed holder's lock: the next grid takes it (dry of cells: one cell only).
-    with research.grid.GridLock(out):
+    with opsd.research.grid.GridLock(out):
         pass
 
 
@@ -125,17 +125,18 @@ def test_a_cell_resumed_at_another_process_count_or_environment_is_refused(tmp_p
     monkeypatch.setenv("OPSD_PAD_SIDE", "left")
     recorded = grid_cell.cell_identity(grid, cell, processes=2)
     (cell.folder / "cell.json").write_text(json.dumps(recorded))
-    with pytest.raises(research.grid.GridError, match=r"\(processes: 2 there, 1 now\); re-run with --gpus-per-cell"):
-        research.grid.check_cell_identity(grid, cell, processes=1)
-    research.grid.check_cell_identity(grid, cell, processes=2)
+    with pytest.raises(opsd.research.grid.GridError,
+                       match=r"\(processes: 2 there, 1 now\); re-run with --gpus-per-cell"):
+        opsd.research.grid.check_cell_identity(grid, cell, processes=1)
+    opsd.research.grid.check_cell_identity(grid, cell, processes=2)
     monkeypatch.setenv("OPSD_PAD_SIDE", "right")
-    with pytest.raises(research.grid.GridError, match=r"variables.OPSD_PAD_SIDE: 'left' there, 'right' now"):
-        research.grid.check_cell_identity(grid, cell, processes=2)
+    with pytest.raises(opsd.research.grid.GridError, match=r"variables.OPSD_PAD_SIDE: 'left' there, 'right' now"):
+        opsd.research.grid.check_cell_identity(grid, cell, processes=2)
     monkeypatch.delenv("OPSD_PAD_SIDE")
     # A cell.json written before `processes` and `variables` were recorded is not compared on them.
     old = {k: v for k, v in recorded.items() if k not in ("processes", "variables")}
     (cell.folder / "cell.json").write_text(json.dumps(old))
-    research.grid.check_cell_identity(grid, cell, processes=4)
+    opsd.research.grid.check_cell_identity(grid, cell, processes=4)
 
 
 def test_a_started_cell_does_not_resume_on_other_code_unless_allowed(tmp_path):
@@ -144,7 +145,7 @@ def test_a_started_cell_does_not_resume_on_other_code_unless_allowed(tmp_path):
     (cell.folder / "run" / "checkpoint-1").mkdir(parents=True)
     identity = grid_cell.cell_identity(grid, cell)
     (cell.folder / "cell.json").write_text(json.dumps({**identity, "provenance": {"code": "0123abcd"}}))
-    with pytest.raises(research.grid.GridError, match="started on code 0123abcd, the checkout is now 4567ef"):
+    with pytest.raises(opsd.research.grid.GridError, match="started on code 0123abcd, the checkout is now 4567ef"):
         grid_cell.check_cell_code(cell, "4567ef")
     grid_cell.check_cell_code(cell, "4567ef", allow_change=True)
     grid_cell.check_cell_code(cell, "0123abcd")
@@ -210,10 +211,10 @@ def test_one_cells_exception_is_that_cells_failure_and_the_others_run(tmp_path, 
             raise ValueError("a bug in one cell")
         return "done"
 
-    monkeypatch.setattr(research.grid, "run_cell", run_cell)
+    monkeypatch.setattr(opsd.research.grid, "run_cell", run_cell)
     args = SimpleNamespace(gpus_per_cell=2, parallel=None, cells_per_gpu=1, progress_every=30)
     slots = executors.gpu_slots(["0", "1", "2", "3"], 2, 1)
-    outcomes = research.grid.run_here(grid, cells, args, ["0", "1", "2", "3"], slots, lambda message: None)
+    outcomes = opsd.research.grid.run_here(grid, cells, args, ["0", "1", "2", "3"], slots, lambda message: None)
     assert sorted(name for name, _ in ran) == sorted(c.name for c in cells)
     assert all(port is None for _, port in ran)  # the cell picks a free port itself, none fixed per slot
     failed = outcomes.pop("entry/seed-1")
@@ -273,7 +274,7 @@ def test_the_cells_identity_names_the_inherited_variables_but_not_the_arms_own(t
 def test_a_cell_killed_for_its_requeue_takes_its_ranks_with_it(tmp_path):
     """A multi-GPU cell's ranks run in sessions of their own (torchrun's start_new_session): killing
     only the launcher left them running (before: `child.kill()`). kill_tree reaches them."""
-    from research import slurm_grid
+    from opsd.research import slurm_grid
 
     launcher = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import subprocess, sys, time
@@ -297,7 +298,7 @@ def test_a_cell_killed_for_its_requeue_takes_its_ranks_with_it(tmp_path):
 def test_status_names_the_process_running_a_cell_here(tmp_path):
     """A cell a grid runs on this machine (no SLURM job) shows as running, with its host and PID from
     the cell lock; before, status said 'not finished' for a cell in full training."""
-    from research import slurm_grid
+    from opsd.research import slurm_grid
 
     _, grid, cells = _grid(tmp_path)
     cell = cells[0]

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-import tiny_default as td
-from research import train_tiny_default as train_learned
-from tiny_default import learned_model, tasks
+from opsd import tiny_default as td
+from opsd.research import train_tiny_default as train_learned
+from opsd.tiny_default import learned_model, tasks
 
 
 @pytest.fixture(scope="module")

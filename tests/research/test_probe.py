@@ -1,6 +1,6 @@
-"""research.probe: frozen rollouts scored under several configurations (CPU, the learned tiny
+"""opsd.research.probe: frozen rollouts scored under several configurations (CPU, the learned tiny
 model, 3 rollouts of at most 12 tokens), checked against the trainer's own loss step and
-against an independent full-logit recomputation; research.attribution's grouping and summary."""
+against an independent full-logit recomputation; opsd.research.attribution's grouping and summary."""
 import json
 import math
 
@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM
 import opsd_train
 from opsd.data import load_train_dataset
 from opsd.prompts import PromptBuilder
+from opsd.research import attribution, probe
+from opsd.tiny_default import build_qwen3_tokenizer, resolve_model
 from opsd_trainer import OPSDTrainer
-from research import attribution, probe
-from tiny_default import build_qwen3_tokenizer, resolve_model
 
 ROWS, LENGTH = 3, 12
 VARIANTS = ["clip_mode=token", "teacher_context=none", "pad_side=left,teacher_context=shuffled", "beta=1"]

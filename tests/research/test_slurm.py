@@ -80,10 +80,11 @@ from grid_cases import CELLS, FAKE_GPUS, GRID  # noqa: E402  (conftest.py's loca
 
 
 def grid_run(grid: dict, folder: Path, *flags, env=None, wait=True):
-    """python -m research.grid on `grid` (written to folder/GRID.json) into folder/out."""
+    """python -m opsd.research.grid on `grid` (written to folder/GRID.json) into folder/out."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "GRID.json").write_text(json.dumps(grid))
-    command = [sys.executable, "-m", "research.grid", str(folder / "GRID.json"), "--out", str(folder / "out"), *flags]
+    command = [sys.executable, "-m", "opsd.research.grid", str(folder / "GRID.json"), "--out", str(folder / "out"),
+               *flags]
     run = subprocess.Popen(command, cwd=REPO, env={**os.environ, **(env or {})}, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     if not wait:
@@ -233,7 +234,7 @@ def test_a_job_array_sbatch_refuses_says_what_to_do_and_leaves_no_folder(tmp_pat
 def test_jobs_a_killed_grid_submitted_but_did_not_record_are_not_submitted_twice(tmp_path):
     """A grid killed between sbatch and writing slurm_jobs.json leaves jobs no file lists; a re-run
     used to submit every cell again (two writers a cell). Now it refuses, naming them."""
-    from research import slurm_grid
+    from opsd.research import slurm_grid
 
     out = tmp_path / "out"
     name = slurm_grid.job_name(out)
@@ -251,12 +252,12 @@ def test_jobs_a_killed_grid_submitted_but_did_not_record_are_not_submitted_twice
 
 
 def _grid_cli(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "research.grid", *map(str, args)], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "opsd.research.grid", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, timeout=300, env={**os.environ, **(env or {})})
 
 
 def _status(out: Path) -> dict[str, str]:
-    """{cell: its status line} from `python -m research.grid status`."""
+    """{cell: its status line} from `python -m opsd.research.grid status`."""
     shown = _grid_cli("status", out)
     assert shown.returncode == 0, shown.stderr
     return {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in shown.stdout.splitlines()[1:]}
@@ -312,7 +313,7 @@ exec {shutil.which("sbatch")} "$@"
 @pytest.mark.xdist_group("slurm-errors")
 def test_arrays_split_at_the_clusters_max_array_size(tmp_path, monkeypatch):
     """MaxArraySize is read from the cluster; a grid larger than it goes out as several arrays."""
-    from research import executors, grid
+    from opsd.research import executors, grid
 
     config = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, check=True).stdout
     assert f"MaxArraySize            = {executors.max_array_size()}" in config
@@ -340,7 +341,7 @@ def _fake_cell(record: Path):
 def test_resubmissions_stay_inside_the_parallel_limit(tmp_path, monkeypatch, capsys):
     """--parallel 1 on two cells whose jobs fail: each is resubmitted once, and no two of the four
     jobs ever run at once (a resubmission used to go out beside the array, past its %1)."""
-    from research import grid, slurm_grid
+    from opsd.research import grid, slurm_grid
 
     record = tmp_path / "record"
     monkeypatch.setattr(slurm_grid, "SlurmCell", _fake_cell(record))
@@ -359,7 +360,7 @@ def test_resubmissions_stay_inside_the_parallel_limit(tmp_path, monkeypatch, cap
 def test_a_cell_sees_the_cpus_it_asked_for_and_uses_as_many_threads(tmp_path):
     """The job's step (submitit's srun) is bound to the CPUs the cell asked for (CI's cluster binds
     with task/affinity), and the cell's thread count is theirs."""
-    from research import executors, slurm_grid
+    from opsd.research import executors, slurm_grid
 
     node_cpus = int(subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True).stdout.split()[0])
     for cpus in sorted({1, min(2, node_cpus)}):

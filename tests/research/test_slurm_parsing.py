@@ -3,7 +3,7 @@ paths against a real one: tests/research/test_slurm.py): a node's CPU share per 
 job states from `squeue --states=all` and `sacct`, MaxArraySize, sbatch's refusals."""
 import subprocess
 
-from research import executors
+from opsd.research import executors
 
 
 def _answers(**by_tool):

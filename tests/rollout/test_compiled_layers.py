@@ -4,9 +4,9 @@ from functools import partial
 import pytest
 import torch
 
-from rollout import compiled_layers as compiled_layers
-from rollout.compiled_layers import CompiledLayers, decoder_layers
-from tiny_default import build_tiny_model
+from opsd.rollout import compiled_layers as compiled_layers
+from opsd.rollout.compiled_layers import CompiledLayers, decoder_layers
+from opsd.tiny_default import build_tiny_model
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The merged sampling copy's stacked projections (rollout/fused_projections.py): one product for
+"""The merged sampling copy's stacked projections (opsd/rollout/fused_projections.py): one product for
 q, k, v and one for gate, up compute what the separate projections compute, for every
 supported family (Qwen3's q/k norms, Qwen2's biases, Llama), through the decode loop too."""
 import warnings
@@ -7,12 +7,12 @@ import pytest
 import torch
 from lora_helpers import acting_lora
 
+from opsd.rollout import TransformersBackend
+from opsd.rollout import static_decode as static_decode
+from opsd.rollout.fused_projections import FusedAttention, FusedMLP, fusable_projections, fuse
+from opsd.rollout.merged_student import MergedStudent
+from opsd.rollout.static_decode import StaticDecoder
 from opsd.sampling import SamplingSettings
-from rollout import TransformersBackend
-from rollout import static_decode as static_decode
-from rollout.fused_projections import FusedAttention, FusedMLP, fusable_projections, fuse
-from rollout.merged_student import MergedStudent
-from rollout.static_decode import StaticDecoder
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GREEDY = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=10, seed=None)

@@ -1,4 +1,4 @@
-"""The decode loop's attention kernels (rollout/kernels/attention.py) against a float64 reference.
+"""The decode loop's attention kernels (opsd/rollout/kernels/attention.py) against a float64 reference.
 
 The Triton kernel runs here in Triton's CPU interpreter (TRITON_INTERPRET=1), the same
 kernel source the GPU compiles; install.sh installs Triton on CPU-only machines for it.
@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from rollout import static_decode as static_decode
-from rollout.kernels import attention as decode_attention
+from opsd.rollout import static_decode as static_decode
+from opsd.rollout.kernels import attention as decode_attention
 
 
 def reference(query, key, value, mask, scale):
@@ -141,9 +141,9 @@ def test_decode_loop_with_the_kernel_samples_what_sdpa_samples(interpreted_trito
     the same greedy tokens and seeded samples as through sdpa, log-probabilities to 1e-5."""
     from transformers import AutoModelForCausalLM
 
-    import tiny_default
+    from opsd import tiny_default
+    from opsd.rollout import TransformersBackend
     from opsd.sampling import SamplingSettings
-    from rollout import TransformersBackend
 
     model = AutoModelForCausalLM.from_pretrained(tiny_default.random_model_dir()).eval()
     rows = [[151644, 872, 198, 16, 10, 16], [151644, 872, 198, 50, 30, 20, 17, 10, 19, 24, 11], [87, 30]]
@@ -217,7 +217,7 @@ def test_split_kv_new_token_is_decode_qkv_then_split_kv(interpreted_triton, monk
     """One kernel or two (decode_qkv's, then split_kv): the same cache column bit for bit (one
     Triton function makes it), the same output to float32 rounding (the new column is added
     first instead of in its block)."""
-    from rollout.kernels import qkv as decode_qkv
+    from opsd.rollout.kernels import qkv as decode_qkv
 
     monkeypatch.setattr(decode_qkv, "IMPLEMENTATION", "triton")
     new, key, value, mask = new_token_case(3, 2, 2, 16, 200, torch.float32, True, seed=2)
@@ -233,7 +233,7 @@ def test_split_kv_new_token_is_decode_qkv_then_split_kv(interpreted_triton, monk
 def test_new_token_attention_dispatch_and_fallback(interpreted_triton, monkeypatch):
     """split_kv with SPLIT_NEW_TOKEN: the one kernel; off, or under sdpa: decode_qkv then the
     attention; under "auto", a failing kernel warns once and decode_qkv + sdpa take over."""
-    from rollout.kernels import qkv as decode_qkv
+    from opsd.rollout.kernels import qkv as decode_qkv
 
     monkeypatch.setattr(decode_qkv, "IMPLEMENTATION", "triton")
     monkeypatch.setattr(decode_attention, "_AUTO_FAILURE", None)
@@ -276,7 +276,7 @@ def test_decode_loop_through_the_one_kernel_samples_what_two_kernels_sample(inte
     test_kernel_qkv; split_kv against sdpa: the test above.)"""
     from test_fused_projections import GREEDY, SAMPLE, random_model, sample, with_lora
 
-    from rollout.kernels import qkv as decode_qkv
+    from opsd.rollout.kernels import qkv as decode_qkv
 
     model = with_lora(random_model("qwen3", torch.float32, head_dim=16))  # split_kv takes head dims from 16
     short_greedy, short_sample = (dataclasses.replace(s, max_new_tokens=6) for s in (GREEDY, SAMPLE))

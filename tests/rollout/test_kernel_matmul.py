@@ -1,4 +1,4 @@
-"""rollout/kernels/matmul.py: the split-K kernel of the decode step's narrow products against float64
+"""opsd/rollout/kernels/matmul.py: the split-K kernel of the decode step's narrow products against float64
 products written here, where `linear` uses it, and the decode loop through it.
 
 The Triton kernel runs in Triton's CPU interpreter (conftest switches it on without a GPU),
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout.kernels import matmul as decode_matmul
-from rollout.kernels.matmul import GatedConfig, LaunchConfig
+from opsd.rollout.kernels import matmul as decode_matmul
+from opsd.rollout.kernels.matmul import GatedConfig, LaunchConfig
 
 
 @pytest.fixture
@@ -115,7 +115,7 @@ def test_decode_loop_samples_the_same_tokens_through_the_kernel(interpreted_trit
     wherever it can run) through the kernel sample what F.linear samples."""
     from test_fused_projections import GREEDY, SAMPLE, random_model, sample, with_lora
 
-    from rollout.static_decode import StaticDecoder
+    from opsd.rollout.static_decode import StaticDecoder
 
     model = with_lora(random_model("qwen3", torch.float32))
     calls = []
@@ -228,7 +228,7 @@ def test_decode_loop_samples_the_same_tokens_through_the_gated_kernel(gated_kern
     and torch's SiLU sample (float32, so the rounding of the products is the same)."""
     from test_fused_projections import GREEDY, SAMPLE, random_model, sample, with_lora
 
-    from rollout.static_decode import StaticDecoder
+    from opsd.rollout.static_decode import StaticDecoder
 
     model = with_lora(random_model("qwen3", torch.float32))
     calls = []

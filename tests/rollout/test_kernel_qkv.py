@@ -1,4 +1,4 @@
-"""rollout/kernels/qkv.py: the decode step's q/k RMSNorms, rotary embedding and K/V cache writes in
+"""opsd/rollout/kernels/qkv.py: the decode step's q/k RMSNorms, rotary embedding and K/V cache writes in
 one kernel, against a float64 reference written here, and through the decode loop.
 
 The Triton kernel runs in Triton's CPU interpreter (conftest switches it on without a GPU),
@@ -8,9 +8,9 @@ log-probability check covers the compiled kernel)."""
 import pytest
 import torch
 
-from rollout import static_decode as static_decode
-from rollout.kernels import qkv as decode_qkv
-from rollout.static_decode import StaticDecoder
+from opsd.rollout import static_decode as static_decode
+from opsd.rollout.kernels import qkv as decode_qkv
+from opsd.rollout.static_decode import StaticDecoder
 
 
 @pytest.fixture

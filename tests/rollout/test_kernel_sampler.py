@@ -1,4 +1,4 @@
-"""The decode step's draw in one Triton kernel (rollout/kernels/sampler.py) against the torch draw.
+"""The decode step's draw in one Triton kernel (opsd/rollout/kernels/sampler.py) against the torch draw.
 
 The kernel runs here in Triton's CPU interpreter (TRITON_INTERPRET=1, see conftest.py).
 The torch draw (`top_k_and_logsumexp` -> `torch_draw`, what `static_decode._Sampler`
@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
+from opsd.rollout import static_decode as static_decode
+from opsd.rollout.kernels import sampler as decode_sampler
 from opsd.sampling import SamplingSettings
-from rollout import static_decode as static_decode
-from rollout.kernels import sampler as decode_sampler
 
 # (temperature, top_p, top_k): the recipe's; top-p inside a wider top-k (not a power of two); no top-p; a small k
 SETTINGS = [(1.1, 0.95, 20), (0.8, 0.6, 50), (1.0, 1.0, 5), (0.7, 0.9, 3)]
@@ -153,8 +153,8 @@ def test_decode_loop_through_the_kernel_samples_what_torch_samples(interpreted_t
     sampling through the kernel: the same seeded tokens and log-probabilities as through torch."""
     from transformers import AutoModelForCausalLM
 
-    import tiny_default
-    from rollout import TransformersBackend
+    from opsd import tiny_default
+    from opsd.rollout import TransformersBackend
 
     model = AutoModelForCausalLM.from_pretrained(tiny_default.random_model_dir()).eval()
     rows = [[151644, 872, 198, 16, 10, 16], [151644, 872, 198, 50, 30, 20, 17, 10, 19, 24, 11], [87, 30]]

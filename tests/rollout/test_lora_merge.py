@@ -1,4 +1,4 @@
-"""rollout/kernels/lora_merge.py: W + scaling * B @ A rounded once, in Triton's CPU interpreter (conftest switches
+"""opsd/rollout/kernels/lora_merge.py: W + scaling * B @ A rounded once, in Triton's CPU interpreter (conftest switches
 it on without a GPU) against float64, and the merged sampling copy refreshed through it.
 
 Half precision here is float16: the interpreter converts float32 to bfloat16 by truncation
@@ -7,7 +7,7 @@ Half precision here is float16: the interpreter converts float32 to bfloat16 by 
 import pytest
 import torch
 
-from rollout.kernels import lora_merge as lora_merge
+from opsd.rollout.kernels import lora_merge as lora_merge
 
 # ulp of each dtype at 1.0: a merge rounded once is within half of it (relative) of the exact value
 EPSILON = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10}
@@ -119,7 +119,7 @@ def test_merged_copy_refreshes_through_the_kernel(kernel, monkeypatch):
     included) is filled by the kernel, to what torch's merge fills, in float32."""
     from test_fused_projections import random_model, with_lora
 
-    from rollout.merged_student import MergedStudent
+    from opsd.rollout.merged_student import MergedStudent
 
     model = with_lora(random_model("qwen3", torch.float32))
     merged = MergedStudent(model)

@@ -1,5 +1,5 @@
-"""Sampling backends (rollout/transformers_backend.py, rollout/vllm_backend.py, chosen by
-rollout/choice.py) on the embedded tiny Qwen3 model.
+"""Sampling backends (opsd/rollout/transformers_backend.py, opsd/rollout/vllm_backend.py, chosen by
+opsd/rollout/choice.py) on the embedded tiny Qwen3 model.
 
 The EOS cases are made exact with a hook on lm_head that sets the EOS token's
 probability to a chosen value: 1 (every sample is just EOS), 0 (every sample
@@ -14,11 +14,11 @@ import pytest
 import torch
 from lora_helpers import acting_lora
 
-import rollout
+from opsd import rollout
+from opsd.rollout import BackendUnavailable, TransformersBackend, resolve_backend_name, vllm_lora_rank
+from opsd.rollout import vllm_backend as vllm_backend
+from opsd.rollout.static_decode import StaticDecoder, bucket_width, resolve_cache_implementation
 from opsd.sampling import ROLLOUT_STREAMS, Completion, SamplingSettings, derive_seed, rollout_seed, to_completion
-from rollout import BackendUnavailable, TransformersBackend, resolve_backend_name, vllm_lora_rank
-from rollout import vllm_backend as vllm_backend
-from rollout.static_decode import StaticDecoder, bucket_width, resolve_cache_implementation
 
 SAMPLE = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=123)
 GREEDY = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=None)
@@ -28,8 +28,7 @@ GREEDY = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=8,
 def tiny():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import tiny_default
-
+    from opsd import tiny_default
     folder = tiny_default.random_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -271,7 +270,7 @@ def test_prefill_writes_the_cache_and_gives_each_prompts_last_logits(tiny, compi
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from rollout import static_decode as static_decode
+    from opsd.rollout import static_decode as static_decode
 
     model, tokenizer = tiny
     model = copy.deepcopy(model).double()
@@ -430,7 +429,7 @@ def test_merged_student_samples_what_the_adapters_sample(tiny, prompts, dtype):
     """The merged sampling copy: the same network as base + unmerged adapters (float64:
     logits to rounding, greedy token for token; bf16: within bf16 rounding), the teacher
     (adapter disabled) sampled from the untouched base, the base weights bit-identical."""
-    from rollout.merged_student import MergedStudent
+    from opsd.rollout.merged_student import MergedStudent
 
     model = lora_model(tiny, dtype)
     before = {name: t.clone() for name, t in model.state_dict().items()}
@@ -507,7 +506,7 @@ def test_engine_logprobs_match_the_trainers_forward(tiny, prompts, merge_lora):
 
 
 def test_kv_windows_cover_every_decode_column():
-    from rollout.static_decode import decode_limits
+    from opsd.rollout.static_decode import decode_limits
 
     assert decode_limits(64, 300, 128) == [192, 320, 364]
     assert decode_limits(64, 256, 128) == [192, 320]
@@ -521,7 +520,7 @@ def test_kv_windows_cover_every_decode_column():
 
 def test_kv_windows_sample_what_the_whole_cache_samples(tiny, prompts, monkeypatch):
     """Attending to the filled windows only (KV_WINDOW) changes nothing: the mask hid the rest."""
-    from rollout import static_decode as static_decode
+    from opsd.rollout import static_decode as static_decode
 
     settings = SamplingSettings(temperature=1.1, top_p=0.95, top_k=20, max_new_tokens=40, seed=5)
     monkeypatch.setattr(static_decode, "KV_WINDOW", 16)
@@ -548,7 +547,7 @@ def test_a_decoder_does_not_keep_its_model_alive(tiny, prompts, merge_lora):
 
 
 def test_pack_prompts_places_each_token_and_rejects_empty_prompts():
-    from rollout import static_decode as static_decode
+    from opsd.rollout import static_decode as static_decode
 
     packed = static_decode.pack_prompts([[5, 6, 7], [8]], 4, torch.device("cpu"))
     assert packed.input_ids.tolist() == [[5, 6, 7, 8]] and packed.positions.tolist() == [[0, 1, 2, 0]]
@@ -560,7 +559,7 @@ def test_pack_prompts_places_each_token_and_rejects_empty_prompts():
 
 def test_model_state_walk_sees_every_tuner_layer_and_parameter(tiny):
     """`_model_state` walks the module tree by hand: it must see what modules() / parameters() see."""
-    from rollout.static_decode import _is_tuner_layer, _model_state
+    from opsd.rollout.static_decode import _is_tuner_layer, _model_state
 
     model = lora_model(tiny)
     states, fingerprint = _model_state(model)
@@ -592,7 +591,7 @@ def test_adapters_that_cannot_merge_are_sampled_unmerged(tiny, prompts):
     from peft import LoraConfig, get_peft_model
 
     from opsd.model_utils import peft_wrapping
-    from rollout.merged_student import MergedStudent, MergeUnsupported
+    from opsd.rollout.merged_student import MergedStudent, MergeUnsupported
 
     model, _ = tiny
     with peft_wrapping():
@@ -610,7 +609,7 @@ def test_sampler_keeps_what_transformers_warpers_keep():
     """Temperature -> top-k -> top-p: the same candidates with the same probabilities."""
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    from rollout.static_decode import _Sampler
+    from opsd.rollout.static_decode import _Sampler
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 500, generator=gen) * 3
@@ -632,7 +631,7 @@ def test_sampler_keeps_what_transformers_warpers_keep():
 def test_sampler_reads_bf16_logits_as_their_float32_copy(top_k):
     """The decode step hands the sampler the model's bf16 logits: the candidates, their ids,
     the log-sum-exp and the sampled tokens' log-probabilities are those of the float32 copy."""
-    from rollout.static_decode import _Sampler
+    from opsd.rollout.static_decode import _Sampler
 
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(4, 3000, generator=gen) * 3).bfloat16()
@@ -654,7 +653,7 @@ def test_top_k_in_blocks_is_exact(vocab, block, dtype):
     largest values (float64 sort here), ids that point at them (distinct, even where most
     logits tie), and the log-sum-exp of the whole row (-inf, not NaN, for a row of -inf);
     300 logits in blocks of 16 are fewer than k blocks (one torch.topk instead)."""
-    from rollout.kernels.sampler import top_k_and_logsumexp
+    from opsd.rollout.kernels.sampler import top_k_and_logsumexp
 
     gen = torch.Generator().manual_seed(vocab)
     k = 20
@@ -677,7 +676,7 @@ def test_top_k_in_blocks_is_exact(vocab, block, dtype):
 
 
 def test_sampler_draws_from_the_filtered_distribution():
-    from rollout.static_decode import _Sampler
+    from opsd.rollout.static_decode import _Sampler
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(20000, 1)
     sampler = _Sampler(SamplingSettings(temperature=1.0, top_p=0.9, top_k=3, max_new_tokens=1), 4)
@@ -700,7 +699,7 @@ def test_bucket_widths_and_engine_choice(tiny):
 
 
 # ---------------------------------------------------------------- the paged engine ("paged")
-# transformers' continuous batching over a paged KV cache (rollout/paged_decode.py), on CPU
+# transformers' continuous batching over a paged KV cache (opsd/rollout/paged_decode.py), on CPU
 # with sdpa: every row of a call is one request of one running batch.
 
 def paged(tiny, **kwargs):
@@ -753,7 +752,7 @@ def test_paged_same_seed_same_samples_and_the_caller_rng_untouched(tiny, prompts
 def test_paged_memory_is_bounded_by_its_pool(tiny, prompts):
     """A pool of 2 pages (one row each) still samples every row, rows waiting for pages
     (greedy: the same ids); a pool smaller than one row is refused."""
-    from rollout.paged_decode import PAGE_SIZE, cache_blocks, kv_bytes_per_token
+    from opsd.rollout.paged_decode import PAGE_SIZE, cache_blocks, kv_bytes_per_token
 
     model, _ = tiny
     page_gib = PAGE_SIZE * kv_bytes_per_token(model) / 2**30
@@ -771,7 +770,7 @@ def test_paged_deadline_hands_back_partial_rows(tiny, prompts):
     what it has sampled, marked unfinished; the next call runs normally."""
     import time
 
-    from rollout.paged_decode import paged_generate
+    from opsd.rollout.paged_decode import paged_generate
 
     model, tokenizer = tiny
     backend = paged(tiny, batch_size=2)
@@ -852,8 +851,7 @@ def fake_vllm(calls, eos_id):
 def test_vllm_backend_requests_and_completions(monkeypatch, tmp_path, tiny):
     import json
 
-    import tiny_default
-
+    from opsd import tiny_default
     _, tokenizer = tiny
     eos = tokenizer.eos_token_id
     calls = {}
@@ -877,8 +875,7 @@ def test_vllm_backend_requests_and_completions(monkeypatch, tmp_path, tiny):
 
 
 def test_vllm_backend_close_shuts_the_engine_down_once(monkeypatch, tiny):
-    import tiny_default
-
+    from opsd import tiny_default
     calls, shutdowns = {}, []
     for name, module in fake_vllm(calls, tiny[1].eos_token_id).items():
         monkeypatch.setitem(sys.modules, name, module)
@@ -1034,7 +1031,7 @@ def test_kv_cache_options():
 def test_trl_engine_options_bind_arguments_of_trls_llm_and_restore_it(monkeypatch):
     from trl.generation import vllm_generation
 
-    from rollout.trl_patches import trl_vllm_engine_options
+    from opsd.rollout.trl_patches import trl_vllm_engine_options
 
     built = []
 
@@ -1052,8 +1049,7 @@ def test_trl_engine_options_bind_arguments_of_trls_llm_and_restore_it(monkeypatc
 
 
 def test_vllm_backend_passes_a_fixed_kv_cache(monkeypatch, tiny):
-    import tiny_default
-
+    from opsd import tiny_default
     calls = {}
     for name, module in fake_vllm(calls, tiny[1].eos_token_id).items():
         monkeypatch.setitem(sys.modules, name, module)

@@ -9,7 +9,7 @@ on a few samples cannot see it, a distribution test with enough draws can. This
 file found one: the NucleusFilter that the transformers backend gave `model.generate` on its own
 ran *before* generate's temperature and top-k (generate runs the processors it is
 given before the warpers it builds), so the recipe's settings kept tokens that the
-tempered top-20 nucleus drops (3-4% of the draws here). rollout.sampling_processors
+tempered top-20 nucleus drops (3-4% of the draws here). opsd.rollout.sampling_processors
 now passes temperature, top-k, the filter and the draw (`CandidateDraw`) in that order.
 
 The target is computed here in float64, independently of the project's code:
@@ -22,7 +22,7 @@ Engines, driven as directly as is cheap:
 - static decoder: `static_decode._Sampler`, called the way its decode loop calls
   it (logits [B, V] and uniform noise [B, width] filled by `uniform_`), with its
   top-k as one torch.topk and searched in blocks (`top_k_and_logsumexp`);
-- transformers: `rollout.TransformersBackend.generate` on its `model.generate`
+- transformers: `opsd.rollout.TransformersBackend.generate` on its `model.generate`
   path (the CPU default) and on its paged path (transformers' continuous batching, the
   evaluation's CUDA default), each running its own forward of a tiny Qwen3 built so
   that its next-token logits after the prompt [r] are the fixed logits' row r
@@ -42,9 +42,9 @@ import pytest
 import torch
 from scipy import stats
 
+from opsd.rollout import TransformersBackend
+from opsd.rollout.static_decode import _Sampler
 from opsd.sampling import SamplingSettings
-from rollout import TransformersBackend
-from rollout.static_decode import _Sampler
 
 VOCAB = 1000
 ROW_SCALES = (3.0, 1.5, 0.6)  # logits = scale * N(0, 1): peaked, medium, flat rows
@@ -209,7 +209,7 @@ def blockwise_top_k_draws(logits: torch.Tensor, temperature: float, top_p: float
     """The static decoder's sampler with its top-k searched in blocks of 16 logits (the
     shipped block of 128 leaves this vocabulary's 8 blocks fewer than k, where it takes
     one torch.topk instead)."""
-    from rollout import static_decode as static_decode
+    from opsd.rollout import static_decode as static_decode
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(static_decode, "SAMPLER_TOPK_BLOCK", 16)

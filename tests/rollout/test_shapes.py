@@ -14,9 +14,9 @@ import pytest
 import torch
 from test_fused_projections import EOS, GREEDY, PAD, SAMPLE, assert_loop_scores_like_a_forward, sample, with_lora
 
-from rollout import static_decode as static_decode
-from rollout.kernels import attention as decode_attention
-from rollout.static_decode import StaticDecoder
+from opsd.rollout import static_decode as static_decode
+from opsd.rollout.kernels import attention as decode_attention
+from opsd.rollout.static_decode import StaticDecoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import common  # noqa: E402

@@ -1,12 +1,12 @@
-"""LoRA merged out of place for the vLLM weight sync (rollout/vllm_weights.py)."""
+"""LoRA merged out of place for the vLLM weight sync (opsd/rollout/vllm_weights.py)."""
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
 from opsd.model_utils import peft_wrapping
-from rollout.vllm_weights import merged_named_parameters
-from tiny_default import build_tiny_model
+from opsd.rollout.vllm_weights import merged_named_parameters
+from opsd.tiny_default import build_tiny_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-import tiny_default as td
+from opsd import tiny_default as td
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 

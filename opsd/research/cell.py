@@ -1,0 +1,512 @@
+"""One cell of a research grid: the grid file, its cells (arm x seed), the commands that train and
+evaluate a cell, what a cell's results depend on (cell.json), and `run_cell`, which runs one.
+
+opsd/research/grid.py runs the cells here or on a SLURM cluster (opsd/research/slurm_grid.py) and compares them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from opsd.research import executors
+from opsd.run_folder import write_text_atomic
+
+REPO = Path(__file__).resolve().parents[2]  # the repository (opsd/research/ -> root)
+BUDGET_DEFAULT = {"max_steps": 100, "global_batch": 32, "per_device_batch": 4}
+
+
+class GridError(Exception):
+    """A bad grid file; one line, exit 2."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    train: bool = True
+    recipe: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
+    flags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Grid:
+    arms: tuple[Arm, ...]
+    seeds: tuple[int, ...]
+    eval_data: str | None
+    preset: str | None
+    budget: dict
+    recipe: dict
+    baseline: str
+    eval_flags: tuple[str, ...] = ()
+    sweep_every: int | None = None  # save and evaluate a checkpoint every this many steps
+
+
+@dataclass(frozen=True)
+class Cell:
+    arm: Arm
+    seed: int | None  # None: an untrained arm, evaluated once
+    folder: Path
+
+    @property
+    def name(self) -> str:
+        return self.arm.name if self.seed is None else f"{self.arm.name}/seed-{self.seed}"
+
+    @property
+    def report(self) -> Path:
+        return self.folder / "eval.json"
+
+
+def load_grid(path: str) -> Grid:
+    """Read and check a grid file; every problem is one GridError line."""
+    from opsd.config import SWITCH_VARIABLES
+
+    where = path
+    try:
+        spec = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise GridError(f"{where}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise GridError(f"{where}: cannot read it ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise GridError(f"{where}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg})") from None
+    if not isinstance(spec, dict):
+        raise GridError(f"{where}: expected a JSON object")
+    known = {"preset", "eval_data", "eval_flags", "sweep_every", "seeds", "budget", "recipe", "baseline", "arms"}
+    if unknown := sorted(set(spec) - known):
+        raise GridError(f"{where}: unknown key {unknown[0]!r}; expected {', '.join(sorted(known))}")
+    arms_spec = spec.get("arms")
+    if not isinstance(arms_spec, dict) or not arms_spec:
+        raise GridError(f"{where}: 'arms' must be a non-empty object of arm name -> settings")
+    switches = set(SWITCH_VARIABLES.values())
+    arms = []
+    for name, value in arms_spec.items():
+        if not isinstance(value, dict) or set(value) - {"train", "recipe", "env", "flags"}:
+            raise GridError(f"{where}: arm {name!r} must be an object with train / recipe / env / flags")
+        if not name.replace("-", "").replace("_", "").isalnum():
+            raise GridError(f"{where}: arm name {name!r}: use letters, digits, - and _")
+        env = value.get("env", {})
+        if bad := sorted(set(env) - switches):
+            raise GridError(f"{where}: arm {name!r}: {bad[0]} is not an OPSD switch ({', '.join(sorted(switches))})")
+        arms.append(Arm(name, bool(value.get("train", True)), dict(value.get("recipe", {})),
+                        {k: str(v) for k, v in env.items()}, tuple(map(str, value.get("flags", ())))))
+    seeds = spec.get("seeds", [0])
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds):
+        raise GridError(f"{where}: 'seeds' must be a non-empty list of non-negative integers")
+    if len(set(seeds)) != len(seeds):
+        raise GridError(f"{where}: 'seeds' has a duplicate")
+    budget = {**BUDGET_DEFAULT, **spec.get("budget", {})}
+    if set(budget) != set(BUDGET_DEFAULT) or not all(isinstance(v, int) and v > 0 for v in budget.values()):
+        raise GridError(f"{where}: 'budget' takes positive integers {', '.join(BUDGET_DEFAULT)}")
+    if budget["global_batch"] % budget["per_device_batch"]:
+        raise GridError(f"{where}: global_batch {budget['global_batch']} is not a multiple of "
+                        f"per_device_batch {budget['per_device_batch']}")
+    baseline = spec.get("baseline", arms[0].name)
+    if baseline not in {a.name for a in arms}:
+        raise GridError(f"{where}: baseline {baseline!r} is not an arm")
+    eval_flags = spec.get("eval_flags", [])
+    if not isinstance(eval_flags, list) or not all(isinstance(f, str) for f in eval_flags):
+        raise GridError(f"{where}: 'eval_flags' must be a list of strings (python -m opsd.evaluation's flags)")
+    _check_eval_flags(eval_flags, where)
+    sweep_every = spec.get("sweep_every")
+    if sweep_every is not None and not (isinstance(sweep_every, int) and not isinstance(sweep_every, bool)
+                                        and 0 < sweep_every <= budget["max_steps"]):
+        raise GridError(f"{where}: 'sweep_every' must be a whole number of steps from 1 to max_steps "
+                        f"({budget['max_steps']}), got {sweep_every!r}")
+    grid = Grid(tuple(arms), tuple(seeds), spec.get("eval_data"), spec.get("preset"), budget,
+                dict(spec.get("recipe", {})), baseline, tuple(eval_flags), sweep_every)
+    for arm in grid.arms:  # a recipe error surfaces now, with the arm's name, not after hours of training
+        _check_recipe(recipe_text(grid, arm), f"{where}: arm {arm.name!r}")
+    return grid
+
+
+def _check_eval_flags(flags: list[str], where: str) -> None:
+    """The evaluation's own parser on the flags, so that a wrong one stops the grid now, not after training."""
+    import contextlib
+    import io
+
+    from opsd.evaluation import evaluate
+
+    message = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(message):
+            evaluate.parse_args(["base", *flags])
+    except SystemExit:
+        last = (message.getvalue().strip().splitlines() or ["not valid"])[-1]
+        raise GridError(f"{where}: eval_flags {' '.join(flags)!r}: {last.split('error: ', 1)[-1]}") from None
+
+
+def recipe_text(grid: Grid, arm: Arm) -> str:
+    values = {**grid.recipe, **arm.recipe}
+    return "".join(f"{key}={_recipe_value(value)}\n" for key, value in values.items())
+
+
+def _recipe_value(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _check_recipe(text: str, where: str) -> None:
+    import tempfile
+
+    from opsd.config import RecipeError, parse_recipe
+
+    with tempfile.NamedTemporaryFile("w", suffix=".env", delete=False) as f:
+        f.write(text)
+    try:
+        parse_recipe(f.name)
+    except RecipeError as exc:
+        raise GridError(f"{where}: {str(exc).replace(f.name, 'recipe')}") from None
+    finally:
+        os.unlink(f.name)
+
+
+def cells(grid: Grid, out: Path) -> list[Cell]:
+    found = []
+    for arm in grid.arms:
+        if not arm.train:
+            found.append(Cell(arm, None, out / arm.name))
+        else:
+            found += [Cell(arm, seed, out / arm.name / f"seed-{seed}") for seed in grid.seeds]
+    return found
+
+
+# --------------------------------------------------------------------------
+# Running one cell
+# --------------------------------------------------------------------------
+
+def train_command(grid: Grid, cell: Cell, processes: int = 1, port: int | None = None,
+                  code_dir: Path = REPO) -> list[str]:
+    """The cell's training: one process, or `processes` DDP processes (one per GPU of the cell)
+    through accelerate on `port`; either way the grid's global batch. `code_dir`: the code that runs
+    (the grid's snapshot, `snapshot_code`; by default this checkout)."""
+    b = grid.budget
+    accumulation = b["global_batch"] // (b["per_device_batch"] * processes)
+    if processes == 1:
+        command = [sys.executable, str(code_dir / "opsd_train.py")]
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch",
+                   "--config_file", str(code_dir / "configs" / "ddp.yaml"), "--num_processes", str(processes),
+                   "--main_process_port", str(port or 29500), str(code_dir / "opsd_train.py")]
+    if grid.preset:
+        command += ["--preset", grid.preset]
+    command += [
+        "--recipe", str(cell.folder / "recipe.env"), "--output_dir", str(cell.folder / "run"),
+        "--seed", str(cell.seed), "--max_steps", str(b["max_steps"]),
+        "--per_device_train_batch_size", str(b["per_device_batch"]),
+        "--gradient_accumulation_steps", str(accumulation),
+        "--save_strategy", "steps", "--save_steps", str(save_every(grid)), "--report_to", "none",
+        "--logging_steps", "1", *cell.arm.flags,
+    ]
+    return command
+
+
+# The launcher's grace for a multi-GPU cell's processes once a SIGTERM stops the cell: they finish the
+# step and write a checkpoint, then the launcher SIGKILLs them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, torch's
+# default 30 s, less than a real step and save). Below opsd/research/slurm_grid.py's CHECKPOINT_WAIT_S, so
+# that on SLURM the launcher, not SlurmCell.checkpoint's kill of the launcher alone, ends them.
+LAUNCHER_GRACE_S = 90
+
+
+def save_every(grid: Grid) -> int:
+    """Checkpoint interval: the sweep's, else a quarter of the budget, so that an interrupted,
+    preempted or timed-out cell resumes from at most a quarter back (resuming is exact)."""
+    return grid.sweep_every or max(1, grid.budget["max_steps"] // 4)
+
+
+def eval_command(grid: Grid, cell: Cell) -> list[str]:
+    """The last checkpoint's evaluation, or with `sweep_every` every checkpoint's (the run folder)."""
+    if cell.seed is None:
+        checkpoint = "base"
+    elif grid.sweep_every:
+        checkpoint = str(cell.folder / "run")
+    else:
+        checkpoint = str(cell.folder / "run" / f"checkpoint-{grid.budget['max_steps']}")
+    command = [sys.executable, "-m", "opsd.evaluation", checkpoint, "--output-dir", str(cell.folder / "eval")]
+    if grid.preset:
+        command += ["--preset", grid.preset]
+    if grid.eval_data:
+        command += ["--dataset", grid.eval_data]
+    return command + list(grid.eval_flags)
+
+
+# The paged evaluation engine's KV pool, in GiB, for every cell of a grid (OPSD_EVAL_PAGED_GIB, which
+# `python -m opsd.evaluation` reads): fixed here, not half of whichever GPU a cell lands on, because the
+# samples depend on it (the pool shapes the schedule). The grid's environment, or its eval_flags'
+# --paged-cache-gib, sets another. Engines other than paged (the tiny preset's, vLLM) ignore it.
+EVAL_PAGED_GIB = "32"
+
+
+def eval_environment(environ=os.environ) -> dict[str, str]:
+    """The variables a cell's evaluation gets from the grid: the paged KV pool (EVAL_PAGED_GIB)."""
+    return {"OPSD_EVAL_PAGED_GIB": environ.get("OPSD_EVAL_PAGED_GIB") or EVAL_PAGED_GIB}
+
+
+def inherited_variables(cell: Cell, environ=os.environ) -> dict[str, str]:
+    """The OPSD_* variables a cell inherits from the grid's environment (its arm's own `env` aside):
+    switches, data, the evaluation's pool; they change what the cell computes."""
+    return {key: value for key, value in sorted(environ.items())
+            if key.startswith("OPSD_") and key not in cell.arm.env}
+
+
+def cell_identity(grid: Grid, cell: Cell, processes: int = 1, environ=os.environ) -> dict:
+    """What a cell's results depend on: stored in the cell's cell.json and compared on every re-run,
+    so that a grid folder never mixes the cells of two different grids, and a cell never resumes at
+    another process count (which splits the global batch differently) or with other variables.
+    Where it ran (host, GPU, job) and the code version are recorded beside it (`provenance`)."""
+    identity = {"arm": cell.arm.name, "seed": cell.seed, "preset": grid.preset, "eval_data": grid.eval_data,
+                "eval_flags": list(grid.eval_flags),
+                "variables": {**inherited_variables(cell, environ), **eval_environment(environ)}}
+    if cell.arm.train:
+        identity.update(budget=grid.budget, sweep_every=grid.sweep_every, recipe={**grid.recipe, **cell.arm.recipe},
+                        env=cell.arm.env, flags=list(cell.arm.flags), processes=processes)
+    return identity
+
+
+def check_cell_identity(grid: Grid, cell: Cell, processes: int = 1, environ=os.environ) -> None:
+    """GridError when the cell's folder holds a cell of other settings (its cell.json differs). A key
+    that a cell.json written by an older version lacks is not compared."""
+    stored = _read_cell_json(cell)
+    if stored is None:
+        return
+    wanted = json.loads(json.dumps(cell_identity(grid, cell, processes, environ)))  # as JSON has it
+    for key in sorted(wanted):
+        if key in stored and stored[key] != wanted[key]:
+            there, here = stored[key], wanted[key]
+            if isinstance(there, dict) and isinstance(here, dict):  # name the one entry that differs
+                inner = next(k for k in sorted(set(there) | set(here)) if there.get(k) != here.get(k))
+                key, there, here = f"{key}.{inner}", there.get(inner), here.get(inner)
+            hint = ("--gpus-per-cell as it was" if key == "processes" else
+                    "the environment it ran with" if key.startswith("variables") else None)
+            raise GridError(f"{cell.folder} holds a cell of other settings ({key}: {there!r} there, {here!r} now); "
+                            + (f"re-run with {hint}, " if hint else "") + "use another --out, or delete that folder")
+
+
+def _read_cell_json(cell: Cell) -> dict | None:
+    path = cell.folder / "cell.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise GridError(f"{path}: not readable JSON ({exc}); delete that cell folder to run it again") from None
+
+
+# --------------------------------------------------------------------------
+# The code a cell runs
+# --------------------------------------------------------------------------
+
+# What counts as code for a cell's version: the tracked files a run executes or reads as settings
+# (not the docs: editing a note while a grid runs changes no result).
+CODE_FILES = ("*.py", "*.sh", "*.env", "*.json", "*.yaml", "*.toml", "*.txt", "*.ini")
+
+
+def code_version(repo: Path = REPO) -> str | None:
+    """The checkout's version: its commit, with `+dirty-<hash>` when tracked code files (CODE_FILES)
+    differ from it (the hash of the difference: the same edits give the same version); None
+    outside a git checkout. Untracked files are not part of it."""
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, timeout=60)
+        if head.returncode != 0:
+            return None
+        diff = subprocess.run(["git", "-C", str(repo), "diff", "HEAD", "--binary", "--", *CODE_FILES],
+                              capture_output=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = head.stdout.decode().strip()[:12]
+    return f"{commit}+dirty-{hashlib.sha256(diff).hexdigest()[:12]}" if diff else commit
+
+
+def check_cell_code(cell: Cell, code: str | None, allow_change: bool = False) -> None:
+    """GridError when a started, unfinished cell ran on other code than the checkout's now: resuming
+    it would mix two versions in one result (`--allow-code-change` resumes it all the same)."""
+    stored = _read_cell_json(cell) or {}
+    ran = (stored.get("provenance") or {}).get("code")
+    if allow_change or cell.report.is_file() or code is None or ran in (None, code):
+        return
+    started = any((cell.folder / "run").glob("checkpoint-*")) or any((cell.folder / "eval").glob("*.partial.jsonl"))
+    if started:
+        raise GridError(f"{cell.name} started on code {ran}, the checkout is now {code}: resuming it would mix the "
+                        "two; re-run with --allow-code-change to resume it anyway, or delete its folder to restart it")
+
+
+SNAPSHOT_SKIPS = ("tests/", "docs/", "grids/results/")  # what no cell runs or reads
+
+
+def snapshot_code(out: Path, repo: Path = REPO) -> tuple[str | None, Path]:
+    """The code a grid's cells run: a copy of the checkout's tracked files as they are now (uncommitted
+    edits included; tests, docs and pictures left out) in `out`/code/<version>/, made once per
+    version. A cell's training and evaluation run from it (their working folder; the snapshot's
+    packages come before the installed ones on the import path), so that editing or pulling the
+    checkout while a grid runs, or while its jobs wait in a SLURM queue, changes none of its cells.
+    Returns (version, folder); outside a git checkout (None, the checkout itself)."""
+    version = code_version(repo)
+    if version is None:
+        return None, repo
+    folder = out / "code" / version
+    if folder.is_dir():
+        return version, folder
+    listed = subprocess.run(["git", "-C", str(repo), "ls-files", "-z"], capture_output=True, timeout=60)
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=".code-"))
+    for name in listed.stdout.decode().split("\0"):
+        source = repo / name
+        if (not name or name.startswith(SNAPSHOT_SKIPS) or name.endswith((".md", ".png"))
+                or not source.is_file()):  # a tracked file deleted in the working tree is not there
+            continue
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, tmp / name)
+    folder.parent.mkdir(exist_ok=True)
+    os.replace(tmp, folder)
+    return version, folder
+
+
+def gpu_names(gpus: tuple[str, ...] | None) -> str:
+    """What a cell's devices are, for its provenance: the GPUs' names from nvidia-smi, or 'CPU'."""
+    if gpus == ():
+        return "CPU"
+    command = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"] + (["-i", ",".join(gpus)] if gpus else [])
+    try:
+        names = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown" if gpus else "CPU"
+    listed = [line.strip() for line in names.stdout.splitlines() if line.strip()]
+    return ", ".join(listed) if names.returncode == 0 and listed else ("unknown" if gpus else "CPU")
+
+
+def devices_label(gpus: tuple[str, ...] | None) -> str:
+    if gpus is None:
+        return "this machine"
+    return f"GPU {','.join(gpus)}" if gpus else "CPU"
+
+
+def _ignore_usr2() -> None:
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
+# --------------------------------------------------------------------------
+# Progress: what a running step's log says
+# --------------------------------------------------------------------------
+
+_PROGRESS = re.compile(r"(\d+)/(\d+) \[(\d[\d:]*)<([\d:?]+)")
+
+
+def log_progress(path: Path) -> str | None:
+    """The last progress bar of a training or evaluation log ('k/N, ETA m:ss'), None before the first."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            tail = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    found = _PROGRESS.findall(tail)
+    if not found:
+        return None
+    done, total, _elapsed, left = found[-1]
+    return f"{done}/{total}" + (f", about {left} left" if "?" not in left else "")
+
+
+PROGRESS_EVERY_S = 30.0  # how often a running cell's progress line is printed (when it changed)
+
+
+def run_cell(grid: Grid, cell: Cell, log, gpus: tuple[str, ...] | None = None, port: int | None = None,
+             started=None, code: str | None = None, code_dir: Path = REPO,
+             progress_every: float = PROGRESS_EVERY_S) -> str:
+    """Train (if needed) and evaluate one cell; returns 'done', 'skipped' or 'failed: ...'.
+
+    gpus: the GPU ids the cell runs on (its CUDA_VISIBLE_DEVICES; () = CPU; None = whatever this
+    process sees, as under SLURM, which sets it); several GPUs train as that many DDP processes on
+    `port` (default: a free one). started(process) is told each child process, so that a SLURM job
+    can stop it cleanly. `code_dir`, `code`: the code the cell runs (the grid's snapshot) and its
+    version, recorded in cell.json. The cell's folder is locked while it runs: a second runner of
+    the same cell (another grid on the same --out, a resubmitted job) is refused."""
+    from opsd.run_folder import RunFolderError, RunLock
+
+    if cell.report.is_file():
+        return "skipped"
+    if not (code_dir / "opsd_train.py").is_file():
+        return f"failed: the grid's code snapshot {code_dir} is gone; re-run the grid to make it again"
+    cell.folder.mkdir(parents=True, exist_ok=True)
+    try:
+        with RunLock(str(cell.folder)):
+            return _run_cell_locked(grid, cell, log, gpus, port, started, code, code_dir, progress_every)
+    except RunFolderError as exc:
+        return f"failed: {exc}"
+
+
+def _run_cell_locked(grid, cell, log, gpus, port, started, code, code_dir, progress_every) -> str:
+    from opsd.tiny_default.cache import cache_dir
+
+    processes = max(1, len(gpus or ()))
+    provenance = {"code": code, "host": socket.gethostname(), "devices": gpu_names(gpus),
+                  "slurm_job": os.environ.get("SLURM_JOB_ID"), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    write_text_atomic(cell.folder / "cell.json", json.dumps(
+        {**cell_identity(grid, cell, processes), "provenance": provenance}, indent=1) + "\n")
+    env = {**os.environ, **cell.arm.env, **eval_environment(), "PYTHONUNBUFFERED": "1",
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(LAUNCHER_GRACE_S),
+           "OPSD_CACHE": str(cache_dir())}  # the embedded default's build cache: one for every snapshot
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    steps = []
+    if cell.arm.train:
+        (cell.folder / "recipe.env").write_text(recipe_text(grid, cell.arm), encoding="utf-8")
+        if processes > 1 and port is None:
+            port = executors.free_port()
+        steps.append(("train", train_command(grid, cell, processes, port, code_dir)))
+    steps.append(("eval", eval_command(grid, cell)))
+    for kind, command in steps:
+        start = time.time()
+        log_path = cell.folder / f"{kind}.log"
+        log(f"{cell.name}: {kind} on {devices_label(gpus)} ... (log: {log_path})")
+        with open(log_path, "a", encoding="utf-8") as out:
+            where = f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} " if gpus is not None else ""
+            start_line = "\n" if out.tell() else ""  # an interrupted run may have left a line unfinished
+            out.write(f"{start_line}$ {where}{' '.join(command)}\n")
+            out.flush()
+            # Under SLURM, SIGUSR2 is submitit's notice to the job (preemption, time limit): the
+            # children ignore it and are stopped by SlurmCell.checkpoint with a SIGTERM instead.
+            child = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=code_dir,
+                                     preexec_fn=_ignore_usr2 if started is not None else None)
+            if started is not None:
+                started(child)
+            said, next_report = None, time.time() + progress_every
+            while (status := child.poll()) is None:  # not wait(): a signal handler must be able to reap it
+                time.sleep(0.5)
+                if time.time() >= next_report:
+                    next_report = time.time() + progress_every
+                    now = log_progress(log_path)
+                    if now and now != said:
+                        log(f"{cell.name}: {kind} {now}")
+                        said = now
+        if status != 0:
+            return f"failed: {kind} exited {status} (see {log_path})"
+        log(f"{cell.name}: {kind} done in {time.time() - start:.0f} s")
+    reports = sorted((cell.folder / "eval").glob("eval_*.json"))
+    if cell.seed is not None and grid.sweep_every:  # the last checkpoint's report is the cell's
+        reports = [r for r in reports if r.name.endswith(f"_checkpoint-{grid.budget['max_steps']}.json")]
+        sweeps = sorted((cell.folder / "eval").glob("sweep_*.json"))
+        if len(sweeps) != 1:
+            return f"failed: expected one sweep table in {cell.folder / 'eval'}, found {len(sweeps)}"
+        shutil.copyfile(sweeps[0], cell.folder / "sweep.json")
+    if len(reports) != 1:
+        return f"failed: expected one eval report in {cell.folder / 'eval'}, found {len(reports)}"
+    tmp = cell.report.with_suffix(".json.tmp")
+    shutil.copyfile(reports[0], tmp)
+    os.replace(tmp, cell.report)  # the done marker appears only complete
+    return "done"
+
+
+def _check_processes_divide_batch(grid: Grid, processes: int) -> None:
+    b = grid.budget
+    if b["global_batch"] % (b["per_device_batch"] * processes):
+        raise executors.ExecutorError(
+            f"{processes} GPUs a cell: global_batch {b['global_batch']} is not a multiple of per_device_batch "
+            f"{b['per_device_batch']} x {processes} processes")

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The learnable embedded default on a GPU machine, in one call (OPSD_EXPERIMENTS.md):
+#   bash opsd/research/learned_default_gpu.sh OUT_DIR [GRID.json] [PARALLEL]
+# 1. with TRAIN_DEFAULT=1: trains opsd/tiny_default/weights/learned.safetensors and measures it
+#    (python -m opsd.research.train_tiny_default); the weights and report land in OUT_DIR;
+# 2. with a grid file: runs it with opsd/research/grid.py into runs/<grid name> (resumable: carry
+#    that folder back to continue) and packs its reports and logs into OUT_DIR/grid.tgz.
+# Everything stops by END_S seconds after the start (default 560). Wheels in .whl/ are
+# installed into /tmp/site first (see BENCHMARKS.md for how to fetch them).
+set -uo pipefail
+OUT_DIR=${1:?usage: learned_default_gpu.sh OUT_DIR [GRID.json] [PARALLEL]}
+GRID=${2:-}
+PARALLEL=${3:-8}
+END_S=${END_S:-560}
+source "$(dirname "$0")/../bench/gpu_env.sh"  # the GPU machine's environment, shared with bench/
+gpu_env "$OUT_DIR" || exit 1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+if [[ "${TRAIN_DEFAULT:-0}" == 1 ]]; then
+  timeout $((END_S - SECONDS)) python3 -m opsd.research.train_tiny_default --report "$OUT_DIR/learned_report.json" \
+    ${TRAIN_ARGS:-} > "$OUT_DIR/train_learned.log" 2>&1
+  echo "train_learned exit $?" | tee -a "$OUT_DIR/train_learned.log"
+  cp opsd/tiny_default/weights/learned.safetensors "$OUT_DIR/" 2>/dev/null
+  grep -E "^\[(train|measure)\]" "$OUT_DIR/train_learned.log" | tail -12
+fi
+if [[ -n "$GRID" ]]; then
+  name=$(basename "$GRID" .json)
+  timeout $((END_S - SECONDS)) python3 -m opsd.research.grid "$GRID" --out "runs/$name" --cells-per-gpu "$PARALLEL" \
+    > "$OUT_DIR/grid.log" 2>&1
+  echo "opsd.research.grid exit $?" | tee -a "$OUT_DIR/grid.log"
+  (cd runs && find "$name" \( -name 'eval.json' -o -name 'results.json' -o -name '*.log' -o -name '*.md' \
+      -o -name 'recipe.env' -o -name 'metrics.jsonl' -o -name 'run_config.json' \) -not -path '*/checkpoint-*' -print0 \
+    | tar czf "$OUT_DIR/grid.tgz" --null -T -)
+  tail -30 "$OUT_DIR/grid.log"
+fi
