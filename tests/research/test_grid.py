@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -231,6 +232,56 @@ def test_results_give_each_arms_sampled_tokens_next_to_its_accuracy(tmp_path, ca
     assert research.grid.draw_accuracy_vs_tokens(research.grid.Grid(**{**grid.__dict__, "sweep_every": None}),
                                                  out) is None
     assert capsys.readouterr().err == ""
+
+
+def test_a_cell_records_each_steps_wall_time_and_results_report_it(tmp_path, monkeypatch):
+    """run_cell writes each step's wall time to the cell's timing.json (resumed or not, and how many
+    cells shared its GPU); results.json / results.md give each arm's per run and whether the GPU was
+    the cell's alone (issue 52 item 3: cost next to tokens)."""
+    from research import cell as grid_cell
+
+    token_grid = _token_grid()
+    arms = tuple(research.grid.Arm(name, train=name != "base") for name in ("base", "opsd", "sft"))
+    grid = research.grid.Grid(arms=arms, seeds=(0, 1), eval_data=None, preset="tiny", baseline="base",
+                              budget={**research.grid.BUDGET_DEFAULT, "max_steps": 4}, recipe={})
+    out = token_grid.write_grid(tmp_path / "grid", arms=("opsd", "sft"), sweep=False)
+    # One real run_cell, its training and evaluation swapped for quick commands: the second writes the report.
+    cell = research.grid.Cell(arms[1], 5, out / "opsd" / "seed-5")
+    (cell.folder / "run" / "checkpoint-2").mkdir(parents=True)  # an interrupted training: it resumes
+    report = cell.folder / "eval" / "eval_x.json"
+    monkeypatch.setattr(grid_cell, "train_command", lambda *a, **k: [sys.executable, "-c", "import time; "
+                                                                     "time.sleep(0.3)"])
+    monkeypatch.setattr(grid_cell, "eval_command", lambda *a, **k: [
+        sys.executable, "-c", f"import os, shutil; os.makedirs({str(report.parent)!r}); "
+                              f"shutil.copyfile({str(out / 'opsd' / 'seed-0' / 'eval.json')!r}, {str(report)!r})"])
+    assert grid_cell.run_cell(grid, cell, lambda m: None, gpus=("0",), cells_per_gpu=1) == "done"
+    timing = json.loads((cell.folder / "timing.json").read_text())
+    assert timing["train_s"] >= 0.3 and timing["train_resumed"] and not timing["eval_resumed"]
+    assert timing["cells_per_gpu"] == 1 and timing["eval_s"] >= 0
+    import shutil
+
+    shutil.rmtree(cell.folder)
+    for name, train_s, sharing in (("opsd/seed-0", 100, 1), ("opsd/seed-1", 120, 1), ("sft/seed-0", 30, 1)):
+        (out / name / "timing.json").write_text(json.dumps({"train_s": train_s, "train_resumed": False, "eval_s": 40,
+                                                             "eval_resumed": False, "cells_per_gpu": sharing}))
+    (out / "base" / "timing.json").write_text(json.dumps({"eval_s": 35, "eval_resumed": False, "cells_per_gpu": 1}))
+    table = research.grid.results(grid, out, research.grid.cells(grid, out))
+    a = table["arms"]
+    assert a["opsd"]["train_s_per_run"] == [100, 120] and a["opsd"]["train_s"] == 110 and a["opsd"]["eval_s"] == 40
+    assert a["sft"]["train_s_per_run"] == [30, None] and a["sft"]["train_s"] == 30  # seed 1 recorded none
+    assert a["base"]["train_s"] is None and a["base"]["eval_s"] == 35
+    text = research.grid.markdown(table)
+    assert "| opsd | 100, 120 | 40, 40 | 150 | 1 |" in text and "| sft | 30, - | 40, - | 70 | 1 |" in text
+    assert "| base | - | 35 | 35 | 1 |" in text and "One cell a GPU (`--cells-per-gpu 1`)" in text
+    (out / "sft" / "seed-0" / "timing.json").write_text(json.dumps(
+        {"train_s": 30, "train_resumed": True, "eval_s": 40, "cells_per_gpu": 8}))
+    text = research.grid.markdown(research.grid.results(grid, out, research.grid.cells(grid, out)))
+    assert "| sft | 30, - | 40, - | 70 (resumed: a part) | 8 |" in text
+    assert "Cells shared a GPU (up to 8 a GPU" in text and "One cell a GPU" not in text
+    for name in ("opsd", "sft", "base"):  # cells without timing.json (older grids): no wall-time table
+        for path in (out / name).rglob("timing.json"):
+            path.unlink()
+    assert "Wall time" not in research.grid.markdown(research.grid.results(grid, out, research.grid.cells(grid, out)))
 
 
 # --------------------------------------------------------------------------
