@@ -106,6 +106,46 @@ def test_shipped_grids_load():
         assert grid.arms and grid.baseline in {a.name for a in grid.arms}
 
 
+@pytest.mark.parametrize("whole", ["grpo_tuned/data_size_3seeds", "grpo_tuned/wall_time"])
+def test_a_grid_split_into_parts_for_one_call_each_is_the_whole_grid(whole):
+    """grids/NAME/*.json run one GPU call each into the whole grid's folder (GRID_NAME=NAME,
+    research/learned_default_gpu.sh); grids/NAME.json then tables them. Together the parts are
+    exactly the whole's cells, with its settings; each part's baseline is one of its arms."""
+    def cells(grid):
+        return {(c.arm.name, c.seed): json.dumps(research.grid.cell_identity(grid, c), sort_keys=True)
+                for c in research.grid.cells(grid, Path("/out"))}
+
+    full = research.grid.load_grid(str(REPO / "grids" / f"{whole}.json"))
+    parts = [research.grid.load_grid(str(p)) for p in sorted((REPO / "grids" / whole).glob("*.json"))]
+    assert len(parts) >= 2
+    joined = {}
+    for part in parts:
+        assert (part.preset, part.eval_data, part.eval_flags, part.budget, part.recipe, part.sweep_every) == (
+            full.preset, full.eval_data, full.eval_flags, full.budget, full.recipe, full.sweep_every)
+        assert part.baseline in {a.name for a in part.arms}
+        for key, identity in cells(part).items():
+            assert joined.setdefault(key, identity) == identity  # a cell in two parts (base) is the same cell
+    assert joined == cells(full)
+
+
+def test_the_data_size_axis_has_three_fresh_seeds_a_cell_on_a_fresh_eval_set():
+    """grids/grpo_tuned/data_size_3seeds.json (issue 52 item 4): OPSD, SFT and the tuned GRPO at 64 to
+    4,096 unique problems, seeds and eval set used by no other grid file."""
+    grid = research.grid.load_grid(str(REPO / "grids" / "grpo_tuned" / "data_size_3seeds.json"))
+    assert len(grid.seeds) >= 3
+    trained = {a.name: a for a in grid.arms if a.train}
+    assert set(trained) == {f"{m}_n{n}" for m in ("opsd", "sft", "grpo") for n in (64, 256, 1024, 4096)}
+    for name, arm in trained.items():
+        assert arm.flags[arm.flags.index("--dataset_name") + 1] == f"tiny:20260705:{name.split('_n')[1]}"
+        if name.startswith("grpo"):
+            assert arm.recipe == {"learning_rate": 0.0001, "max_grad_norm": 1.0}
+            assert arm.flags[arm.flags.index("--num_generations") + 1] == "2"  # 16 prompts x 2: OPSD's tokens
+    others = [research.grid.load_grid(str(p)) for p in (REPO / "grids").rglob("*.json")
+              if "results" not in p.parts and "data_size_3seeds" not in str(p)]
+    assert grid.eval_data.split(":")[1] not in {g.eval_data.split(":")[1] for g in others if g.eval_data}
+    assert not any(set(grid.seeds) & set(g.seeds) for g in others if g.preset == "tiny")
+
+
 def test_the_cpu_quickstart_trains_and_evaluates_one_family_on_disjoint_problems():
     """grids/quickstart_cpu.json (README, OPSD_EXPERIMENTS.md): token clip + left padding,
     12 x 16, trained on one family's train split, evaluated on 40 problems of its eval split."""
