@@ -108,9 +108,10 @@ def test_shipped_grids_load():
 
 @pytest.mark.parametrize("whole", ["grpo_tuned/data_size_3seeds", "grpo_tuned/wall_time"])
 def test_a_grid_split_into_parts_for_one_call_each_is_the_whole_grid(whole):
-    """grids/NAME/*.json run one GPU call each into the whole grid's folder (GRID_NAME=NAME,
-    research/learned_default_gpu.sh); grids/NAME.json then tables them. Together the parts are
-    exactly the whole's cells, with its settings; each part's baseline is one of its arms."""
+    """The parts (a folder of grid files beside the whole grid's file) run one GPU call each into the
+    whole grid's folder (GRID_NAME, research/learned_default_gpu.sh); the whole grid's file then
+    tables them. Together the parts are exactly the whole's cells, with its settings; each part's
+    baseline is one of its arms."""
     def cells(grid):
         return {(c.arm.name, c.seed): json.dumps(research.grid.cell_identity(grid, c), sort_keys=True)
                 for c in research.grid.cells(grid, Path("/out"))}

@@ -46,7 +46,7 @@ def _run_script(tmp_path: Path, *args: str, env=None) -> tuple[subprocess.Comple
 
 
 def test_grid_tgz_brings_back_sweeps_and_timings_not_checkpoints(tmp_path):
-    run, out = _run_script(tmp_path, "grids/g.json", "4")
+    run, out = _run_script(tmp_path, "g.json", "4")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "research.grid exit 0" in run.stdout
     with tarfile.open(out / "grid.tgz") as tar:
@@ -59,8 +59,8 @@ def test_grid_tgz_brings_back_sweeps_and_timings_not_checkpoints(tmp_path):
 
 
 def test_grid_name_runs_a_part_into_the_whole_grids_folder(tmp_path):
-    run, out = _run_script(tmp_path, "grids/part_a.json", "4", env={"GRID_NAME": "whole"})
+    run, out = _run_script(tmp_path, "part_a.json", "4", env={"GRID_NAME": "whole"})
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "grid grids/part_a.json into runs/whole" in (out / "grid.log").read_text()
+    assert "grid part_a.json into runs/whole" in (out / "grid.log").read_text()
     with tarfile.open(out / "grid.tgz") as tar:
         assert {name.split("/")[0] for name in tar.getnames()} == {"whole"}
