@@ -465,10 +465,11 @@ def record_time(cell: Cell, kind: str, seconds: float, resumed: bool, cells_per_
 
 
 def _step_started_before(cell: Cell, kind: str) -> bool:
-    """Whether a step finds an interrupted run of itself to continue: a checkpoint, or a partial evaluation."""
+    """Whether a step finds an interrupted run of itself to continue: a checkpoint, a partial
+    evaluation, or (a sweep) checkpoints already evaluated."""
     if kind == "train":
         return any((cell.folder / "run").glob("checkpoint-*"))
-    return any((cell.folder / "eval").glob("*.partial.jsonl"))
+    return any((cell.folder / "eval").glob("*.partial.jsonl")) or any((cell.folder / "eval").glob("eval_*.json"))
 
 
 def _run_cell_locked(grid, cell, log, gpus, port, started, code, code_dir, progress_every, cells_per_gpu) -> str:
