@@ -419,7 +419,7 @@ PROGRESS_EVERY_S = 30.0  # how often a running cell's progress line is printed (
 
 def run_cell(grid: Grid, cell: Cell, log, gpus: tuple[str, ...] | None = None, port: int | None = None,
              started=None, code: str | None = None, code_dir: Path = REPO,
-             progress_every: float = PROGRESS_EVERY_S) -> str:
+             progress_every: float = PROGRESS_EVERY_S, cells_per_gpu: int | None = None) -> str:
     """Train (if needed) and evaluate one cell; returns 'done', 'skipped' or 'failed: ...'.
 
     gpus: the GPU ids the cell runs on (its CUDA_VISIBLE_DEVICES; () = CPU; None = whatever this
@@ -427,7 +427,9 @@ def run_cell(grid: Grid, cell: Cell, log, gpus: tuple[str, ...] | None = None, p
     `port` (default: a free one). started(process) is told each child process, so that a SLURM job
     can stop it cleanly. `code_dir`, `code`: the code the cell runs (the grid's snapshot) and its
     version, recorded in cell.json. The cell's folder is locked while it runs: a second runner of
-    the same cell (another grid on the same --out, a resubmitted job) is refused."""
+    the same cell (another grid on the same --out, a resubmitted job) is refused. Each step's wall time
+    goes to the cell's timing.json (`record_time`; `cells_per_gpu`: how many cells the grid let share
+    the cell's GPU, None where unknown)."""
     from opsd.run_folder import RunFolderError, RunLock
 
     if cell.report.is_file():
@@ -437,12 +439,40 @@ def run_cell(grid: Grid, cell: Cell, log, gpus: tuple[str, ...] | None = None, p
     cell.folder.mkdir(parents=True, exist_ok=True)
     try:
         with RunLock(str(cell.folder)):
-            return _run_cell_locked(grid, cell, log, gpus, port, started, code, code_dir, progress_every)
+            return _run_cell_locked(grid, cell, log, gpus, port, started, code, code_dir, progress_every,
+                                    cells_per_gpu)
     except RunFolderError as exc:
         return f"failed: {exc}"
 
 
-def _run_cell_locked(grid, cell, log, gpus, port, started, code, code_dir, progress_every) -> str:
+TIMING_FILE = "timing.json"  # a cell's wall time per step: opsd.research.grid's results read it
+
+
+def record_time(cell: Cell, kind: str, seconds: float, resumed: bool, cells_per_gpu: int | None) -> None:
+    """Add one finished step's wall time to the cell's timing.json: `{kind}_s` (seconds, the process's
+    start to its end: loading, compiling and checkpoints included), `{kind}_resumed` (the step
+    continued an interrupted one, so its time is only the last part) and `cells_per_gpu` (cells the
+    grid let share the GPU: above 1, the time is not a dedicated GPU's). A step run again replaces
+    its entry."""
+    path = cell.folder / TIMING_FILE
+    try:
+        timing = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        timing = {}
+    timing = timing if isinstance(timing, dict) else {}
+    timing.update({f"{kind}_s": round(seconds, 1), f"{kind}_resumed": resumed, "cells_per_gpu": cells_per_gpu})
+    write_text_atomic(path, json.dumps(timing, indent=1) + "\n")
+
+
+def _step_started_before(cell: Cell, kind: str) -> bool:
+    """Whether a step finds an interrupted run of itself to continue: a checkpoint, a partial
+    evaluation, or (a sweep) checkpoints already evaluated."""
+    if kind == "train":
+        return any((cell.folder / "run").glob("checkpoint-*"))
+    return any((cell.folder / "eval").glob("*.partial.jsonl")) or any((cell.folder / "eval").glob("eval_*.json"))
+
+
+def _run_cell_locked(grid, cell, log, gpus, port, started, code, code_dir, progress_every, cells_per_gpu) -> str:
     from opsd.tiny_default.cache import cache_dir
 
     processes = max(1, len(gpus or ()))
@@ -463,7 +493,7 @@ def _run_cell_locked(grid, cell, log, gpus, port, started, code, code_dir, progr
         steps.append(("train", train_command(grid, cell, processes, port, code_dir)))
     steps.append(("eval", eval_command(grid, cell)))
     for kind, command in steps:
-        start = time.time()
+        start, resumed = time.time(), _step_started_before(cell, kind)
         log_path = cell.folder / f"{kind}.log"
         log(f"{cell.name}: {kind} on {devices_label(gpus)} ... (log: {log_path})")
         with open(log_path, "a", encoding="utf-8") as out:
@@ -488,7 +518,9 @@ def _run_cell_locked(grid, cell, log, gpus, port, started, code, code_dir, progr
                         said = now
         if status != 0:
             return f"failed: {kind} exited {status} (see {log_path})"
-        log(f"{cell.name}: {kind} done in {time.time() - start:.0f} s")
+        seconds = time.time() - start
+        record_time(cell, kind, seconds, resumed, cells_per_gpu)
+        log(f"{cell.name}: {kind} done in {seconds:.0f} s")
     reports = sorted((cell.folder / "eval").glob("eval_*.json"))
     if cell.seed is not None and grid.sweep_every:  # the last checkpoint's report is the cell's
         reports = [r for r in reports if r.name.endswith(f"_checkpoint-{grid.budget['max_steps']}.json")]

@@ -36,8 +36,9 @@ against the baseline) and `results.json` (every number) in the grid folder, and
 `curves.png` beside them: each trained arm's training curves, the mean over its
 seeds with the lowest-to-highest band (`python -m opsd.analysis.plots overlay --grid`). Each arm's
 sampled tokens (the mean over its seeds of `tokens/sampled` at the last checkpoint, opsd.analysis.tokens)
-stand next to its accuracy. The output ends with each evaluated cell's FINAL line and each arm's
-verdict against the baseline (what quickstart.sh shows).
+stand next to its accuracy, and each cell's wall time (timing.json) below the table. The output
+ends with each evaluated cell's FINAL line and each arm's verdict against the baseline (what
+quickstart.sh shows).
 
 With `sweep_every: N`, trained cells save a checkpoint every N steps and evaluate every one
 (`python -m opsd.evaluation RUN_FOLDER`, opsd/evaluation/sweep.py: one report per checkpoint, the cell's
@@ -60,6 +61,7 @@ from opsd.research.cell import (  # noqa: F401  (re-exported: the grid module is
     EVAL_PAGED_GIB,
     PROGRESS_EVERY_S,
     REPO,
+    TIMING_FILE,
     Arm,
     Cell,
     Grid,
@@ -121,6 +123,7 @@ def results(grid: Grid, out: Path, all_cells: list[Cell]) -> dict:
             entry["per_step"] = _mean_per_step([c for c in all_cells if c.arm is arm])
         entry.update(_sampled_tokens(grid, [c for c in all_cells if c.arm is arm and c.report.is_file()],
                                      entry.get("per_step")))
+        entry.update(_wall_time([c for c in all_cells if c.arm is arm and c.report.is_file()]))
         table["arms"][arm.name] = entry
     table["missing"] = [c.name for c in all_cells if not c.report.is_file()]
     table["bootstrap_resamples"] = run_stats.DEFAULT_BOOTSTRAP
@@ -175,6 +178,61 @@ def _sampled_tokens(grid: Grid, done: list[Cell], per_step: dict | None) -> dict
     return entry
 
 
+def _wall_time(done: list[Cell]) -> dict:
+    """An arm's wall time from its finished cells' timing.json (opsd.research.cell.record_time): per run
+    the seconds of training and of evaluation (None: not recorded), their means over the runs that
+    recorded them, whether any step was resumed (its time then covers only its last part) and the
+    most cells the grid let share a GPU with one of them (None: unknown, e.g. no GPU pool)."""
+    timings = []
+    for cell in done:
+        try:
+            timing = json.loads((cell.folder / TIMING_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            timing = None
+        timings.append(timing if isinstance(timing, dict) else {})
+    if not any(timings):
+        return {}
+    entry = {}
+    for kind in ("train", "eval"):
+        per_run = [t.get(f"{kind}_s") for t in timings]
+        known = [v for v in per_run if isinstance(v, (int, float))]
+        entry[f"{kind}_s_per_run"] = per_run
+        entry[f"{kind}_s"] = sum(known) / len(known) if known else None
+    entry["wall_resumed"] = any(t.get("train_resumed") or t.get("eval_resumed") for t in timings)
+    sharing = [t.get("cells_per_gpu") for t in timings if isinstance(t.get("cells_per_gpu"), int)]
+    entry["cells_per_gpu"] = max(sharing) if sharing else None
+    return entry
+
+
+def _wall_lines(table: dict) -> list[str]:
+    """results.md's wall-time table (arms with timing.json), with what the times are a cost of."""
+    timed = {name: a for name, a in table["arms"].items() if "train_s" in a}
+    if not timed:
+        return []
+
+    def seconds(values) -> str:
+        return ", ".join("-" if v is None else f"{v:.0f}" for v in values) or "-"
+
+    lines = ["", "Wall time a cell, in seconds (`timing.json` of each cell: each step's process from start to "
+                 "end, loading and checkpoints included):", "",
+             "| arm | training per run | evaluation per run | mean training + evaluation | cells a GPU |",
+             "|---|---|---|---|---|"]
+    for name, a in timed.items():
+        parts = [a[k] for k in ("train_s", "eval_s") if a[k] is not None]
+        total = f"{sum(parts):.0f}" + (" (resumed: a part)" if a["wall_resumed"] else "") if parts else "-"
+        training = seconds(a["train_s_per_run"]) if a.get("trained", True) else "-"
+        sharing = "-" if a["cells_per_gpu"] is None else str(a["cells_per_gpu"])
+        lines.append(f"| {name} | {training} | {seconds(a['eval_s_per_run'])} | {total} | {sharing} |")
+    shared = sorted({a["cells_per_gpu"] for a in timed.values() if (a["cells_per_gpu"] or 1) > 1})
+    if shared:
+        lines += ["", f"Cells shared a GPU (up to {shared[-1]} a GPU, `--cells-per-gpu`): these times rank the "
+                      "arms under that sharing; they are not the cost of a run on a dedicated GPU."]
+    elif any(a["cells_per_gpu"] == 1 for a in timed.values()):
+        lines += ["", "One cell a GPU (`--cells-per-gpu 1`): the cost of a run with the GPU to itself (the "
+                      "machine's CPUs shared with the grid's other cells, if any ran at once)."]
+    return lines
+
+
 def markdown(table: dict) -> str:
     g = table["grid"]
     metric = next((a["metric"] for a in table["arms"].values() if "metric" in a), "avg@k")
@@ -200,6 +258,7 @@ def markdown(table: dict) -> str:
         for step in steps:
             cells = [f"{per_step[str(step)]:.2f}" if str(step) in per_step else "-" for per_step in swept.values()]
             lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    lines += _wall_lines(table)
     if any("sampled_tokens" in a for a in table["arms"].values()):
         lines += ["", "sampled tokens: completion tokens the student sampled up to the last checkpoint "
                       "(`tokens/sampled` of each seed's metrics.jsonl), mean over the seeds; 0 for an arm trained "
@@ -292,7 +351,8 @@ def run_here(grid: Grid, todo: list[Cell], args, gpus: list[str], slots: list, l
 
     def one(cell: Cell, gpus_of_cell) -> str:
         try:
-            return run_cell(grid, cell, log, gpus=gpus_of_cell, code=code, code_dir=code_dir, progress_every=progress)
+            return run_cell(grid, cell, log, gpus=gpus_of_cell, code=code, code_dir=code_dir, progress_every=progress,
+                            cells_per_gpu=args.cells_per_gpu if slots else None)
         except Exception as exc:  # noqa: BLE001  (one cell's bug must not cost the other cells' table)
             import traceback
 

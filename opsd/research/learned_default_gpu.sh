@@ -4,7 +4,10 @@
 # 1. with TRAIN_DEFAULT=1: trains opsd/tiny_default/weights/learned.safetensors and measures it
 #    (python -m opsd.research.train_tiny_default); the weights and report land in OUT_DIR;
 # 2. with a grid file: runs it with opsd/research/grid.py into runs/<grid name> (resumable: carry
-#    that folder back to continue) and packs its reports and logs into OUT_DIR/grid.tgz.
+#    that folder back to continue) and packs its reports, logs, each cell's sweep.json (what
+#    `opsd.analysis.stats reach` / `equivalence ARM@STEP` read) and timing.json into OUT_DIR/grid.tgz.
+#    GRID_NAME=NAME runs it into runs/NAME instead: parts of one grid (grid files whose cells are
+#    subsets of one grid's) share one folder, on a warm machine or once their grid.tgz are unpacked.
 # Everything stops by END_S seconds after the start (default 560). Wheels in .whl/ are
 # installed into /tmp/site first (see BENCHMARKS.md for how to fetch them).
 set -uo pipefail
@@ -23,12 +26,18 @@ if [[ "${TRAIN_DEFAULT:-0}" == 1 ]]; then
   grep -E "^\[(train|measure)\]" "$OUT_DIR/train_learned.log" | tail -12
 fi
 if [[ -n "$GRID" ]]; then
-  name=$(basename "$GRID" .json)
+  name=${GRID_NAME:-$(basename "$GRID" .json)}
   timeout $((END_S - SECONDS)) python3 -m opsd.research.grid "$GRID" --out "runs/$name" --cells-per-gpu "$PARALLEL" \
     > "$OUT_DIR/grid.log" 2>&1
   echo "opsd.research.grid exit $?" | tee -a "$OUT_DIR/grid.log"
   (cd runs && find "$name" \( -name 'eval.json' -o -name 'results.json' -o -name '*.log' -o -name '*.md' \
-      -o -name 'recipe.env' -o -name 'metrics.jsonl' -o -name 'run_config.json' \) -not -path '*/checkpoint-*' -print0 \
+      -o -name 'recipe.env' -o -name 'metrics.jsonl' -o -name 'run_config.json' -o -name 'sweep.json' \
+      -o -name 'timing.json' \) -not -path '*/checkpoint-*' -print0 \
     | tar czf "$OUT_DIR/grid.tgz" --null -T -)
+  size=$(stat -c %s "$OUT_DIR/grid.tgz" 2>/dev/null || echo 0)
+  if (( size > 16 * 1024 * 1024 )); then  # the device machine returns files of at most 16 MiB
+    echo "warning: grid.tgz is $size bytes, over 16 MiB: it will not come back; pack less (e.g. no *.log)" \
+      | tee -a "$OUT_DIR/grid.log"
+  fi
   tail -30 "$OUT_DIR/grid.log"
 fi

@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -103,6 +104,47 @@ def test_shipped_grids_load():
     for path in shipped:
         grid = opsd.research.grid.load_grid(str(path))
         assert grid.arms and grid.baseline in {a.name for a in grid.arms}
+
+
+@pytest.mark.parametrize("whole", ["grpo_tuned/data_size_3seeds", "grpo_tuned/wall_time"])
+def test_a_grid_split_into_parts_for_one_call_each_is_the_whole_grid(whole):
+    """The parts (a folder of grid files beside the whole grid's file) run one GPU call each into the
+    whole grid's folder (GRID_NAME, opsd/research/learned_default_gpu.sh); the whole grid's file then
+    tables them. Together the parts are exactly the whole's cells, with its settings; each part's
+    baseline is one of its arms."""
+    def cells(grid):
+        return {(c.arm.name, c.seed): json.dumps(opsd.research.grid.cell_identity(grid, c), sort_keys=True)
+                for c in opsd.research.grid.cells(grid, Path("/out"))}
+
+    full = opsd.research.grid.load_grid(str(REPO / "grids" / f"{whole}.json"))
+    parts = [opsd.research.grid.load_grid(str(p)) for p in sorted((REPO / "grids" / whole).glob("*.json"))]
+    assert len(parts) >= 2
+    joined = {}
+    for part in parts:
+        assert (part.preset, part.eval_data, part.eval_flags, part.budget, part.recipe, part.sweep_every) == (
+            full.preset, full.eval_data, full.eval_flags, full.budget, full.recipe, full.sweep_every)
+        assert part.baseline in {a.name for a in part.arms}
+        for key, identity in cells(part).items():
+            assert joined.setdefault(key, identity) == identity  # a cell in two parts (base) is the same cell
+    assert joined == cells(full)
+
+
+def test_the_data_size_axis_has_three_fresh_seeds_a_cell_on_a_fresh_eval_set():
+    """grids/grpo_tuned/data_size_3seeds.json (issue 52 item 4): OPSD, SFT and the tuned GRPO at 64 to
+    4,096 unique problems, seeds and eval set used by no other grid file."""
+    grid = opsd.research.grid.load_grid(str(REPO / "grids" / "grpo_tuned" / "data_size_3seeds.json"))
+    assert len(grid.seeds) >= 3
+    trained = {a.name: a for a in grid.arms if a.train}
+    assert set(trained) == {f"{m}_n{n}" for m in ("opsd", "sft", "grpo") for n in (64, 256, 1024, 4096)}
+    for name, arm in trained.items():
+        assert arm.flags[arm.flags.index("--dataset_name") + 1] == f"tiny:20260705:{name.split('_n')[1]}"
+        if name.startswith("grpo"):
+            assert arm.recipe == {"learning_rate": 0.0001, "max_grad_norm": 1.0}
+            assert arm.flags[arm.flags.index("--num_generations") + 1] == "2"  # 16 prompts x 2: OPSD's tokens
+    others = [opsd.research.grid.load_grid(str(p)) for p in (REPO / "grids").rglob("*.json")
+              if "results" not in p.parts and "data_size_3seeds" not in str(p)]
+    assert grid.eval_data.split(":")[1] not in {g.eval_data.split(":")[1] for g in others if g.eval_data}
+    assert not any(set(grid.seeds) & set(g.seeds) for g in others if g.preset == "tiny")
 
 
 def test_the_cpu_quickstart_trains_and_evaluates_one_family_on_disjoint_problems():
@@ -232,6 +274,57 @@ def test_results_give_each_arms_sampled_tokens_next_to_its_accuracy(tmp_path, ca
     assert opsd.research.grid.draw_accuracy_vs_tokens(opsd.research.grid.Grid(**{**grid.__dict__, "sweep_every": None}),
                                                  out) is None
     assert capsys.readouterr().err == ""
+
+
+def test_a_cell_records_each_steps_wall_time_and_results_report_it(tmp_path, monkeypatch):
+    """run_cell writes each step's wall time to the cell's timing.json (resumed or not, and how many
+    cells shared its GPU); results.json / results.md give each arm's per run and whether the GPU was
+    the cell's alone (issue 52 item 3: cost next to tokens)."""
+    from opsd.research import cell as grid_cell
+
+    token_grid = _token_grid()
+    arms = tuple(opsd.research.grid.Arm(name, train=name != "base") for name in ("base", "opsd", "sft"))
+    grid = opsd.research.grid.Grid(arms=arms, seeds=(0, 1), eval_data=None, preset="tiny", baseline="base",
+                              budget={**opsd.research.grid.BUDGET_DEFAULT, "max_steps": 4}, recipe={})
+    out = token_grid.write_grid(tmp_path / "grid", arms=("opsd", "sft"), sweep=False)
+    # One real run_cell, its training and evaluation swapped for quick commands: the second writes the report.
+    cell = opsd.research.grid.Cell(arms[1], 5, out / "opsd" / "seed-5")
+    (cell.folder / "run" / "checkpoint-2").mkdir(parents=True)  # an interrupted training: it resumes
+    report = cell.folder / "eval" / "eval_x.json"
+    monkeypatch.setattr(grid_cell, "train_command", lambda *a, **k: [sys.executable, "-c", "import time; "
+                                                                     "time.sleep(0.3)"])
+    monkeypatch.setattr(grid_cell, "eval_command", lambda *a, **k: [
+        sys.executable, "-c", f"import os, shutil; os.makedirs({str(report.parent)!r}); "
+                              f"shutil.copyfile({str(out / 'opsd' / 'seed-0' / 'eval.json')!r}, {str(report)!r})"])
+    assert grid_cell.run_cell(grid, cell, lambda m: None, gpus=("0",), cells_per_gpu=1) == "done"
+    timing = json.loads((cell.folder / "timing.json").read_text())
+    assert timing["train_s"] >= 0.3 and timing["train_resumed"] and not timing["eval_resumed"]
+    assert timing["cells_per_gpu"] == 1 and timing["eval_s"] >= 0
+    import shutil
+
+    shutil.rmtree(cell.folder)
+    for name, train_s, sharing in (("opsd/seed-0", 100, 1), ("opsd/seed-1", 120, 1), ("sft/seed-0", 30, 1)):
+        (out / name / "timing.json").write_text(json.dumps({"train_s": train_s, "train_resumed": False, "eval_s": 40,
+                                                             "eval_resumed": False, "cells_per_gpu": sharing}))
+    (out / "base" / "timing.json").write_text(json.dumps({"eval_s": 35, "eval_resumed": False, "cells_per_gpu": 1}))
+    table = opsd.research.grid.results(grid, out, opsd.research.grid.cells(grid, out))
+    a = table["arms"]
+    assert a["opsd"]["train_s_per_run"] == [100, 120] and a["opsd"]["train_s"] == 110 and a["opsd"]["eval_s"] == 40
+    assert a["sft"]["train_s_per_run"] == [30, None] and a["sft"]["train_s"] == 30  # seed 1 recorded none
+    assert a["base"]["train_s"] is None and a["base"]["eval_s"] == 35
+    text = opsd.research.grid.markdown(table)
+    assert "| opsd | 100, 120 | 40, 40 | 150 | 1 |" in text and "| sft | 30, - | 40, - | 70 | 1 |" in text
+    assert "| base | - | 35 | 35 | 1 |" in text and "One cell a GPU (`--cells-per-gpu 1`)" in text
+    (out / "sft" / "seed-0" / "timing.json").write_text(json.dumps(
+        {"train_s": 30, "train_resumed": True, "eval_s": 40, "cells_per_gpu": 8}))
+    text = opsd.research.grid.markdown(opsd.research.grid.results(grid, out, opsd.research.grid.cells(grid, out)))
+    assert "| sft | 30, - | 40, - | 70 (resumed: a part) | 8 |" in text
+    assert "Cells shared a GPU (up to 8 a GPU" in text and "One cell a GPU" not in text
+    for name in ("opsd", "sft", "base"):  # cells without timing.json (older grids): no wall-time table
+        for path in (out / name).rglob("timing.json"):
+            path.unlink()
+    grids = opsd.research.grid
+    assert "Wall time" not in grids.markdown(grids.results(grid, out, grids.cells(grid, out)))
 
 
 # --------------------------------------------------------------------------
