@@ -1,4 +1,4 @@
-# Sourced by the GPU-machine scripts of bench/ and by opsd/research/learned_default_gpu.sh:
+# Sourced by the GPU-machine scripts of bench/ and by bench/learned_default_gpu.sh:
 # `gpu_env OUT_DIR` creates OUT_DIR, moves to the repository root, installs the wheels carried
 # in .whl/ into /tmp/site when the machine lacks the project's packages (BENCHMARKS.md says how
 # to fetch them), sets the environment the benchmarks run in and writes OUT_DIR/machine.txt.

@@ -504,10 +504,10 @@ def run_folder_last(out):
     return max(steps) if steps else None
 
 
-@pytest.mark.parametrize("script", sorted(str(p.relative_to(ROOT)) for folder in ("bench", "checks", "opsd/research")
+@pytest.mark.parametrize("script", sorted(str(p.relative_to(ROOT)) for folder in ("bench", "checks")
                                            for p in (ROOT / folder).glob("*.sh")), ids=str)
 def test_the_gpu_scripts_parse(script):
-    """bench/*.sh, checks/*.sh and opsd/research/*.sh run mostly on the GPU machine, where a syntax error
+    """bench/*.sh and checks/*.sh run mostly on the GPU machine, where a syntax error
     costs a whole call: `bash -n` here (usage is in each script's header)."""
     result = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

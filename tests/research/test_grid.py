@@ -109,7 +109,7 @@ def test_shipped_grids_load():
 @pytest.mark.parametrize("whole", ["grpo_tuned/data_size_3seeds", "grpo_tuned/wall_time"])
 def test_a_grid_split_into_parts_for_one_call_each_is_the_whole_grid(whole):
     """The parts (a folder of grid files beside the whole grid's file) run one GPU call each into the
-    whole grid's folder (GRID_NAME, opsd/research/learned_default_gpu.sh); the whole grid's file then
+    whole grid's folder (GRID_NAME, bench/learned_default_gpu.sh); the whole grid's file then
     tables them. Together the parts are exactly the whole's cells, with its settings; each part's
     baseline is one of its arms."""
     def cells(grid):

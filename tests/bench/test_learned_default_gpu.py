@@ -1,4 +1,4 @@
-"""opsd/research/learned_default_gpu.sh packs what a grid's analysis needs into OUT_DIR/grid.tgz (each cell's
+"""bench/learned_default_gpu.sh packs what a grid's analysis needs into OUT_DIR/grid.tgz (each cell's
 sweep.json for `opsd.analysis.stats reach`, its timing.json), leaves checkpoints behind, and with GRID_NAME
 runs a grid file into another folder of runs/. Run on a copy of the script whose python3 is a stub
 that writes a grid folder as opsd.research.grid would."""
@@ -31,7 +31,7 @@ FAKE_PYTHON = textwrap.dedent("""\
 
 def _run_script(tmp_path: Path, *args: str, env=None) -> tuple[subprocess.CompletedProcess, Path]:
     root = tmp_path / "repo"  # the script and the environment it sources, as laid out in the repository
-    for name in ("opsd/research/learned_default_gpu.sh", "bench/gpu_env.sh"):
+    for name in ("bench/learned_default_gpu.sh", "bench/gpu_env.sh"):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / name, root / name)
     fake = tmp_path / "bin" / "python3"
@@ -39,7 +39,7 @@ def _run_script(tmp_path: Path, *args: str, env=None) -> tuple[subprocess.Comple
     fake.write_text(FAKE_PYTHON)
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     out = tmp_path / "OUT"
-    run = subprocess.run(["bash", str(root / "research" / "learned_default_gpu.sh"), str(out), *args],
+    run = subprocess.run(["bash", str(root / "bench" / "learned_default_gpu.sh"), str(out), *args],
                          capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", **(env or {})})
     return run, out

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The learnable embedded default on a GPU machine, in one call (OPSD_EXPERIMENTS.md):
-#   bash opsd/research/learned_default_gpu.sh OUT_DIR [GRID.json] [PARALLEL]
+#   bash bench/learned_default_gpu.sh OUT_DIR [GRID.json] [PARALLEL]
 # 1. with TRAIN_DEFAULT=1: trains opsd/tiny_default/weights/learned.safetensors and measures it
 #    (python -m opsd.research.train_tiny_default); the weights and report land in OUT_DIR;
 # 2. with a grid file: runs it with opsd/research/grid.py into runs/<grid name> (resumable: carry
@@ -15,7 +15,7 @@ OUT_DIR=${1:?usage: learned_default_gpu.sh OUT_DIR [GRID.json] [PARALLEL]}
 GRID=${2:-}
 PARALLEL=${3:-8}
 END_S=${END_S:-560}
-source "$(dirname "$0")/../bench/gpu_env.sh"  # the GPU machine's environment, shared with bench/
+source "$(dirname "$0")/gpu_env.sh"  # the GPU machine's environment
 gpu_env "$OUT_DIR" || exit 1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 if [[ "${TRAIN_DEFAULT:-0}" == 1 ]]; then
