@@ -1,8 +1,10 @@
-"""Plots (PNG): one run's training curves, several runs overlaid, arms with their intervals.
+"""Plots (PNG): one run's training curves, several runs overlaid, arms with their intervals,
+a grid's results.json against tokens, data or a setting.
 
     python -m opsd.analysis.plots curves RUN_DIR [--metric KEY ...] [--out FILE.png]
     python -m opsd.analysis.plots overlay RUN_DIR [RUN_DIR ...] [--metric KEY ...] --out FILE.png
     python -m opsd.analysis.plots overlay --grid GRID_DIR [--metric KEY ...] [--out FILE.png]
+    python -m opsd.analysis.plots results RESULTS.json [--x FIELD] [--group REGEX] [--out FILE.png]
 
 `curves` draws what a run folder's `metrics.jsonl` holds, one panel per quantity (loss,
 true KL, divergence before the clip, clip shares, teacher mass removed, entropies,
@@ -21,12 +23,23 @@ run's accuracy per checkpoint (`dev_eval.sh RUN_FOLDER`, opsd/evaluation/sweep.p
 (`accuracy_vs_tokens.png`, which a grid with `sweep_every` draws; `python -m opsd.analysis.stats
 tokens GRID_DIR --plot FILE.png` by hand).
 
+`results` needs only a grid's results.json (opsd/research/grid.py writes it; grids/results/
+keeps copies whose run folders are gone): each evaluated arm at its mean x and mean accuracy,
+each seed's run as a small dot at its own x (`sampled_tokens_per_run`, ...) and accuracy
+(`per_run`), the untrained arm (base) as a dotted line. `--x`: `sampled_tokens` (default),
+`forward_tokens` (training compute), `unique_problems` (N of the arm's `--dataset_name
+tiny:SEED:N`, log scale) or `learning_rate` (the arm's recipe, else the grid's; log scale).
+Arms that `--group REGEX` puts together are one line (default: each arm its own labelled dot
+for tokens, the name's prefix, opsd_n64 -> opsd, otherwise). Default output: beside the JSON,
+NAME_X.png.
+
 Bad input (a missing folder or file, an unreadable `metrics.jsonl` line, a metric that no
-run logged, an output that is not a writable .png path) is one `error: ...` line on stderr
-with exit status 2, and no PNG is written (figures are written to a temporary file and
-renamed into place). matplotlib is imported only when a figure is drawn, and only its Agg
-canvas is used (no pyplot): nothing opens a window, no global backend is switched, and
-modules that import this one for its constants do not pay for matplotlib.
+run logged, an --x that no arm of a results.json has, an output that is not a writable .png
+path) is one `error: ...` line on stderr with exit status 2, and no PNG is written (figures
+are written to a temporary file and renamed into place). matplotlib is imported only when a
+figure is drawn, and only its Agg canvas is used (no pyplot): nothing opens a window, no global
+backend is switched, and modules that import this one for its constants do not pay for
+matplotlib.
 """
 from __future__ import annotations
 
