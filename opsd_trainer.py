@@ -19,24 +19,21 @@ loss (per-entry clip, which TRL's fused divergence cannot express).
 This file is the trainer; its parts live in the method library: the config
 (opsd.train_config), the objective (opsd.objective), each role's prompts and padding geometry
 (data_collator.py, on opsd.prompts and opsd.scoring), the scoring forwards (opsd.scoring), the
-callbacks (opsd.callbacks), the checkpoint's card (opsd.model_card); the patches of TRL's
-vLLM code in rollout.trl_patches.
+callbacks (opsd.callbacks), staged checkpoints (opsd.checkpoints) and their card
+(opsd.model_card); the patches of TRL's vLLM code in rollout.trl_patches.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import math
 import os
-import shutil
 import time
 from contextlib import contextmanager, nullcontext
 
 import torch
 from accelerate.utils import is_peft_model
 from transformers.trainer_callback import ProgressCallback
-from transformers.trainer_utils import rotate_checkpoints
 from trl import DistillationTrainer
 from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import RepeatSampler
@@ -45,12 +42,12 @@ from data_collator import OPSDCollator
 from opsd import model_card, run_folder
 from opsd.adapter_layers import AdapterLayers
 from opsd.callbacks import CollapseWatch, EMAUpdate, ProgressBarOnly, RunLog, StopOnSignal
+from opsd.checkpoints import StagedCheckpoint
 from opsd.ema_teacher import EMA_FILE, AdapterEMA
 from opsd.grpo import group_advantages, reward_stats
 from opsd.model_utils import checkpointing_is_on, peft_wrapping, set_checkpointing
 from opsd.objective import RowRewards, build_objective, objective_settings
 from opsd.rewards import grader_rewards
-from opsd.run_folder import STAGING_DIR, CheckpointWriteError, pause_in_save, remove_if_empty
 from opsd.run_log import BACKWARD_TOKENS_KEY, FORWARD_TOKENS_KEY, SAMPLED_TOKENS_KEY
 from opsd.sampling import ROLLOUT_STREAMS, SamplingSettings, on_policy_step, rollout_seed, to_completion
 from opsd.scoring import (
@@ -126,7 +123,7 @@ class OPSDTrainer(DistillationTrainer):
             self.add_callback(StopOnSignal(self, stop_request))
         self.base_model_name = base_model_name
         self._alignment_checked = False
-        self._staging_root: str | None = None
+        self._staging: StagedCheckpoint | None = None  # the checkpoint being saved
         self._compiled_layers: CompiledLayers | None = None
         self._adapter_layers: AdapterLayers | None = None
         self._sampled_tokens: int | None = None  # tokens/sampled; read from the log history at the first rollout
@@ -499,78 +496,46 @@ class OPSDTrainer(DistillationTrainer):
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def _get_output_dir(self, trial):
-        return self._staging_root or super()._get_output_dir(trial)
+        # During a save the Trainer writes checkpoint-N under the staging folder (opsd.checkpoints).
+        return self._staging.root if self._staging is not None else super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial):
-        """Write `checkpoint-N` under a staging folder, then rename it into place.
-
-        A run killed mid-save leaves only the staging folder, which resume ignores
-        (and the next run removes), so the newest `checkpoint-N` is always complete.
-        A failed write (disk full, not writable) removes its partial copy and stops
-        the run with CheckpointWriteError; earlier checkpoints are untouched.
-        """
-        run_dir = super()._get_output_dir(trial)
-        self._staging_root = os.path.join(run_dir, STAGING_DIR)
-        name = f"checkpoint-{self.state.global_step}"
-        staged, final = os.path.join(self._staging_root, name), os.path.join(run_dir, name)
+        """Write `checkpoint-N` whole or not at all: staged, then renamed into place; a failed
+        write stops the run with CheckpointWriteError (opsd.checkpoints)."""
+        stage = StagedCheckpoint(super()._get_output_dir(trial), self.state.global_step)
+        self._staging = stage
         try:
-            super()._save_checkpoint(model, trial)
-            if self.args.should_save:
-                if self.ema is not None:
-                    torch.save(self.ema.state_dict(), os.path.join(staged, EMA_FILE))
-                config = os.path.join(run_dir, run_folder.CONFIG_FILE)
-                if os.path.isfile(config):  # the run's identity travels with each checkpoint
-                    shutil.copy2(config, os.path.join(staged, run_folder.CONFIG_FILE))
-                pause_in_save(name)
-        except OSError as e:
-            shutil.rmtree(staged, ignore_errors=True)
-            remove_if_empty(self._staging_root)
-            last = run_folder.last_checkpoint(run_dir)
-            reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-            raise CheckpointWriteError(
-                f"cannot write {name} in {run_dir} ({reason}); earlier checkpoints are intact "
-                f"(last: {last[1] if last else 'none'})"
-            ) from None
+            with stage.writing():
+                super()._save_checkpoint(model, trial)
+                if self.args.should_save:
+                    stage.add_run_files(self.ema.state_dict() if self.ema is not None else None)
         finally:
-            self._staging_root = None
+            self._staging = None
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.replace(staged, final)
-            remove_if_empty(os.path.join(run_dir, STAGING_DIR))
-            if self.state.best_model_checkpoint == staged:
-                self.state.best_model_checkpoint = final
-            rotate_checkpoints(run_dir, save_total_limit=self.args.save_total_limit, use_mtime=False)
+            stage.move_into_place(self.args.save_total_limit)
+            if self.state.best_model_checkpoint == stage.staged:
+                self.state.best_model_checkpoint = stage.final
             if self.base_model_name:  # the run folder's card: its newest checkpoint, until the final adapter
-                model_card.write_card(self.card_data(final, checkpoint=True), into=run_dir)
+                model_card.write_card(self._card_data(stage.final, checkpoint=True), into=stage.run_dir)
         self.accelerator.wait_for_everyone()
 
     def _save(self, output_dir=None, state_dict=None):
         """The adapter and the tokenizer (transformers' save; `AutoTokenizer.from_pretrained(folder)`
-        loads it), then the adapter config's base model set to what loads (`adapter_base`) and
-        the project's card (opsd.model_card) in place of peft's template."""
+        loads it), then the project's part: the base model as what loads and the project's card
+        in place of peft's template (opsd.model_card.finish_adapter_folder)."""
         super()._save(output_dir, state_dict=state_dict)
         folder = output_dir if output_dir is not None else self.args.output_dir
         if self.args.should_save and self.base_model_name:
-            model_card.name_adapter_base_model(folder, self.adapter_base)
-            root = self._staging_root
-            staged = root is not None and os.path.dirname(os.path.abspath(folder)) == os.path.abspath(root)
-            final = os.path.join(os.path.dirname(root), os.path.basename(folder)) if staged else folder
-            model_card.write_card(self.card_data(final, checkpoint=staged), into=folder)
+            final = self._staging.final_folder(folder) if self._staging is not None else None
+            model_card.finish_adapter_folder(folder, self._card_data(final or folder, checkpoint=final is not None))
 
-    @property
-    def adapter_base(self) -> str:
-        """The base model as adapter_config.json names it (opsd.model_card.adapter_base)."""
-        return model_card.adapter_base(self.base_model_name)
-
-    def card_data(self, folder: str, checkpoint: bool) -> model_card.CardData:
-        config = run_folder.read_config(self.args.output_dir) or {}
-        problem = self.train_dataset[0]["problem"] if self.train_dataset is not None and len(self.train_dataset) else ""
-        return model_card.CardData(
-            folder=os.path.abspath(folder), base_model=self.base_model_name, adapter_base=self.adapter_base,
-            run_config=config, step=self.state.global_step, metrics=model_card.last_metrics(self.state.log_history),
-            problem=problem, checkpoint=checkpoint)
+    def _card_data(self, folder: str, checkpoint: bool) -> model_card.CardData:
+        dataset = self.train_dataset
+        return model_card.card_data(
+            folder, base_model=self.base_model_name, run_dir=self.args.output_dir, step=self.state.global_step,
+            log_history=self.state.log_history, problem=dataset[0]["problem"] if dataset is not None and len(dataset)
+            else "", checkpoint=checkpoint)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """The project's card (opsd.model_card), not TRL's template (which TRL's _save_checkpoint

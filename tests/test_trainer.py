@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 import data_collator
 import opsd_train
 import opsd_trainer
-from opsd import run_folder, scoring
+from opsd import checkpoints, run_folder, scoring
 from opsd.model_utils import peft_wrapping
 from opsd.objective import build_objective, objective_settings
 from opsd.prompts import PromptBuilder
@@ -232,7 +232,7 @@ def test_full_disk_stops_with_a_clear_error_and_keeps_earlier_checkpoints(tmp_pa
         if name == "checkpoint-2":
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(opsd_trainer, "pause_in_save", full_at_second_save)
+    monkeypatch.setattr(checkpoints, "pause_in_save", full_at_second_save)
     assert opsd_train.main(tiny_argv(tmp_path, 2, "--save_steps", "1")) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
     assert err.startswith("error:") and "cannot write checkpoint-2" in err and "no space left on device" in err
