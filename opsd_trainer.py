@@ -16,27 +16,30 @@ sync, metric averaging and the training loop. What we replace: prompt building
 (two prompts per row, our padding geometry), the transformers rollout, and the
 loss (per-entry clip, which TRL's fused divergence cannot express).
 
+The same step runs the baselines: each arm (`ARMS`, chosen once from `loss_type`) rolls a
+generation batch out into its typed batch (opsd.batches) and names the second forward. OPSD
+as above (its off-policy steps, GKD's `lmbda`, take the reference solution as the completion);
+SFT always the reference solution; GRPO samples each prompt `num_generations` times, rewards and
+no teacher (with `grpo_beta`, the KL's reference: its own prompt, the adapter disabled).
+
 This file is the trainer; its parts live in the method library: the config
-(opsd.train_config), the objective (opsd.objective), each role's prompts and padding geometry
-(data_collator.py, on opsd.prompts and opsd.scoring), the scoring forwards (opsd.scoring), the
-callbacks (opsd.callbacks), the checkpoint's card (opsd.model_card); the patches of TRL's
-vLLM code in opsd.rollout.trl_patches.
+(opsd.train_config), the objective (opsd.objective), the batches (opsd.batches), each role's
+prompts and padding geometry (data_collator.py, on opsd.prompts and opsd.scoring), the scoring
+forwards (opsd.scoring), the callbacks (opsd.callbacks), staged checkpoints (opsd.checkpoints)
+and their card (opsd.model_card); the patches of TRL's vLLM code in opsd.rollout.trl_patches.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import math
 import os
-import shutil
 import time
 from contextlib import contextmanager, nullcontext
 
 import torch
 from accelerate.utils import is_peft_model
 from transformers.trainer_callback import ProgressCallback
-from transformers.trainer_utils import rotate_checkpoints
 from trl import DistillationTrainer
 from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import RepeatSampler
@@ -44,7 +47,9 @@ from trl.trainer.utils import RepeatSampler
 from data_collator import OPSDCollator
 from opsd import model_card, run_folder
 from opsd.adapter_layers import AdapterLayers
+from opsd.batches import DistillBatch, GRPOBatch, RolloutBatch
 from opsd.callbacks import CollapseWatch, EMAUpdate, ProgressBarOnly, RunLog, StopOnSignal
+from opsd.checkpoints import StagedCheckpoint
 from opsd.ema_teacher import EMA_FILE, AdapterEMA
 from opsd.grpo import group_advantages, reward_stats
 from opsd.model_utils import checkpointing_is_on, peft_wrapping, set_checkpointing
@@ -53,7 +58,6 @@ from opsd.rewards import grader_rewards
 from opsd.rollout import TransformersBackend, kv_cache_options, vllm_environment
 from opsd.rollout.compiled_layers import CompiledLayers
 from opsd.rollout.trl_patches import sync_merged_lora, trl_vllm_engine_options
-from opsd.run_folder import STAGING_DIR, CheckpointWriteError, pause_in_save, remove_if_empty
 from opsd.run_log import BACKWARD_TOKENS_KEY, FORWARD_TOKENS_KEY, SAMPLED_TOKENS_KEY
 from opsd.sampling import ROLLOUT_STREAMS, SamplingSettings, on_policy_step, rollout_seed, to_completion
 from opsd.scoring import (
@@ -69,6 +73,142 @@ from opsd.train_config import OPSDConfig, resolve_engine_defaults
 
 class NonFiniteLossError(RuntimeError):
     """Raised to stop the run when the loss is NaN or infinite."""
+
+
+# ---------------------------------------------------------------------- arms
+# Each arm of the comparison is how a generation batch is rolled out into its typed batch
+# (opsd.batches) and which second, no-grad forward scores its completions besides the student.
+# The trainer picks one, once, from `loss_type` (ARMS); its step never asks which arm it runs.
+
+
+class Arm:
+    """What an arm says; the defaults are an arm with no sampler, second forward or rewards of its own."""
+
+    batch_type: type[RolloutBatch]
+    second_role: str  # how the `[OPSD align]` line names the second forward (or says there is none)
+
+    def __init__(self, trainer: OPSDTrainer):
+        self.trainer = trainer
+
+    def train_sampler(self, dataset):
+        """The arm's own sampler, None for DistillationTrainer's (each prompt once)."""
+        return None
+
+    def rollout(self, rows: list[dict]) -> RolloutBatch:
+        raise NotImplementedError
+
+    def second_prompts(self, batch: RolloutBatch) -> list[list[int]] | None:
+        """The prompts of the second, no-grad forward over the same completions; None: none."""
+        return None
+
+    def second_weights(self, unwrapped):
+        """The weights of the second forward, for the duration of the block."""
+        return nullcontext()
+
+    def rewards(self, batch: RolloutBatch, device) -> RowRewards | None:
+        """The rows' rewards the objective reads (GRPO's), on `device`; None for the others."""
+        return None
+
+
+class OPSDArm(Arm):
+    """OPSD: the student samples a completion from its prompt (on the off-policy steps of GKD's
+    `lmbda`, the reference solution is the completion); the teacher, the same network with the
+    teacher's weights (`_teacher_weights`), scores it under the privileged prompt (with
+    `reason_first`, after its own analysis of the reference)."""
+
+    batch_type = DistillBatch
+    second_role = "teacher"
+
+    def completions(self, rows: list[dict], student_ids: list[list[int]]):
+        """The completions, whether each was truncated, and the sampling's wall time (None: not sampled)."""
+        t = self.trainer
+        if on_policy_step(t.args.seed, t.state.global_step, t.args.lmbda):
+            return t._timed_sample(student_ids)
+        return *t._reference_completions(rows), None
+
+    def rollout(self, rows: list[dict]) -> DistillBatch:
+        t = self.trainer
+        student_ids = t.collator.student_prompts(rows)
+        completions, truncated, seconds = self.completions(rows, student_ids)
+        rationales = t._teacher_rationales(rows) if t.args.reason_first else [None] * len(rows)
+        batch = DistillBatch(student_ids, completions, teacher_prompt_ids=t.collator.teacher_prompts(rows, rationales))
+        t._log_rollout(student_ids, completions, truncated, seconds)
+        t._log_pass_tokens(batch)
+        return batch
+
+    def second_prompts(self, batch: DistillBatch) -> list[list[int]]:
+        return batch.teacher_prompt_ids
+
+    def second_weights(self, unwrapped):
+        return self.trainer._teacher_weights(unwrapped)
+
+
+class SFTArm(OPSDArm):
+    """SFT, the supervised baseline: the reference solution is always the completion (nothing
+    sampled); the teacher's forward feeds only the KL diagnostics."""
+
+    def completions(self, rows: list[dict], student_ids: list[list[int]]):
+        return *self.trainer._reference_completions(rows), None
+
+
+class GRPOArm(Arm):
+    """GRPO, the RL baseline: `num_generations` samples of each prompt in one generation batch
+    (`train_sampler`), each rewarded by the evaluation's grader; the advantages are normalised
+    over the generation batch of all processes (gathered in sampler order, as TRL does), each
+    process keeping its own rows'. No teacher: with `grpo_beta` the KL's reference, the network
+    with its adapter disabled, scores the student's own prompts, as GRPO's reference model does."""
+
+    batch_type = GRPOBatch
+
+    def __init__(self, trainer: OPSDTrainer):
+        super().__init__(trainer)
+        self.kl = bool(trainer.args.grpo_beta)
+        self.second_role = "reference (adapter disabled, GRPO's KL)" if self.kl else "no teacher (GRPO)"
+
+    def train_sampler(self, dataset):
+        """Each prompt num_generations times in a row within one generation batch (TRL's
+        GRPOTrainer sampler)."""
+        t, args = self.trainer, self.trainer.args
+        generation_batch = args.per_device_train_batch_size * t.accelerator.num_processes \
+            * args.gradient_accumulation_steps
+        return RepeatSampler(
+            data_source=dataset,
+            mini_repeat_count=args.num_generations,
+            batch_size=generation_batch // args.num_generations,
+            repeat_count=args.gradient_accumulation_steps,
+            shuffle=t.shuffle_dataset,
+            seed=args.seed,
+        )
+
+    def rollout(self, rows: list[dict]) -> GRPOBatch:
+        t, args, accelerator = self.trainer, self.trainer.args, self.trainer.accelerator
+        student_ids = t.collator.student_prompts(rows)
+        completions, truncated, seconds = t._timed_sample(student_ids)
+        texts = t._tokenizer.batch_decode(completions, skip_special_tokens=True)
+        rewards = torch.tensor(grader_rewards(texts, truncated, rows), dtype=torch.float32)
+        everyone = accelerator.gather(rewards.to(accelerator.device))
+        advantages = group_advantages(everyone, args.num_generations, args.scale_rewards)
+        for name, value in reward_stats(everyone, args.num_generations, advantages, args.scale_rewards).items():
+            t._metrics[t._mode][f"grpo/{name}"].append(value.item())
+        n, rank = len(rows), accelerator.process_index
+        total = t._log_rollout(student_ids, completions, truncated, seconds)
+        batch = GRPOBatch(student_ids, completions, advantages=advantages[rank * n:(rank + 1) * n].cpu(),
+                          # dapo's normaliser: the generation batch's completion tokens, per process and micro-batch
+                          num_items=(total / (accelerator.num_processes * args.gradient_accumulation_steps)).cpu())
+        t._log_pass_tokens(batch)
+        return batch
+
+    def second_prompts(self, batch: GRPOBatch) -> list[list[int]] | None:
+        return batch.student_prompt_ids if self.kl else None
+
+    def second_weights(self, unwrapped):
+        return self.trainer._adapters(unwrapped).disabled()
+
+    def rewards(self, batch: GRPOBatch, device) -> RowRewards:
+        return RowRewards(batch.advantages.to(device), batch.num_items.to(device))
+
+
+ARMS: dict[str, type[Arm]] = {"opsd": OPSDArm, "sft": SFTArm, "grpo": GRPOArm}  # loss_type -> arm
 
 
 class OPSDTrainer(DistillationTrainer):
@@ -104,6 +244,7 @@ class OPSDTrainer(DistillationTrainer):
         self.collator = OPSDCollator.from_config(self._tokenizer, args)  # each role's prompts and padding
         self.objective_settings = objective_settings(args)
         self.objective = build_objective(self.objective_settings)
+        self.arm = ARMS[args.loss_type](self)  # the one place the trainer reads the loss type
         self.sampling = SamplingSettings(
             temperature=args.temperature,
             top_p=args.top_p,
@@ -126,7 +267,7 @@ class OPSDTrainer(DistillationTrainer):
             self.add_callback(StopOnSignal(self, stop_request))
         self.base_model_name = base_model_name
         self._alignment_checked = False
-        self._staging_root: str | None = None
+        self._staging: StagedCheckpoint | None = None  # the checkpoint being saved
         self._compiled_layers: CompiledLayers | None = None
         self._adapter_layers: AdapterLayers | None = None
         self._sampled_tokens: int | None = None  # tokens/sampled; read from the log history at the first rollout
@@ -136,82 +277,25 @@ class OPSDTrainer(DistillationTrainer):
 
     # ------------------------------------------------------------------ rollout
 
+    @property
+    def _mode(self) -> str:
+        """The metrics' split: "train" while the model trains, else "eval"."""
+        return "train" if self.model.training else "eval"
+
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
-        """Build both prompts for every row and sample the student's completions.
+        """The arm's rollout of this process's rows, as the dict TRL's `_prepare_inputs` buffers,
+        shuffles and splits into micro-batches (which `_prepare_inputs` below types again)."""
+        return self.arm.rollout(inputs).to_dict()
 
-        Returns per-row token lists; padding happens per micro-batch in
-        `_opsd_loss`, so each micro-batch is padded only to its own maximum.
-        """
-        rows = inputs
-        student_ids = self.collator.student_prompts(rows)
-        seconds = None  # wall time of the student's sampling, on steps that sample
-        if self.args.loss_type == "grpo":
-            return self._grpo_rollouts(rows, student_ids)
-        if self.args.loss_type == "sft":  # supervised baseline: always the reference solution
-            completions, truncated = self._reference_completions(rows)
-        elif on_policy_step(self.args.seed, self.state.global_step, self.args.lmbda):
-            completions, truncated, seconds = self._timed_sample(student_ids)
-        else:  # off-policy batch (GKD's lmbda): the reference solution is the completion
-            completions, truncated = self._reference_completions(rows)
-        rationales = self._teacher_rationales(rows) if self.args.reason_first else [None] * len(rows)
-        teacher_ids = self.collator.teacher_prompts(rows, rationales)
-        lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
-        self._log_rollout(student_ids, lengths, torch.tensor(truncated), seconds)
-        self._log_pass_tokens(student_ids, teacher_ids, completions)
-        # The first value must be a tensor: TRL's split_tensor_dict reads its shape.
-        return {
-            "completion_lengths": lengths,
-            "student_prompt_ids": student_ids,
-            "teacher_prompt_ids": teacher_ids,
-            "completion_ids": completions,
-        }
-
-    def _grpo_rollouts(self, rows: list[dict], student_ids: list[list[int]]) -> dict:
-        """GRPO's generation batch: the sampler repeats each prompt num_generations times in a
-        row (`_get_train_sampler`); every completion is rewarded by the evaluation's grader,
-        and the advantages are normalised over the generation batch of all processes (gathered
-        in sampler order, as TRL does), each process keeping its own rows'."""
-        completions, truncated, seconds = self._timed_sample(student_ids)
-        texts = self._tokenizer.batch_decode(completions, skip_special_tokens=True)
-        rewards = torch.tensor(grader_rewards(texts, truncated, rows), dtype=torch.float32)
-        accelerator, device = self.accelerator, self.accelerator.device
-        everyone = accelerator.gather(rewards.to(device))
-        advantages = group_advantages(everyone, self.args.num_generations, self.args.scale_rewards)
-        mode = "train" if self.model.training else "eval"
-        for name, value in reward_stats(everyone, self.args.num_generations, advantages,
-                                                 self.args.scale_rewards).items():
-            self._metrics[mode][f"grpo/{name}"].append(value.item())
-        n, rank = len(rows), accelerator.process_index
-        lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
-        total = self._log_rollout(student_ids, lengths, torch.tensor(truncated), seconds)
-        self._log_pass_tokens(student_ids, student_ids, completions)  # the reference's forward, with a KL
-        # dapo's normaliser: the generation batch's completion tokens, per process and micro-batch.
-        num_items = total / (accelerator.num_processes * self.args.gradient_accumulation_steps)
-        return {
-            "completion_lengths": lengths,
-            "student_prompt_ids": student_ids,
-            "teacher_prompt_ids": student_ids,  # no teacher: the alignment check compares the student with itself
-            "completion_ids": completions,
-            "advantages": advantages[rank * n:(rank + 1) * n].cpu(),
-            "num_items": num_items.cpu().expand(n).clone(),
-        }
+    def _prepare_inputs(self, generation_batch) -> RolloutBatch:
+        """This micro-batch, as the arm's batch type: TRL samples once per gradient-accumulation
+        window and hands out its micro-batches (in evaluation, each batch is its own rollout)."""
+        return self.arm.batch_type.from_dict(super()._prepare_inputs(generation_batch))
 
     def _get_train_sampler(self, dataset=None):
-        """GRPO: each prompt num_generations times in a row within one generation batch (TRL's
-        GRPOTrainer sampler); otherwise DistillationTrainer's (each prompt once)."""
-        if self.args.loss_type != "grpo":
-            return super()._get_train_sampler(dataset)
-        args = self.args
-        processes = self.accelerator.num_processes
-        generation_batch = args.per_device_train_batch_size * processes * args.gradient_accumulation_steps
-        return RepeatSampler(
-            data_source=self.train_dataset if dataset is None else dataset,
-            mini_repeat_count=args.num_generations,
-            batch_size=generation_batch // args.num_generations,
-            repeat_count=args.gradient_accumulation_steps,
-            shuffle=self.shuffle_dataset,
-            seed=args.seed,
-        )
+        """The arm's sampler (GRPO's repeats each prompt), else DistillationTrainer's (each prompt once)."""
+        sampler = self.arm.train_sampler(self.train_dataset if dataset is None else dataset)
+        return sampler if sampler is not None else super()._get_train_sampler(dataset)
 
     def _timed_sample(self, prompt_ids: list[list[int]]):
         """`_sample` and its wall time (the previous step's queued GPU work excluded)."""
@@ -292,16 +376,18 @@ class OPSDTrainer(DistillationTrainer):
             ids, _ = self._sample(prompt_ids, stream="reason_first")
         return self._tokenizer.batch_decode(ids, skip_special_tokens=True)
 
-    def _log_rollout(self, prompt_ids, lengths: torch.Tensor, truncated: torch.Tensor,
+    def _log_rollout(self, prompt_ids: list[list[int]], completions: list[list[int]], truncated: list[bool],
                      seconds: float | None) -> torch.Tensor:
-        """Log the generation batch's rollout metrics; returns its completion tokens over all
-        processes (a float tensor on the device)."""
+        """Log the generation batch's rollout metrics (`seconds`: the sampling's wall time, None
+        when nothing was sampled); returns its completion tokens over all processes (a float
+        tensor on the device)."""
         device = self.accelerator.device
+        lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
         lengths = self.accelerator.gather(lengths.to(device)).float()
-        truncated = self.accelerator.gather(truncated.to(device)).float()
+        truncated = self.accelerator.gather(torch.tensor(truncated).to(device)).float()
         prompt_tokens = self.accelerator.gather(torch.tensor([sum(map(len, prompt_ids))], device=device)).sum()
         total = lengths.sum()
-        mode = "train" if self.model.training else "eval"
+        mode = self._mode
         if mode == "train":
             self.state.num_input_tokens_seen += int(prompt_tokens.item() + total.item())
             # The student's sampled completion tokens, cumulative over the run (all processes).
@@ -318,20 +404,21 @@ class OPSDTrainer(DistillationTrainer):
             self._metrics[mode]["timing/rollout_s"].append(seconds)
         return total
 
-    def _log_pass_tokens(self, student_ids, teacher_ids, completions) -> None:
+    def _log_pass_tokens(self, batch: RolloutBatch) -> None:
         """Log the run's cumulative forward and backward tokens (all processes) after this
         generation batch: the student's forward and backward over prompt + completion of each
-        row, the teacher's forward over its prompt + the same completion when the objective
-        reads the teacher (OPSD, and SFT for its KL diagnostics) and GRPO's reference forward
-        over the student's prompt + completion when its KL is on (`grpo_beta`).
+        row, and the arm's second forward over its prompts + the same completions (the
+        teacher's for OPSD and SFT, which reads it for its KL diagnostics; GRPO's reference
+        over the student's prompts when its KL is on, `grpo_beta`).
         Real tokens only: padding and the rollouts' own forwards are not counted (the rollouts
         are `tokens/sampled`)."""
         if not self.model.training:
             return
-        student = sum(len(p) + len(c) for p, c in zip(student_ids, completions, strict=True))
+        completions = batch.completion_ids
+        student = sum(len(p) + len(c) for p, c in zip(batch.student_prompt_ids, completions, strict=True))
         teacher = 0
-        if self.objective_settings.uses_teacher:
-            teacher = sum(len(p) + len(c) for p, c in zip(teacher_ids, completions, strict=True))
+        if (second := self.arm.second_prompts(batch)) is not None:
+            teacher = sum(len(p) + len(c) for p, c in zip(second, completions, strict=True))
         counts = self.accelerator.gather(torch.tensor([[student + teacher, student]], device=self.accelerator.device))
         forward, backward = (int(v) for v in counts.sum(0).tolist())
         if self._pass_tokens is None:  # a resumed run continues its logged counts
@@ -364,7 +451,7 @@ class OPSDTrainer(DistillationTrainer):
         unwrapped = self.accelerator.unwrap_model(model)
         # Through the DDP/FSDP wrapper so that its forward hooks fire before backward.
         loss, stats = self._forward_redirection(model, unwrapped, self._opsd_loss, unwrapped, inputs)
-        mode = "train" if self.model.training else "eval"
+        mode = self._mode
         names = list(stats)
         values = self.accelerator.gather(torch.stack([stats[k].float() for k in names]).unsqueeze(0)).mean(0)
         self._pending_stats[mode].append((names, values))
@@ -398,7 +485,7 @@ class OPSDTrainer(DistillationTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Read the micro-batches' OPSD stats (kept on the device by `compute_loss`) into
         the metrics TRL averages and logs: one wait for the GPU per logged step."""
-        mode = "train" if self.model.training else "eval"
+        mode = self._mode
         pending = self._pending_stats[mode]
         if pending:
             read = iter(torch.cat([values for _, values in pending]).tolist())
@@ -408,35 +495,35 @@ class OPSDTrainer(DistillationTrainer):
             pending.clear()
         super().log(logs, start_time)
 
-    def _opsd_loss(self, unwrapped, inputs):
+    def _opsd_loss(self, unwrapped, batch: RolloutBatch):
         """The micro-batch's loss and stats: the mean over its token-mean groups (one group
         unless `token_mean_rows` splits it), each group's loss a token mean of its own."""
         head = lm_head(unwrapped)
-        rewards = None
-        if "advantages" in inputs:  # GRPO (token_mean_rows is refused there: one group)
-            device = self.accelerator.device
-            rewards = RowRewards(inputs["advantages"].to(device), inputs["num_items"][0].to(device))
+        rewards = self.arm.rewards(batch, self.accelerator.device)  # GRPO's (one group: token_mean_rows is refused)
         results = [self.objective(s.student_hidden, s.teacher_hidden, s.student, head, rewards)
-                   for s in self.grouped_scoring_forwards(unwrapped, inputs)]
+                   for s in self.grouped_scoring_forwards(unwrapped, batch)]
         if len(results) == 1:
             return results[0]
         losses, stats = zip(*results, strict=True)
         return torch.stack(losses).mean(), {k: torch.stack([s[k] for s in stats]).mean() for k in stats[0]}
 
-    def grouped_scoring_forwards(self, unwrapped, inputs, rows: int | None = None) -> list[ScoringForwards]:
-        """Both roles' forwards of one micro-batch, in groups of `rows` rows (default
-        `token_mean_rows`, else the whole micro-batch). Each group is padded as a micro-batch of
-        its own; all groups go through one forward per role (`one_forward`)."""
+    def grouped_scoring_forwards(self, unwrapped, batch: RolloutBatch, rows: int | None = None
+                                 ) -> list[ScoringForwards]:
+        """The student's forward of one micro-batch and the arm's second, no-grad forward (the
+        teacher's; GRPO's reference with its KL; none for GRPO without), in groups of `rows` rows
+        (default `token_mean_rows`, else the whole micro-batch). Each group is padded as a
+        micro-batch of its own; all groups go through one forward per role (`one_forward`)."""
         device = self.accelerator.device
-        completions = inputs["completion_ids"]
+        completions = batch.completion_ids
         rows = rows or self.args.token_mean_rows or len(completions)
         groups = [slice(start, start + rows) for start in range(0, len(completions), rows)]
 
-        def batches(role):
-            return [to_device(self.collator.scoring_batch(inputs[f"{role}_prompt_ids"][g], completions[g]), device)
-                    for g in groups]
+        def batches(prompts):
+            return [to_device(self.collator.scoring_batch(prompts[g], completions[g]), device) for g in groups]
 
-        students, teachers = batches("student"), batches("teacher")
+        second = self.arm.second_prompts(batch)
+        students = batches(batch.student_prompt_ids)
+        teachers = batches(second) if second is not None else [None] * len(groups)
         if not self._alignment_checked:
             for student, teacher, g in zip(students, teachers, groups, strict=True):
                 self._report_alignment(student, teacher, completions[g])
@@ -446,11 +533,10 @@ class OPSDTrainer(DistillationTrainer):
             # Teacher first: the EMA teacher swaps adapter values in place (and back), which
             # must not happen between the student's forward and its backward (autograd checks
             # the versions of saved tensors).
-            if self.objective_settings.uses_teacher:
-                with torch.no_grad(), self._teacher_weights(unwrapped):
+            teacher_hidden = [None] * len(groups)  # GRPO without a KL: the student alone
+            if second is not None:
+                with torch.no_grad(), self.arm.second_weights(unwrapped):
                     teacher_hidden = completion_hidden_states(unwrapped, teachers, self.collator.pad_id)
-            else:  # GRPO: the student alone
-                teacher_hidden = [None] * len(teachers)
             student_hidden = completion_hidden_states(unwrapped, students, self.collator.pad_id)
         return [ScoringForwards(*four) for four in zip(students, teachers, student_hidden, teacher_hidden, strict=True)]
 
@@ -470,18 +556,14 @@ class OPSDTrainer(DistillationTrainer):
         return self._compiled_layers.active()
 
     def _report_alignment(self, student, teacher, completions) -> None:
-        """The `[OPSD align]` self-check: both roles supervise exactly the sampled tokens."""
+        """The `[OPSD align]` self-check: both forwards (`teacher`: the arm's second one, or None)
+        supervise exactly the sampled tokens."""
         student_msg = check_alignment(student, completions)
-        teacher_msg = check_alignment(teacher, completions)
-        if not torch.equal(student.completion_mask, teacher.completion_mask):
-            raise AssertionError("[OPSD align] student and teacher supervise different completion spans")
-        # GRPO's "teacher" rows are the student's own: no teacher forward, or the KL's reference's.
-        if self.objective_settings.objective != "grpo":
-            teacher_part = f"teacher: {teacher_msg}"
-        elif self.objective_settings.uses_teacher:
-            teacher_part = f"reference (adapter disabled, GRPO's KL): {teacher_msg}"
-        else:
-            teacher_part = "no teacher (GRPO)"
+        teacher_part = self.arm.second_role  # how the line names the second forward, or its absence
+        if teacher is not None:
+            teacher_part += f": {check_alignment(teacher, completions)}"
+            if not torch.equal(student.completion_mask, teacher.completion_mask):
+                raise AssertionError("[OPSD align] student and teacher supervise different completion spans")
         if self.accelerator.is_main_process:
             print(f"[OPSD align] pad_side={student.pad_side} student: {student_msg} | {teacher_part}")
         self._alignment_checked = True
@@ -499,78 +581,46 @@ class OPSDTrainer(DistillationTrainer):
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def _get_output_dir(self, trial):
-        return self._staging_root or super()._get_output_dir(trial)
+        # During a save the Trainer writes checkpoint-N under the staging folder (opsd.checkpoints).
+        return self._staging.root if self._staging is not None else super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial):
-        """Write `checkpoint-N` under a staging folder, then rename it into place.
-
-        A run killed mid-save leaves only the staging folder, which resume ignores
-        (and the next run removes), so the newest `checkpoint-N` is always complete.
-        A failed write (disk full, not writable) removes its partial copy and stops
-        the run with CheckpointWriteError; earlier checkpoints are untouched.
-        """
-        run_dir = super()._get_output_dir(trial)
-        self._staging_root = os.path.join(run_dir, STAGING_DIR)
-        name = f"checkpoint-{self.state.global_step}"
-        staged, final = os.path.join(self._staging_root, name), os.path.join(run_dir, name)
+        """Write `checkpoint-N` whole or not at all: staged, then renamed into place; a failed
+        write stops the run with CheckpointWriteError (opsd.checkpoints)."""
+        stage = StagedCheckpoint(super()._get_output_dir(trial), self.state.global_step)
+        self._staging = stage
         try:
-            super()._save_checkpoint(model, trial)
-            if self.args.should_save:
-                if self.ema is not None:
-                    torch.save(self.ema.state_dict(), os.path.join(staged, EMA_FILE))
-                config = os.path.join(run_dir, run_folder.CONFIG_FILE)
-                if os.path.isfile(config):  # the run's identity travels with each checkpoint
-                    shutil.copy2(config, os.path.join(staged, run_folder.CONFIG_FILE))
-                pause_in_save(name)
-        except OSError as e:
-            shutil.rmtree(staged, ignore_errors=True)
-            remove_if_empty(self._staging_root)
-            last = run_folder.last_checkpoint(run_dir)
-            reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-            raise CheckpointWriteError(
-                f"cannot write {name} in {run_dir} ({reason}); earlier checkpoints are intact "
-                f"(last: {last[1] if last else 'none'})"
-            ) from None
+            with stage.writing():
+                super()._save_checkpoint(model, trial)
+                if self.args.should_save:
+                    stage.add_run_files(self.ema.state_dict() if self.ema is not None else None)
         finally:
-            self._staging_root = None
+            self._staging = None
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.replace(staged, final)
-            remove_if_empty(os.path.join(run_dir, STAGING_DIR))
-            if self.state.best_model_checkpoint == staged:
-                self.state.best_model_checkpoint = final
-            rotate_checkpoints(run_dir, save_total_limit=self.args.save_total_limit, use_mtime=False)
+            stage.move_into_place(self.args.save_total_limit)
+            if self.state.best_model_checkpoint == stage.staged:
+                self.state.best_model_checkpoint = stage.final
             if self.base_model_name:  # the run folder's card: its newest checkpoint, until the final adapter
-                model_card.write_card(self.card_data(final, checkpoint=True), into=run_dir)
+                model_card.write_card(self._card_data(stage.final, checkpoint=True), into=stage.run_dir)
         self.accelerator.wait_for_everyone()
 
     def _save(self, output_dir=None, state_dict=None):
         """The adapter and the tokenizer (transformers' save; `AutoTokenizer.from_pretrained(folder)`
-        loads it), then the adapter config's base model set to what loads (`adapter_base`) and
-        the project's card (opsd.model_card) in place of peft's template."""
+        loads it), then the project's part: the base model as what loads and the project's card
+        in place of peft's template (opsd.model_card.finish_adapter_folder)."""
         super()._save(output_dir, state_dict=state_dict)
         folder = output_dir if output_dir is not None else self.args.output_dir
         if self.args.should_save and self.base_model_name:
-            model_card.name_adapter_base_model(folder, self.adapter_base)
-            root = self._staging_root
-            staged = root is not None and os.path.dirname(os.path.abspath(folder)) == os.path.abspath(root)
-            final = os.path.join(os.path.dirname(root), os.path.basename(folder)) if staged else folder
-            model_card.write_card(self.card_data(final, checkpoint=staged), into=folder)
+            final = self._staging.final_folder(folder) if self._staging is not None else None
+            model_card.finish_adapter_folder(folder, self._card_data(final or folder, checkpoint=final is not None))
 
-    @property
-    def adapter_base(self) -> str:
-        """The base model as adapter_config.json names it (opsd.model_card.adapter_base)."""
-        return model_card.adapter_base(self.base_model_name)
-
-    def card_data(self, folder: str, checkpoint: bool) -> model_card.CardData:
-        config = run_folder.read_config(self.args.output_dir) or {}
-        problem = self.train_dataset[0]["problem"] if self.train_dataset is not None and len(self.train_dataset) else ""
-        return model_card.CardData(
-            folder=os.path.abspath(folder), base_model=self.base_model_name, adapter_base=self.adapter_base,
-            run_config=config, step=self.state.global_step, metrics=model_card.last_metrics(self.state.log_history),
-            problem=problem, checkpoint=checkpoint)
+    def _card_data(self, folder: str, checkpoint: bool) -> model_card.CardData:
+        dataset = self.train_dataset
+        problem = dataset[0]["problem"] if dataset is not None and len(dataset) else ""
+        return model_card.card_data(folder, base_model=self.base_model_name, run_dir=self.args.output_dir,
+                                    step=self.state.global_step, log_history=self.state.log_history, problem=problem,
+                                    checkpoint=checkpoint)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """The project's card (opsd.model_card), not TRL's template (which TRL's _save_checkpoint

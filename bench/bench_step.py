@@ -38,13 +38,14 @@ import common
 import torch
 
 from data_collator import OPSDCollator
+from opsd.batches import DistillBatch
 from opsd.chunked_loss import chunked_divergence_loss
 from opsd.loss import divergence_loss
 from opsd.objective import build_objective, objective_settings
 from opsd.rollout.compiled_layers import CompiledLayers
 from opsd.scoring import build_scoring_batch, gather_completion_positions
 from opsd.train_config import OPSDConfig, default_scoring_pad_multiple, resolve_engine_defaults
-from opsd_trainer import OPSDTrainer
+from opsd_trainer import OPSDArm, OPSDTrainer
 
 PAD_ID = 151643
 MEMORY_LIMIT_GIB = 80.0  # "fits" for the throughput target (an 80 GB card)
@@ -90,31 +91,29 @@ def trainer_stand_in(args, dev, compiled_layers=None) -> types.SimpleNamespace:
     for method in ("grouped_scoring_forwards", "_teacher_weights", "_report_alignment",
                    "_scoring_layers", "_adapters"):
         setattr(shim, method, types.MethodType(getattr(OPSDTrainer, method), shim))
+    shim.arm = OPSDArm(shim)  # the teacher's prompts and weights
     return shim
 
 
-def make_inputs(batch: int, geo: common.Geometry, seed: int) -> dict:
+def make_inputs(batch: int, geo: common.Geometry, seed: int) -> DistillBatch:
     """Trainer-format rows: prompt / teacher prompt / completion token lists (full length)."""
     gen = torch.Generator().manual_seed(seed)
 
     def rows(length):
         return torch.randint(0, PAD_ID, (batch, length), generator=gen).tolist()
 
-    return {
-        "student_prompt_ids": rows(geo.prompt),
-        "teacher_prompt_ids": rows(geo.teacher_prompt),
-        "completion_ids": rows(geo.completion),
-    }
+    student, teacher = rows(geo.prompt), rows(geo.teacher_prompt)
+    return DistillBatch(student, rows(geo.completion), teacher_prompt_ids=teacher)
 
 
 def naive_loss(model, args, inputs, dev):
     """Released-style: full logits [B, S, V] for both roles, reference loss in fp32."""
     def batch(prompts):
-        b = build_scoring_batch(prompts, inputs["completion_ids"], pad_id=PAD_ID, pad_side=args.pad_side)
+        b = build_scoring_batch(prompts, inputs.completion_ids, pad_id=PAD_ID, pad_side=args.pad_side)
         return dataclasses.replace(b, **{f.name: getattr(b, f.name).to(dev) for f in dataclasses.fields(b)
                                          if isinstance(getattr(b, f.name), torch.Tensor)})
 
-    student, teacher = batch(inputs["student_prompt_ids"]), batch(inputs["teacher_prompt_ids"])
+    student, teacher = batch(inputs.student_prompt_ids), batch(inputs.teacher_prompt_ids)
     with torch.no_grad(), model.disable_adapter():
         teacher_logits = model(input_ids=teacher.input_ids, attention_mask=teacher.attention_mask,
                                position_ids=teacher.position_ids, use_cache=False).logits

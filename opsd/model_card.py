@@ -9,7 +9,8 @@ evaluation command, and a Python snippet that loads the folder by its absolute p
 student's training prompt (`opsd.prompts`). No licence field: the adapter inherits its base
 model's terms, which the run cannot know for every base.
 
-Standard library and `opsd` only; the trainer calls `write_card` (rank 0).
+Standard library and `opsd` only; the trainer (rank 0) calls `write_card` into the run folder and
+`finish_adapter_folder` into each adapter folder it saves, with the data of `card_data`.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from opsd.config import SWITCH_VALUES, SWITCH_VARIABLES, Recipe
 from opsd.prompts import student_enable_thinking, student_messages
-from opsd.run_folder import write_text_atomic
+from opsd.run_folder import read_config, write_text_atomic
 from opsd.run_log import KL_LINE_FIELDS
 from opsd.tiny_default import resolve_model
 
@@ -45,6 +46,15 @@ class CardData:
     metrics: dict          # the last logged record (`last_metrics`)
     problem: str           # a training problem: the snippet asks it in the student's training prompt
     checkpoint: bool = True  # a checkpoint-N folder (False: the run folder's final adapter)
+
+
+def card_data(folder: str, *, base_model: str, run_dir: str, step: int, log_history: list[dict], problem: str,
+              checkpoint: bool) -> CardData:
+    """The card's data from what the trainer holds: the run folder's recorded config, its step
+    and log history, and one training problem."""
+    return CardData(folder=os.path.abspath(folder), base_model=base_model, adapter_base=adapter_base(base_model),
+                    run_config=read_config(run_dir) or {}, step=step, metrics=last_metrics(log_history),
+                    problem=problem, checkpoint=checkpoint)
 
 
 def last_metrics(log_history: list[dict]) -> dict:
@@ -201,6 +211,13 @@ def write_card(data: CardData, into: str | None = None) -> str:
     path = os.path.join(into or data.folder, CARD_FILE)
     write_text_atomic(path, model_card(data))
     return path
+
+
+def finish_adapter_folder(folder: str, data: CardData) -> None:
+    """The project's part of an adapter folder transformers saved: adapter_config.json's base
+    model set to what loads (`adapter_base`) and the project's card in place of peft's template."""
+    name_adapter_base_model(folder, data.adapter_base)
+    write_card(data, into=folder)
 
 
 def adapter_base(base_model: str) -> str:

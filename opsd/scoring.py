@@ -224,12 +224,14 @@ def _check_row(batch: ScoringBatch, b: int, completion: list[int]) -> None:
 
 class ScoringForwards(NamedTuple):
     """One micro-batch scored by both roles: each role's ScoringBatch and its final hidden
-    states [B, C, H] at the positions that predict the completion tokens."""
+    states [B, C, H] at the positions that predict the completion tokens. The second role is
+    the trainer's arm's no-grad forward: the teacher's (OPSD, SFT), GRPO's KL reference (the
+    student's prompt, the adapter disabled), or None (GRPO without a KL)."""
 
     student: ScoringBatch
-    teacher: ScoringBatch
+    teacher: ScoringBatch | None
     student_hidden: torch.Tensor
-    teacher_hidden: torch.Tensor
+    teacher_hidden: torch.Tensor | None
 
 
 @contextmanager

@@ -120,7 +120,7 @@ def main(out: str, per_device: int, accumulation: int) -> None:
 
     def recording_compute_loss(model, inputs, **kwargs):
         loss = compute_loss(model, inputs, **kwargs)
-        rows = tuple(tokenizer.decode(ids) for ids in inputs["student_prompt_ids"])
+        rows = tuple(tokenizer.decode(ids) for ids in inputs.student_prompt_ids)
         micro_batches.append((rows, loss.item()))
         return loss
 

@@ -10,7 +10,9 @@ from test_trainer import make_trainer, tiny_argv
 
 import opsd_train
 from data_collator import OPSDCollator
+from opsd.batches import DistillBatch
 from opsd.tiny_default import build_qwen3_tokenizer
+from opsd_trainer import OPSDArm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,9 +64,10 @@ def test_the_trainer_takes_both_roles_inputs_from_its_collator(tmp_path):
     assert trainer.collator == dataclasses.replace(OPSDCollator.from_config(trainer.processing_class, trainer.args),
                                                    prompts=trainer.collator.prompts)
     rows = [trainer.train_dataset[i] for i in range(2)]
-    inputs = trainer._generate_and_score_completions(rows)
-    assert inputs["student_prompt_ids"] == trainer.collator.student_prompts(rows)
-    assert inputs["teacher_prompt_ids"] == trainer.collator.teacher_prompts(rows)
+    inputs = trainer.arm.rollout(rows)
+    assert type(trainer.arm) is OPSDArm and type(inputs) is DistillBatch
+    assert inputs.student_prompt_ids == trainer.collator.student_prompts(rows)
+    assert inputs.teacher_prompt_ids == trainer.collator.teacher_prompts(rows)
     [forwards] = trainer.grouped_scoring_forwards(trainer.model, inputs)
     assert forwards.student.pad_side == forwards.teacher.pad_side == "left"
     trainer.collator = dataclasses.replace(trainer.collator, pad_side="right")
@@ -72,10 +75,13 @@ def test_the_trainer_takes_both_roles_inputs_from_its_collator(tmp_path):
 
 
 def test_the_trainer_file_builds_no_prompt_and_pads_nothing_itself():
-    """opsd_trainer.py names neither the prompt builder nor the batch padding: only the collator does."""
+    """opsd_trainer.py names neither the prompt builder nor the batch padding, nor calls the
+    builder's methods: only the collator does (the batches' fields of the same names it reads)."""
+    tree = ast.parse((ROOT / "opsd_trainer.py").read_text(encoding="utf-8"))
     names = {node.id if isinstance(node, ast.Name) else node.attr
-             for node in ast.walk(ast.parse((ROOT / "opsd_trainer.py").read_text(encoding="utf-8")))
-             if isinstance(node, (ast.Name, ast.Attribute))}
-    assert not names & {"PromptBuilder", "build_scoring_batch", "student_prompt_ids", "teacher_prompt_ids",
-                        "reason_first_prompt_ids", "prompt_builder"}
-    assert {"OPSDCollator", "collator"} <= names
+             for node in ast.walk(tree) if isinstance(node, (ast.Name, ast.Attribute))}
+    called = {node.func.id if isinstance(node.func, ast.Name) else node.func.attr for node in ast.walk(tree)
+              if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute))}
+    assert not names & {"PromptBuilder", "build_scoring_batch", "reason_first_prompt_ids", "prompt_builder"}
+    assert not called & {"student_prompt_ids", "teacher_prompt_ids"}
+    assert {"OPSDCollator", "collator", "student_prompts", "teacher_prompts"} <= names

@@ -9,11 +9,12 @@ import torch
 
 import opsd_train
 from opsd.answers import reference_answer
+from opsd.batches import GRPOBatch
 from opsd.grading import grade_sample
 from opsd.grpo import group_advantages, token_weights
 from opsd.rewards import UngradableError, check_gradable, grader_rewards
 from opsd.run_log import SAMPLED_TOKENS_KEY
-from opsd_trainer import OPSDTrainer
+from opsd_trainer import GRPOArm, OPSDTrainer
 
 
 def grpo_argv(out, steps=1, *extra):
@@ -35,16 +36,17 @@ def test_a_generation_batch_holds_each_prompt_num_generations_times_rewarded_by_
     problems = [row["problem"] for row in rows]
     assert len(rows) == 8 and problems[:4] == [problems[0]] * 4 and problems[4:] == [problems[4]] * 4
     assert problems[0] != problems[4]
-    inputs = trainer._generate_and_score_completions(rows)
-    texts = trainer._tokenizer.batch_decode(inputs["completion_ids"], skip_special_tokens=True)
+    inputs = trainer.arm.rollout(rows)
+    assert type(trainer.arm) is GRPOArm and type(inputs) is GRPOBatch
+    texts = trainer._tokenizer.batch_decode(inputs.completion_ids, skip_special_tokens=True)
     # Independently: the evaluation's grader against each row's reference answer (a truncated
     # completion changes the reason of a wrong grade, never its correctness).
     expected = torch.tensor([float(grade_sample(t, reference_answer(r), False)[0].correct)
                              for t, r in zip(texts, rows, strict=False)])
-    torch.testing.assert_close(inputs["advantages"], group_advantages(expected, 4, "group"))
-    assert inputs["num_items"].tolist() == [float(sum(map(len, inputs["completion_ids"])))] * 8  # one process
+    torch.testing.assert_close(inputs.advantages, group_advantages(expected, 4, "group"))
+    assert inputs.num_items.item() == float(sum(map(len, inputs.completion_ids)))  # one process, one micro-batch
     assert trainer._metrics["train"]["grpo/reward_mean"] == [pytest.approx(expected.mean().item())]
-    assert trainer._metrics["train"][SAMPLED_TOKENS_KEY] == [sum(map(len, inputs["completion_ids"]))]
+    assert trainer._metrics["train"][SAMPLED_TOKENS_KEY] == [sum(map(len, inputs.completion_ids))]
 
 
 def test_the_trainers_grpo_loss_is_the_weighted_policy_gradient_of_the_student_alone(tmp_path):
@@ -55,11 +57,10 @@ def test_the_trainers_grpo_loss_is_the_weighted_policy_gradient_of_the_student_a
     prompts = trainer.collator.student_prompts(rows)
     completions = [[10, 11, 12], [13, 14], [15], [16, 17, 18, 19]]
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    inputs = {"completion_lengths": torch.tensor([3, 2, 1, 4]), "student_prompt_ids": prompts,
-              "teacher_prompt_ids": prompts, "completion_ids": completions, "advantages": advantages,
-              "num_items": torch.full((4,), 10.0)}
+    inputs = GRPOBatch(prompts, completions, advantages=advantages, num_items=torch.tensor(10.0))
     teacher_calls = []
     trainer._teacher_weights = lambda model: teacher_calls.append(1)  # would fail if entered
+    trainer.arm.second_weights = trainer._teacher_weights  # nor is any second forward run
     loss = trainer.compute_loss(trainer.model, inputs)
     assert teacher_calls == []
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
@@ -159,9 +160,7 @@ def test_grpo_beta_is_trls_kl_to_the_model_with_the_adapter_disabled(tmp_path, i
     prompts = trainer.collator.student_prompts(rows)
     completions = [[10, 11, 12], [13, 14], [15], [16, 17, 18, 19]]
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    inputs = {"completion_lengths": torch.tensor([3, 2, 1, 4]), "student_prompt_ids": prompts,
-              "teacher_prompt_ids": prompts, "completion_ids": completions, "advantages": advantages,
-              "num_items": torch.full((4,), 10.0)}
+    inputs = GRPOBatch(prompts, completions, advantages=advantages, num_items=torch.tensor(10.0))
     loss = trainer.compute_loss(model, inputs)
 
     def completion_logits():  # row by row, no padding: the logits that predict each completion token

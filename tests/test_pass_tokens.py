@@ -38,9 +38,10 @@ def test_forward_and_backward_tokens_are_counted_per_role_and_cumulated(tmp_path
     rows = next(iter(trainer.get_train_dataloader()))
     expected_forward = expected_backward = 0
     for _ in range(2):  # two generation batches: the logged values add up
-        inputs = trainer._generate_and_score_completions(rows)
-        student = row_tokens(inputs["student_prompt_ids"], inputs["completion_ids"])
-        teacher_tokens = row_tokens(inputs["teacher_prompt_ids"], inputs["completion_ids"]) if teacher else 0
+        inputs = trainer.arm.rollout(rows)
+        student = row_tokens(inputs.student_prompt_ids, inputs.completion_ids)
+        second = inputs.student_prompt_ids if "grpo" in extra else inputs.teacher_prompt_ids
+        teacher_tokens = row_tokens(second, inputs.completion_ids) if teacher else 0
         expected_forward += student + teacher_tokens
         expected_backward += student
         assert trainer._metrics["train"][FORWARD_TOKENS_KEY] == [expected_forward]
@@ -56,7 +57,7 @@ def test_forward_and_backward_tokens_are_counted_per_role_and_cumulated(tmp_path
 def test_a_resumed_run_continues_its_logged_counts(tmp_path):
     trainer = make_trainer(tmp_path)
     trainer.state.log_history = [{"step": 3, FORWARD_TOKENS_KEY: 1000.0, BACKWARD_TOKENS_KEY: 400.0}]
-    inputs = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
-    student = row_tokens(inputs["student_prompt_ids"], inputs["completion_ids"])
+    inputs = trainer.arm.rollout(next(iter(trainer.get_train_dataloader())))
+    student = row_tokens(inputs.student_prompt_ids, inputs.completion_ids)
     assert trainer._metrics["train"][BACKWARD_TOKENS_KEY] == [400 + student]
     assert trainer._metrics["train"][FORWARD_TOKENS_KEY][0] > 1000 + 2 * student

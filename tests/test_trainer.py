@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 import data_collator
 import opsd_train
 import opsd_trainer
-from opsd import run_folder, scoring
+from opsd import checkpoints, run_folder, scoring
+from opsd.batches import DistillBatch
 from opsd.model_utils import peft_wrapping
 from opsd.objective import build_objective, objective_settings
 from opsd.prompts import PromptBuilder
@@ -231,7 +232,7 @@ def test_full_disk_stops_with_a_clear_error_and_keeps_earlier_checkpoints(tmp_pa
         if name == "checkpoint-2":
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(opsd_trainer, "pause_in_save", full_at_second_save)
+    monkeypatch.setattr(checkpoints, "pause_in_save", full_at_second_save)
     assert opsd_train.main(tiny_argv(tmp_path, 2, "--save_steps", "1")) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
     assert err.startswith("error:") and "cannot write checkpoint-2" in err and "no space left on device" in err
@@ -374,15 +375,15 @@ def test_none_context_is_a_zero_loss_at_initialisation(tmp_path):
     lora_b = [p for name, p in trainer.model.named_parameters() if "lora_B" in name]
     assert lora_b and all(not p.any() for p in lora_b)
     rows = _rows(trainer)
-    inputs = trainer._generate_and_score_completions(rows)
-    assert inputs["teacher_prompt_ids"] == inputs["student_prompt_ids"]
+    inputs = trainer.arm.rollout(rows)
+    assert inputs.teacher_prompt_ids == inputs.student_prompt_ids
     with torch.no_grad():
         loss, stats = trainer._opsd_loss(trainer.model, inputs)
         assert loss.item() == 0.0
         assert stats["true_kl"].item() == 0.0 and stats["loss_unclipped"].item() == 0.0
         # the zero comes from the context: the reference solution's teacher on the same rollouts is not 0
-        with_solution = dict(inputs, teacher_prompt_ids=[PromptBuilder(trainer._tokenizer).teacher_prompt_ids(row)
-                                                         for row in rows])
+        with_solution = dataclasses.replace(inputs, teacher_prompt_ids=[
+            PromptBuilder(trainer._tokenizer).teacher_prompt_ids(row) for row in rows])
         assert trainer._opsd_loss(trainer.model, with_solution)[1]["true_kl"].item() > 1e-3
 
 
@@ -474,7 +475,7 @@ def test_the_step_losses_are_checked_in_its_last_micro_batch_before_the_backward
     calls = []
     _poison_micro_batch(monkeypatch, 0, calls)
     trainer = make_trainer(tmp_path, 1, "--lmbda", "0")
-    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    inputs = trainer.arm.rollout(_rows(trainer))
     trainer.accelerator.gradient_state._set_sync_gradients(False)  # not the step's last micro-batch
     trainer.compute_loss(trainer.model, inputs)  # the NaN one: kept for the check
     trainer.accelerator.gradient_state._set_sync_gradients(True)
@@ -526,7 +527,7 @@ def _a_later_micro_batch(tmp_path):
     check reads on purpose and which lists the adapter layers), set to be not the step's last
     micro-batch (that one also checks the step's losses: one wait per step)."""
     trainer = make_trainer(tmp_path, 1, "--max_completion_length", "8")
-    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    inputs = trainer.arm.rollout(_rows(trainer))
     trainer.compute_loss(trainer.model, inputs)
     trainer.accelerator.gradient_state._set_sync_gradients(False)
     return trainer, inputs
@@ -666,8 +667,8 @@ def test_reason_first_puts_the_teachers_analysis_into_its_context(tmp_path):
     plain = make_trainer(tmp_path / "a", 1)
     reasoning = make_trainer(tmp_path / "b", 1, "--reason_first", "true", "--reason_first_max_tokens", "8")
     rows = _rows(plain)
-    without = plain._generate_and_score_completions(rows)["teacher_prompt_ids"]
-    with_analysis = reasoning._generate_and_score_completions(rows)["teacher_prompt_ids"]
+    without = plain.arm.rollout(rows).teacher_prompt_ids
+    with_analysis = reasoning.arm.rollout(rows).teacher_prompt_ids
     label = reasoning._tokenizer.decode(with_analysis[0])
     assert RATIONALE_LABEL in label
     assert all(len(w) > len(p) for w, p in zip(with_analysis, without, strict=False))
@@ -676,9 +677,9 @@ def test_reason_first_puts_the_teachers_analysis_into_its_context(tmp_path):
 def test_lmbda_zero_uses_the_reference_solution_as_completion(tmp_path):
     trainer = make_trainer(tmp_path, 1, "--lmbda", "0")
     rows = _rows(trainer)
-    batch = trainer._generate_and_score_completions(rows)
+    batch = trainer.arm.rollout(rows)
     tok = trainer._tokenizer
-    for row, completion in zip(rows, batch["completion_ids"], strict=False):
+    for row, completion in zip(rows, batch.completion_ids, strict=False):
         solution = tok(row["solution"], add_special_tokens=False)["input_ids"][: trainer.args.max_completion_length - 1]
         assert completion == solution + [tok.eos_token_id]
     assert all("timing/rollout_s" not in trainer._metrics[mode] for mode in ("train", "eval"))  # nothing sampled
@@ -687,9 +688,9 @@ def test_lmbda_zero_uses_the_reference_solution_as_completion(tmp_path):
 def test_sft_always_trains_on_the_reference_solution(tmp_path):
     trainer = make_trainer(tmp_path, 1, "--loss_type", "sft")
     rows = _rows(trainer)
-    batch = trainer._generate_and_score_completions(rows)
+    batch = trainer.arm.rollout(rows)
     tok = trainer._tokenizer
-    for row, completion in zip(rows, batch["completion_ids"], strict=False):
+    for row, completion in zip(rows, batch.completion_ids, strict=False):
         solution = tok(row["solution"], add_special_tokens=False)["input_ids"][: trainer.args.max_completion_length - 1]
         assert completion == solution + [tok.eos_token_id]
     loss, stats = trainer._opsd_loss(trainer.model, batch)
@@ -704,7 +705,7 @@ def test_chunked_and_full_logit_paths_agree_in_the_trainer(tmp_path, objective):
     diagnostics and gradients on the same micro-batch, for every objective."""
     extra = objective
     trainer = make_trainer(tmp_path, 1, *extra)
-    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    inputs = trainer.arm.rollout(_rows(trainer))
     # float64: the learned model's own fp32 forward is ~1e-3 off in the LoRA gradient
     # (both paths alike), which would hide a real difference between the two paths.
     model = trainer.model.double()
@@ -741,7 +742,7 @@ def test_every_lora_parameter_gets_a_gradient_at_every_step(tmp_path, extra):
     assert trainer.accelerator.ddp_handler.find_unused_parameters is False  # what DDP is built with
     trainable = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in name or ".lora_B." in name for name in trainable)
-    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    inputs = trainer.arm.rollout(_rows(trainer))
     trainer.compute_loss(trainer.model, inputs).backward()
     assert [name for name, p in trainable.items() if p.grad is None] == []
     # lora_B starts at zero, so lora_A's first gradient is zero; lora_B's must not be.
@@ -758,7 +759,7 @@ def test_gpu_speed_switches_default_to_cuda_availability(tmp_path):
 def test_tail_padding_leaves_the_step_unchanged(tmp_path):
     """pad_to_multiple_of (the GPU default) only appends masked columns: same loss and gradients."""
     trainer = make_trainer(tmp_path, 1)
-    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    inputs = trainer.arm.rollout(_rows(trainer))
     results = {}
     for multiple in (None, 64):
         trainer.collator = dataclasses.replace(trainer.collator, pad_to_multiple_of=multiple)
@@ -778,17 +779,19 @@ def test_token_mean_groups_in_one_forward_are_separate_micro_batches(tmp_path, s
     two micro-batches of 2 (each its own padding and token mean), averaged as gradient
     accumulation does; one token mean over all 4 rows is another loss (checked)."""
     trainer = make_trainer(tmp_path, 1, "--pad_side", side, "--max_completion_length", "12")
-    inputs = trainer._generate_and_score_completions(_rows(trainer, 4))
-    lengths = [len(p) for p in inputs["student_prompt_ids"]]
+    inputs = trainer.arm.rollout(_rows(trainer, 4))
+    lengths = [len(p) for p in inputs.student_prompt_ids]
     assert max(lengths[:2]) != max(lengths[2:])  # the groups' geometries differ
-    assert len({len(c) for c in inputs["completion_ids"]}) > 1  # so do their token counts
+    assert len({len(c) for c in inputs.completion_ids}) > 1  # so do their token counts
 
     def step(rows, parts):
         trainer.args.token_mean_rows = rows
         trainer.model.zero_grad()
         results = []
         for part in parts:
-            loss, stats = trainer._opsd_loss(trainer.model, {k: v[part] for k, v in inputs.items()})
+            rows_of_part = DistillBatch(inputs.student_prompt_ids[part], inputs.completion_ids[part],
+                                        teacher_prompt_ids=inputs.teacher_prompt_ids[part])
+            loss, stats = trainer._opsd_loss(trainer.model, rows_of_part)
             (loss / len(parts)).backward()
             results.append((loss.detach(), {k: v.detach() for k, v in stats.items()}))
         grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.requires_grad])
@@ -879,7 +882,7 @@ def test_compiled_step_matches_the_eager_step(tmp_path):
     trainer's activation checkpointing on: same loss, diagnostics and LoRA gradients as the
     eager step; each switch really compiles; the layers are eager again after the step."""
     trainer = make_trainer(tmp_path, 1)
-    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    inputs = trainer.arm.rollout(_rows(trainer))
     eager, layers_only, both = _step_results(
         trainer, inputs, [(False, False, True), (True, False, True), (True, True, True)]
     )
@@ -897,7 +900,7 @@ def test_ema_teacher_step_with_compiled_layers_and_without_checkpointing(tmp_pat
     gen = torch.Generator().manual_seed(0)
     for shadow in trainer.ema.shadow.values():  # a teacher that differs from the student
         shadow.add_(0.05 * torch.randn(shadow.shape, generator=gen))
-    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    inputs = trainer.arm.rollout(_rows(trainer))
     eager_no_ckpt, compiled = _step_results(trainer, inputs, [(False, False, False), (True, False, True)])
     assert compiled[3]
     _assert_same_step(eager_no_ckpt, compiled)

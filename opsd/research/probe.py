@@ -75,7 +75,7 @@ def scoring_forwards(trainer, model, inputs, pad_side: str | None = None):
     if pad_side is not None:
         trainer.collator = dataclasses.replace(collator, pad_side=pad_side)
     try:
-        return trainer.grouped_scoring_forwards(model, inputs, rows=len(inputs["completion_ids"]))[0]
+        return trainer.grouped_scoring_forwards(model, inputs, rows=len(inputs))[0]
     finally:
         trainer.collator = collator
 
@@ -429,6 +429,7 @@ class Scorer:
         import torch
 
         from data_collator import OPSDCollator
+        from opsd.batches import DistillBatch
         from opsd.objective import objective_settings
         from opsd.scoring import lm_head
 
@@ -442,11 +443,10 @@ class Scorer:
         results, gaps = [], {"student": [], "teacher": []}
         for start in range(0, len(rows), self.batch_size):
             part = range(start, min(start + self.batch_size, len(rows)))
-            inputs = {"student_prompt_ids": [student_ids[i] for i in part],
-                      "teacher_prompt_ids": [teacher_ids[i] for i in part],
-                      "completion_ids": [self.completions[i] for i in part]}
-            key = (config.pad_side, start, tuple(map(tuple, inputs["student_prompt_ids"])),
-                   tuple(map(tuple, inputs["teacher_prompt_ids"])))
+            inputs = DistillBatch([student_ids[i] for i in part], [self.completions[i] for i in part],
+                                  teacher_prompt_ids=[teacher_ids[i] for i in part])
+            key = (config.pad_side, start, tuple(map(tuple, inputs.student_prompt_ids)),
+                   tuple(map(tuple, inputs.teacher_prompt_ids)))
             batched = self._forward(key, inputs, config.pad_side)
             gaps["student"] += batched.student.pad_gap.tolist()
             gaps["teacher"] += batched.teacher.pad_gap.tolist()
@@ -468,12 +468,12 @@ class Scorer:
     def _alone_log_probs(self, i, student_prompt, teacher_prompt, head, divergence, targets):
         """The sampled tokens' tempered log-probs with row i scored alone: a batch of one has no
         pads under either geometry, so this is where the padding's effect is measured from."""
+        from opsd.batches import DistillBatch
         from opsd.loss import compute_dtype, tempered_log_probs
 
         key = (i, tuple(student_prompt), tuple(teacher_prompt), divergence.temperature)
         if key not in self._alone:
-            inputs = {"student_prompt_ids": [student_prompt], "teacher_prompt_ids": [teacher_prompt],
-                      "completion_ids": [self.completions[i]]}
+            inputs = DistillBatch([student_prompt], [self.completions[i]], teacher_prompt_ids=[teacher_prompt])
             alone, n = scoring_forwards(self.trainer, self.model, inputs), len(self.completions[i])
             self._alone[key] = []
             for hidden in (alone.student_hidden[0, :n], alone.teacher_hidden[0, :n]):

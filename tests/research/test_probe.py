@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import opsd_train
+from opsd.batches import DistillBatch
 from opsd.data import load_train_dataset
 from opsd.prompts import PromptBuilder
 from opsd.research import attribution, probe
@@ -56,9 +57,8 @@ def trainer_step_loss(tmp, env, rollouts, adapter_seed=None, save_adapter_to=Non
                     param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
         trainer.model.save_pretrained(save_adapter_to)
     rows = [data[r["index"]] for r in rollouts]
-    inputs = {"student_prompt_ids": trainer.collator.student_prompts(rows),
-              "teacher_prompt_ids": trainer.collator.teacher_prompts(rows),
-              "completion_ids": [r["completion_ids"] for r in rollouts]}
+    inputs = DistillBatch(trainer.collator.student_prompts(rows), [r["completion_ids"] for r in rollouts],
+                          teacher_prompt_ids=trainer.collator.teacher_prompts(rows))
     with torch.no_grad():
         loss, stats = trainer._opsd_loss(trainer.model, inputs)
     return loss.item(), {k: v.item() for k, v in stats.items()}
