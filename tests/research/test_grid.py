@@ -388,7 +388,11 @@ def test_a_multi_gpu_cell_trains_as_that_many_ddp_processes_with_the_grids_globa
     assert command[command.index("--save_steps") + 1] == "25"  # a checkpoint every quarter: resumable
 
 
-def test_slurm_options_reach_the_job_arrays_sbatch_script(tmp_path):
+def test_slurm_options_reach_the_job_arrays_sbatch_script(tmp_path, monkeypatch):
+    import submitit
+
+    # submitit's executor refuses to be built where `srun` is missing; the script's text needs no cluster.
+    monkeypatch.setattr(submitit.SlurmExecutor, "affinity", classmethod(lambda cls: 2))
     options = executors.SlurmOptions(partition="gpu", time_min=90, gpus_per_cell=2, cpus_per_cell=16, mem_gb=64,
                                      account="lab", qos="high", array_parallelism=3,
                                      sbatch=executors.parse_sbatch_options(["constraint=h100", "exclude=node7",

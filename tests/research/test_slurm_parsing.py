@@ -27,7 +27,9 @@ def test_a_gpu_cell_gets_its_share_of_the_smallest_gpu_node():
     assert executors.default_cpus_per_cell(None, 0, run) is None  # a CPU cell: the cluster's default
 
 
-def test_job_states_come_from_squeue_with_ended_jobs_and_from_sacct_for_the_rest():
+def test_job_states_come_from_squeue_with_ended_jobs_and_from_sacct_for_the_rest(monkeypatch):
+    # SlurmWatch asks sacct only where the binary exists; here the stand-in answers for it.
+    monkeypatch.setattr(executors.shutil, "which", lambda name: f"/usr/bin/{name}")
     run = _answers(squeue=(0, "7_0|RUNNING|node3|None\n7_1|PENDING||Priority\n7_2|CANCELLED||None\n", ""),
                    sacct=(0, "5|CANCELLED by 0|None assigned\n", ""))
     states = executors.SlurmWatch(run).states(["7_0", "7_1", "7_2", "5", "4"])
