@@ -179,7 +179,9 @@ def _sampled_tokens(grid: Grid, done: list[Cell], per_step: dict | None) -> dict
 
 
 def _wall_time(done: list[Cell]) -> dict:
-    """An arm's wall time from its finished cells' timing.json (opsd.research.cell.record_time): per run
+    """An arm's `wall_time` entry (a key of its own: like provenance, it says how a result was made,
+    not what it is, and differs between two runs of the same cells) from its finished cells'
+    timing.json (opsd.research.cell.record_time): per run
     the seconds of training and of evaluation (None: not recorded), their means over the runs that
     recorded them, whether any step was resumed (its time then covers only its last part) and the
     most cells the grid let share a GPU with one of them (None: unknown, e.g. no GPU pool)."""
@@ -201,12 +203,13 @@ def _wall_time(done: list[Cell]) -> dict:
     entry["wall_resumed"] = any(t.get("train_resumed") or t.get("eval_resumed") for t in timings)
     sharing = [t.get("cells_per_gpu") for t in timings if isinstance(t.get("cells_per_gpu"), int)]
     entry["cells_per_gpu"] = max(sharing) if sharing else None
-    return entry
+    return {"wall_time": entry}
 
 
 def _wall_lines(table: dict) -> list[str]:
     """results.md's wall-time table (arms with timing.json), with what the times are a cost of."""
-    timed = {name: a for name, a in table["arms"].items() if "train_s" in a}
+    timed = {name: {**a["wall_time"], "trained": a.get("trained", True)}
+             for name, a in table["arms"].items() if "wall_time" in a}
     if not timed:
         return []
 
@@ -220,7 +223,7 @@ def _wall_lines(table: dict) -> list[str]:
     for name, a in timed.items():
         parts = [a[k] for k in ("train_s", "eval_s") if a[k] is not None]
         total = f"{sum(parts):.0f}" + (" (resumed: a part)" if a["wall_resumed"] else "") if parts else "-"
-        training = seconds(a["train_s_per_run"]) if a.get("trained", True) else "-"
+        training = seconds(a["train_s_per_run"]) if a["trained"] else "-"
         sharing = "-" if a["cells_per_gpu"] is None else str(a["cells_per_gpu"])
         lines.append(f"| {name} | {training} | {seconds(a['eval_s_per_run'])} | {total} | {sharing} |")
     shared = sorted({a["cells_per_gpu"] for a in timed.values() if (a["cells_per_gpu"] or 1) > 1})

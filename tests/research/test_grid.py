@@ -309,9 +309,10 @@ def test_a_cell_records_each_steps_wall_time_and_results_report_it(tmp_path, mon
     (out / "base" / "timing.json").write_text(json.dumps({"eval_s": 35, "eval_resumed": False, "cells_per_gpu": 1}))
     table = opsd.research.grid.results(grid, out, opsd.research.grid.cells(grid, out))
     a = table["arms"]
-    assert a["opsd"]["train_s_per_run"] == [100, 120] and a["opsd"]["train_s"] == 110 and a["opsd"]["eval_s"] == 40
-    assert a["sft"]["train_s_per_run"] == [30, None] and a["sft"]["train_s"] == 30  # seed 1 recorded none
-    assert a["base"]["train_s"] is None and a["base"]["eval_s"] == 35
+    on_opsd, on_sft, on_base = (a[name]["wall_time"] for name in ("opsd", "sft", "base"))
+    assert on_opsd["train_s_per_run"] == [100, 120] and on_opsd["train_s"] == 110 and on_opsd["eval_s"] == 40
+    assert on_sft["train_s_per_run"] == [30, None] and on_sft["train_s"] == 30  # seed 1 recorded none
+    assert on_base["train_s"] is None and on_base["eval_s"] == 35
     text = opsd.research.grid.markdown(table)
     assert "| opsd | 100, 120 | 40, 40 | 150 | 1 |" in text and "| sft | 30, - | 40, - | 70 | 1 |" in text
     assert "| base | - | 35 | 35 | 1 |" in text and "One cell a GPU (`--cells-per-gpu 1`)" in text
