@@ -744,8 +744,7 @@ def unique_problems(table: dict, arm: str) -> int:
     if name is None or not tiny_default.is_tiny_name(name):
         raise PlotError(f"arm {arm}: its unique training problems are not known (--dataset_name {name or 'not given'}; "
                         f"only a tiny set, {tiny_default.NAME_FORMS}, says its size)")
-    parts = name.split(":")
-    return int(parts[2]) if len(parts) > 2 else tiny_default.N_TRAIN_ROWS
+    return tiny_default.train_rows(name)
 
 
 def recipe_value(table: dict, arm: str, key: str):

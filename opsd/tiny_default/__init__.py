@@ -87,6 +87,12 @@ def _family_suffix(family: str | None) -> str:
     return f"-{family}" if family else ""
 
 
+def train_rows(name: str) -> int:
+    """How many training rows (unique problems) a tiny data name draws: N of `tiny:SEED:N`, the
+    4,096 of `tiny` and `tiny:SEED`."""
+    return _parse(name, TRAIN_SEED, N_TRAIN_ROWS)[1]
+
+
 def eval_set_name(name: str) -> str:
     """An eval set's name with its seed and size spelled out, `tiny:SEED:N` (`tiny` is
     `tiny:20240101:30`): what reports call the set, so that two reports of one set say the same
