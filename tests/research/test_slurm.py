@@ -289,7 +289,12 @@ exec {shutil.which("sbatch")} "$@"
     assert status == 0 and "sbatch failed (" in log and "Socket timed out" in log, log
     assert "submitted 4 cell(s) as job array" in log, log
     out = tmp_path / "out"
-    shown = _status(out)
+
+    def with_reasons():  # squeue gives a held job its reason at the controller's next scheduling pass (None before)
+        shown = _status(out)
+        return shown if all("BeginTime" in line for line in shown.values()) else None
+
+    shown = _wait_for(with_reasons, 60, "the held jobs' reason (BeginTime)")
     assert all(line.startswith("pending (job ") and "BeginTime" in line for line in shown.values()), shown
     waiting = grid_run(GRID, tmp_path, *held, wait=False)
     subprocess.run(["scancel", _job_of(out, "token/seed-1")], check=True)  # scancel by hand, while pending
