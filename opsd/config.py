@@ -335,6 +335,18 @@ def parse_recipe(path: str | os.PathLike) -> tuple[Recipe, list[str]]:
     return recipe, warnings
 
 
+def recipe_overrides(path: str | os.PathLike) -> dict[str, object]:
+    """The keys a recipe file sets, parsed, in file order (budget knobs left out, as parse_recipe
+    ignores them): what the file changes from the released recipe. RecipeError as parse_recipe."""
+    parse_recipe(path)  # every line checked first: an error names its line
+    values = {}
+    for line in _read_text(path).splitlines():
+        entry = _split_line(line)
+        if entry is not None and entry[0] not in BUDGET_KNOBS:
+            values[entry[0]] = _parse_value(*entry)
+    return values
+
+
 def _read_text(path: str | os.PathLike) -> str:
     try:
         with open(path, encoding="utf-8") as f:

@@ -24,6 +24,10 @@ from opsd.run_folder import write_text_atomic
 
 REPO = Path(__file__).resolve().parents[2]  # the repository (opsd/research/ -> root)
 BUDGET_DEFAULT = {"max_steps": 100, "global_batch": 32, "per_device_batch": 4}
+# The recipe a grid's arms start from (the grid file's "base_recipe"): what train_capped.sh runs by
+# default (recipe.env, the fork's cosine schedule), or the released recipe. The grid's and the arm's
+# recipe keys go on top of it.
+BASE_RECIPES = {"shipped": "recipe.env", "released": "recipe.released.env"}
 
 
 class GridError(Exception):
@@ -50,6 +54,7 @@ class Grid:
     baseline: str
     eval_flags: tuple[str, ...] = ()
     sweep_every: int | None = None  # save and evaluate a checkpoint every this many steps
+    base_recipe: str = "shipped"  # a key of BASE_RECIPES
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,8 @@ def load_grid(path: str) -> Grid:
         raise GridError(f"{where}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg})") from None
     if not isinstance(spec, dict):
         raise GridError(f"{where}: expected a JSON object")
-    known = {"preset", "eval_data", "eval_flags", "sweep_every", "seeds", "budget", "recipe", "baseline", "arms"}
+    known = {"preset", "eval_data", "eval_flags", "sweep_every", "seeds", "budget", "recipe", "baseline", "arms",
+             "base_recipe"}
     if unknown := sorted(set(spec) - known):
         raise GridError(f"{where}: unknown key {unknown[0]!r}; expected {', '.join(sorted(known))}")
     arms_spec = spec.get("arms")
@@ -123,8 +129,12 @@ def load_grid(path: str) -> Grid:
                                         and 0 < sweep_every <= budget["max_steps"]):
         raise GridError(f"{where}: 'sweep_every' must be a whole number of steps from 1 to max_steps "
                         f"({budget['max_steps']}), got {sweep_every!r}")
+    base_recipe = spec.get("base_recipe", "shipped")
+    if base_recipe not in BASE_RECIPES:
+        raise GridError(f"{where}: 'base_recipe' must be one of {', '.join(map(repr, BASE_RECIPES))} "
+                        f"({', '.join(BASE_RECIPES.values())}), got {base_recipe!r}")
     grid = Grid(tuple(arms), tuple(seeds), spec.get("eval_data"), spec.get("preset"), budget,
-                dict(spec.get("recipe", {})), baseline, tuple(eval_flags), sweep_every)
+                dict(spec.get("recipe", {})), baseline, tuple(eval_flags), sweep_every, base_recipe)
     for arm in grid.arms:  # a recipe error surfaces now, with the arm's name, not after hours of training
         _check_recipe(recipe_text(grid, arm), f"{where}: arm {arm.name!r}")
     return grid
@@ -146,9 +156,21 @@ def _check_eval_flags(flags: list[str], where: str) -> None:
         raise GridError(f"{where}: eval_flags {' '.join(flags)!r}: {last.split('error: ', 1)[-1]}") from None
 
 
+def base_recipe_keys(grid: Grid, repo: Path = REPO) -> dict[str, str]:
+    """The keys the grid's base recipe file sets (`recipe.env`: lr_scheduler_type=cosine; the
+    released recipe: none), as the file writes them."""
+    from opsd.config import recipe_overrides
+
+    return recipe_overrides(repo / BASE_RECIPES[grid.base_recipe])
+
+
+def cell_recipe(grid: Grid, arm: Arm) -> dict:
+    """An arm's recipe keys: its grid's base recipe, then the grid's `recipe`, then the arm's own."""
+    return {**base_recipe_keys(grid), **grid.recipe, **arm.recipe}
+
+
 def recipe_text(grid: Grid, arm: Arm) -> str:
-    values = {**grid.recipe, **arm.recipe}
-    return "".join(f"{key}={_recipe_value(value)}\n" for key, value in values.items())
+    return "".join(f"{key}={_recipe_value(value)}\n" for key, value in cell_recipe(grid, arm).items())
 
 
 def _recipe_value(value) -> str:
@@ -267,7 +289,7 @@ def cell_identity(grid: Grid, cell: Cell, processes: int = 1, environ=os.environ
                 "eval_flags": list(grid.eval_flags),
                 "variables": {**inherited_variables(cell, environ), **eval_environment(environ)}}
     if cell.arm.train:
-        identity.update(budget=grid.budget, sweep_every=grid.sweep_every, recipe={**grid.recipe, **cell.arm.recipe},
+        identity.update(budget=grid.budget, sweep_every=grid.sweep_every, recipe=cell_recipe(grid, cell.arm),
                         env=cell.arm.env, flags=list(cell.arm.flags), processes=processes)
     return identity
 

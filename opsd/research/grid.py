@@ -14,12 +14,13 @@ A grid file (JSON) names the arms and what they share:
       "sweep_every": 25,                      # optional: checkpoints every 25 steps, each evaluated
       "seeds": [0, 1, 2],                     # training seeds, paired across arms
       "budget": {"max_steps": 100, "global_batch": 32, "per_device_batch": 32},
-      "recipe": {"learning_rate": 1e-4},      # recipe keys every trained arm gets
+      "base_recipe": "shipped",               # arms start from recipe.env (default) or "released"
+      "recipe": {"learning_rate": 1e-4},      # recipe keys every trained arm gets, on top of it
       "baseline": "base",                     # the arm every other arm is compared with
       "arms": {
         "base": {"train": false},             # the untrained model, evaluated once
-        "released": {},
-        "cosine": {"recipe": {"lr_scheduler_type": "cosine"}},
+        "shipped": {},
+        "constant": {"recipe": {"lr_scheduler_type": "constant"}},
         "token": {"env": {"OPSD_CLIP_MODE": "token"}},
         "sft": {"flags": ["--loss_type", "sft"]}
       }
@@ -57,6 +58,7 @@ from pathlib import Path
 
 from opsd.research import executors
 from opsd.research.cell import (  # noqa: F401  (re-exported: the grid module is what notes and tests name)
+    BASE_RECIPES,
     BUDGET_DEFAULT,
     EVAL_PAGED_GIB,
     PROGRESS_EVERY_S,
@@ -67,6 +69,7 @@ from opsd.research.cell import (  # noqa: F401  (re-exported: the grid module is
     Grid,
     GridError,
     _check_processes_divide_batch,
+    base_recipe_keys,
     cell_identity,
     cells,
     check_cell_code,
@@ -95,7 +98,9 @@ def results(grid: Grid, out: Path, all_cells: list[Cell]) -> dict:
     runs = {arm.name: [run_stats.load_run(c.report) for c in all_cells if c.arm is arm and c.report.is_file()]
             for arm in grid.arms}
     table = {"grid": {"eval_data": grid.eval_data, "preset": grid.preset, "seeds": list(grid.seeds),
-                      "budget": grid.budget, "recipe": grid.recipe, "baseline": grid.baseline},
+                      "budget": grid.budget, "base_recipe": grid.base_recipe,
+                      "base_recipe_file": BASE_RECIPES[grid.base_recipe], "base_recipe_keys": base_recipe_keys(grid),
+                      "recipe": grid.recipe, "baseline": grid.baseline},
              "arms": {}}
     base_runs = runs[grid.baseline]
     for arm in grid.arms:
@@ -240,7 +245,7 @@ def markdown(table: dict) -> str:
     g = table["grid"]
     metric = next((a["metric"] for a in table["arms"].values() if "metric" in a), "avg@k")
     lines = [f"Eval set `{g['eval_data'] or 'default'}`, {metric}; budget {g['budget']}; seeds {g['seeds']}; "
-             f"baseline `{g['baseline']}`.", "",
+             f"baseline `{g['baseline']}`.", "", _recipe_line(g), "",
              f"| arm | runs | {metric} per run | mean | sampled tokens | forward + backward tokens "
              f"| vs {g['baseline']} (95% CI) | verdict |",
              "|---|---|---|---|---|---|---|---|"]
@@ -281,6 +286,17 @@ def markdown(table: dict) -> str:
         lines += ["", f"Missing cells (no results yet, not in the table): {', '.join(table['missing'])}; "
                       "re-run the same command to run them."]
     return "\n".join(lines) + "\n"
+
+
+def _recipe_line(g: dict) -> str:
+    """Which recipe the trained arms started from (results of grids from before base recipes: the
+    released one, the only one a cell got then)."""
+    name = g.get("base_recipe", "released")
+    keys = g.get("base_recipe_keys", {})
+    changes = ", ".join(f"{k}={v}" for k, v in keys.items()) or "no key changed"
+    on_top = ", ".join(f"{k}={v}" for k, v in g.get("recipe", {}).items())
+    return (f"Trained arms start from the {name} recipe (`{g.get('base_recipe_file', BASE_RECIPES[name])}`: {changes})"
+            + (f", then the grid's recipe keys ({on_top})" if on_top else "") + ", then their own (arm rows' `recipe`).")
 
 
 def _compute_cell(arm: dict) -> str:

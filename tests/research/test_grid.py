@@ -23,7 +23,10 @@ def test_two_arms_two_seeds_end_to_end_and_resume(local_grid):
     assert set(table["arms"]) == {"entry", "token"} and all(a["runs"] == 2 for a in table["arms"].values())
     assert "verdict" in table["arms"]["token"] and "verdict" not in table["arms"]["entry"]
     assert table["missing"] == []
+    assert (table["grid"]["base_recipe"], table["grid"]["base_recipe_keys"]) == ("shipped", {"lr_scheduler_type": "cosine"})
     assert "| token | 2 |" in (out / "results.md").read_text()
+    assert ("Trained arms start from the shipped recipe (`recipe.env`: lr_scheduler_type=cosine), then the grid's "
+            "recipe keys (learning_rate=0.0002)") in (out / "results.md").read_text()
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the arms' curves, beside results.md
     assert f"; curves: {out / 'curves.png'}" in first.stdout
     # The output ends with each cell's FINAL line and the arm's verdict (what quickstart.sh shows).
@@ -36,7 +39,12 @@ def test_two_arms_two_seeds_end_to_end_and_resume(local_grid):
             cell = out / arm / f"seed-{seed}"
             log = (cell / "train.log").read_text()
             assert f"--seed {seed} " in log  # the same seed in both arms: paired
-            assert (cell / "recipe.env").read_text() == "learning_rate=0.0002\n"
+            # The shipped recipe (recipe.env: cosine), then the grid's keys: the cell's metrics follow its schedule.
+            assert (cell / "recipe.env").read_text() == "lr_scheduler_type=cosine\nlearning_rate=0.0002\n"
+            rates = [json.loads(line)["learning_rate"] for line in (cell / "run" / "metrics.jsonl").read_text().splitlines()
+                     if '"learning_rate"' in line]
+            assert len(rates) == 4 and rates[0] == pytest.approx(2e-4) and rates == sorted(rates, reverse=True)
+            assert rates[-1] < 0.5 * rates[0]
             assert json.loads((cell / "eval.json").read_text())["dataset"] == "tiny:5:2"
             assert sorted(p.name for p in (cell / "run").glob("checkpoint-*")) == [
                 "checkpoint-1", "checkpoint-2", "checkpoint-3", "checkpoint-4"]  # resumable from any step
@@ -88,6 +96,7 @@ def test_the_local_pool_puts_each_cell_on_its_own_gpu(local_grid):
     ({"arms": {"a": {}}, "eval_flags": ["--backend", "sglang"]}, "eval_flags"),
     ({"arms": {"a": {}}, "sweep_every": 0}, "'sweep_every' must be"),
     ({"arms": {"a": {}}, "sweep_every": 500}, "'sweep_every' must be"),
+    ({"arms": {"a": {}}, "base_recipe": "mine"}, "'base_recipe' must be one of 'shipped', 'released'"),
 ])
 def test_bad_grid_files_are_one_line_errors(tmp_path, spec, message):
     grid_file = tmp_path / "g.json"
@@ -104,6 +113,38 @@ def test_shipped_grids_load():
     for path in shipped:
         grid = opsd.research.grid.load_grid(str(path))
         assert grid.arms and grid.baseline in {a.name for a in grid.arms}
+
+
+def test_arms_start_from_the_shipped_recipe_unless_the_grid_names_the_released_one(tmp_path):
+    """recipe.env's active keys (what train_capped.sh runs), then the grid's recipe, then the arm's; with
+    "base_recipe": "released" nothing of recipe.env. The cell's identity holds the merged recipe."""
+    spec = {"arms": {"a": {}, "b": {"recipe": {"lr_scheduler_type": "constant", "learning_rate": 1e-3}}},
+            "recipe": {"learning_rate": 2e-4}}
+    texts = {}
+    for base in (None, "shipped", "released"):
+        path = tmp_path / f"{base}.json"
+        path.write_text(json.dumps(spec if base is None else {**spec, "base_recipe": base}))
+        grid = opsd.research.grid.load_grid(str(path))
+        texts[base] = [opsd.research.grid.recipe_text(grid, arm) for arm in grid.arms]
+        cell = opsd.research.grid.cells(grid, tmp_path)[0]
+        assert opsd.research.grid.cell_identity(grid, cell)["recipe"] == (
+            {"learning_rate": 2e-4} if base == "released" else {"lr_scheduler_type": "cosine", "learning_rate": 2e-4})
+    assert texts[None] == texts["shipped"] == ["lr_scheduler_type=cosine\nlearning_rate=0.0002\n",
+                                               "lr_scheduler_type=constant\nlearning_rate=0.001\n"]
+    assert texts["released"] == ["learning_rate=0.0002\n", "learning_rate=0.001\nlr_scheduler_type=constant\n"]
+
+
+def test_committed_results_name_the_recipe_their_cells_ran():
+    """Every grid with committed results ran before base recipes, on the released recipe (constant LR): its
+    file says so, so that re-tabling its folder finds the same cells; the quickstart grids run the shipped one."""
+    for path in (REPO / "grids").rglob("*.json"):
+        if "results" in path.parts:
+            continue
+        grid = opsd.research.grid.load_grid(str(path))
+        name = path.relative_to(REPO / "grids").as_posix()
+        unrun = name.startswith(("quickstart_cpu.json", "quickstart_gpu.json", "grpo_tuned/data_size_3seeds",
+                                 "grpo_tuned/wall_time", "long_runs"))
+        assert grid.base_recipe == ("shipped" if unrun else "released"), name
 
 
 @pytest.mark.parametrize("whole", ["grpo_tuned/data_size_3seeds", "grpo_tuned/wall_time"])
