@@ -295,7 +295,8 @@ def _recipe_line(g: dict) -> str:
     keys = g.get("base_recipe_keys", {})
     changes = ", ".join(f"{k}={v}" for k, v in keys.items()) or "no key changed"
     on_top = ", ".join(f"{k}={v}" for k, v in g.get("recipe", {}).items())
-    return (f"Trained arms start from the {name} recipe (`{g.get('base_recipe_file', BASE_RECIPES[name])}`: {changes})"
+    file = g.get("base_recipe_file", BASE_RECIPES[name])
+    return (f"Trained arms start from the {name} recipe (`{file}`: {changes})"
             + (f", then the grid's recipe keys ({on_top})" if on_top else "") + ", then their own (arm rows' `recipe`).")
 
 
