@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from opsd.analysis import plot_common
 from opsd.analysis import plots as run_plots
 from opsd.run_log import KL_LINE_FIELDS
 
@@ -179,8 +180,8 @@ def test_bad_input_is_one_line_exit_2_and_no_png(tmp_path, capsys):
 def figures(monkeypatch):
     """The Figure objects the plots would save (rendered and written as usual)."""
     drawn = []
-    real_save = run_plots._save
-    monkeypatch.setattr(run_plots, "_save", lambda fig, out: drawn.append(fig) or real_save(fig, out))
+    real_save = plot_common.save_png
+    monkeypatch.setattr(plot_common, "save_png", lambda fig, out: drawn.append(fig) or real_save(fig, out))
     return drawn
 
 
@@ -225,7 +226,7 @@ def test_a_failed_write_leaves_no_partial_png(tmp_path, monkeypatch):
     def full_disk(src, dst):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(run_plots.os, "replace", full_disk)
+    monkeypatch.setattr(plot_common.os, "replace", full_disk)
     with pytest.raises(run_plots.PlotError, match="curves.png: cannot write it \\(No space left on device\\)"):
         run_plots.plot_run_curves(run)
     assert no_pngs(tmp_path)
