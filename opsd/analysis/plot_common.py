@@ -67,6 +67,14 @@ def new_figure(panels: int, width: float = 4.4, height: float = 3.0, columns: in
     return fig, list(axes[:panels])
 
 
+def panel_heading(ax, title: str, note: str = "") -> None:
+    """A panel's title, with `note` (one short line: what a healthy run looks like) in small grey
+    type between it and the axes."""
+    ax.set_title(title, fontsize=10, pad=14 if note else 6)
+    if note:
+        ax.text(0.5, 1.012, note, transform=ax.transAxes, ha="center", va="bottom", fontsize=7.5, color="0.35")
+
+
 def save_png(fig, out: Path) -> None:
     """Render with the Agg canvas and write a 256-colour PNG into a temporary file, then
     rename: a failure leaves no partial PNG. The palette makes line plots about a third of

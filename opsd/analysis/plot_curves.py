@@ -4,7 +4,9 @@ of every run): what a run folder's metrics.jsonl holds, one panel per quantity.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from opsd.analysis import plot_common as common
@@ -29,6 +31,7 @@ CURVE_PANELS = (
     ("teacher mass removed", "teacher probability removed", (LABEL_TO_KEY["teacher_mass_removed"],)),
     ("entropy", "entropy per token (nats)", (LABEL_TO_KEY["H_student"], LABEL_TO_KEY["H_teacher"])),
     ("completion length (tokens)", "tokens", ("completions/mean_length", "completions/max_length")),
+    ("truncated completions", "share that hit the length cap", ("completions/truncated_ratio",)),
     # GRPO runs only (the keys of opsd.grpo.reward_stats): is there signal in the groups?
     ("GRPO reward", "mean reward (share correct)", ("grpo/reward_mean",)),
     ("GRPO completions without signal", "share in zero-std groups", ("grpo/frac_reward_zero_std",)),
@@ -38,6 +41,26 @@ CURVE_PANELS = (
 # y-axis label of one metric's panel (`overlay`, `curves --metric`): its CURVE_PANELS label; a key
 # of no panel is labelled with its name.
 Y_LABELS = {key: ylabel for _, ylabel, keys in CURVE_PANELS for key in keys}
+# What a healthy run's panel looks like, one short line under each panel's title (docs/OUTPUTS.md,
+# "Figures", says more). The collapse is the signature of opsd.run_log.CollapseSignature: true KL,
+# student entropy and clip share climbing together.
+HEALTHY = {
+    "loss": "healthy: falls, then levels off",
+    "true KL (teacher || student)": "healthy: falls or stays level; a climb = collapse",
+    "divergence before the clip": "healthy: falls or stays level, as the true KL",
+    "clip shares": "healthy: small, level or falling; a climb = collapse",
+    "teacher mass removed": "healthy: near 0, level or falling",
+    "entropy": "healthy: student's level or falling; a climb = collapse",
+    "completion length (tokens)": "healthy: level; a steady fall = drift to short answers",
+    "truncated completions": "healthy: near 0; a rise = answers run past the cap",
+    "GRPO reward": "healthy: rises",
+    "GRPO completions without signal": "healthy: well below 1 (groups that teach)",
+    "learning rate": "the recipe's schedule (recipe.env: cosine)",
+    "gradient norm": "healthy: bounded, no growing spikes",
+}
+_PANEL_OF = {key: title for title, _, keys in CURVE_PANELS for key in keys}
+_PANEL_KEYS = {title: keys for title, _, keys in CURVE_PANELS}
+
 
 def metric_key(name: str) -> str:
     """The metrics.jsonl key of a metric given by key or by its `[OPSD kl]` label."""
@@ -50,7 +73,8 @@ def metric_label(key: str) -> str:
 
 # Panel titles a reader without the README understands: a CURVE_PANELS title where the panel
 # draws that key alone, else these words, else the `[OPSD kl]` label.
-_READABLE = {LABEL_TO_KEY["H_student"]: "student entropy", LABEL_TO_KEY["H_teacher"]: "teacher entropy"}
+_READABLE = {LABEL_TO_KEY["H_student"]: "student entropy", LABEL_TO_KEY["H_teacher"]: "teacher entropy",
+             "completions/mean_length": "mean completion length", "completions/max_length": "longest completion"}
 
 
 def panel_title(key: str) -> str:
@@ -100,42 +124,114 @@ def no_metric(name: str, where: str, records: Sequence[dict]) -> PlotError:
     return PlotError(f"metric {name!r} is not in {where} (logged: {shown or 'nothing'})")
 
 
+# A default panel's series is left out of a run's curves.png when it carries no information for
+# this run; the figure's footer names it with its value instead. Decided from the data:
+ZERO_ATOL = 1e-12   # all 0: every |value| at most this
+FLAT_RTOL = 1e-3    # constant: over 2 steps or more, max - min at most this share of the largest |value|
+REPEAT_RTOL = 1e-4  # a repeat of a series drawn before it: the same steps, and every difference at
+#                     most this share of the largest |value| of the two
+
+
+@dataclass(frozen=True)
+class RunPanel:
+    """One panel of a run's curves.png: its metrics.jsonl keys and the healthy-run note."""
+    title: str
+    ylabel: str
+    keys: tuple[str, ...]
+    note: str = ""
+
+
+def no_information(steps: Sequence[int], values: Sequence[float]) -> str | None:
+    """Why a series says nothing beyond one number ("all 0", "constant at 0.0002"), else None."""
+    if all(abs(v) <= ZERO_ATOL for v in values):
+        return "all 0"
+    if len(steps) >= 2 and max(values) - min(values) <= FLAT_RTOL * max(abs(v) for v in values):
+        return f"constant at {values[0]:.3g}"
+    return None
+
+
+def repeats(a: tuple[Sequence[int], Sequence[float]], b: tuple[Sequence[int], Sequence[float]]) -> bool:
+    """Series `a` equals series `b` (steps, values) within REPEAT_RTOL."""
+    if list(a[0]) != list(b[0]):
+        return False
+    scale = max(abs(v) for v in (*a[1], *b[1]))
+    return all(abs(x - y) <= REPEAT_RTOL * scale for x, y in zip(a[1], b[1], strict=True))
+
+
+def series_name(key: str) -> str:
+    """A series as the footer names it: its panel's title where it is drawn alone, else its label."""
+    title = _PANEL_OF.get(key)
+    return title if title is not None and _PANEL_KEYS[title] == (key,) else metric_label(key)
+
+
+def run_panels(records: Sequence[dict]) -> tuple[list[RunPanel], list[str]]:
+    """The default panels of a run (CURVE_PANELS, the keys it logged) and what was left out as
+    carrying no information ("learning rate: constant at 0.0002"), in panel order: a series all 0
+    or constant (`no_information`), or repeating a series drawn before it (`repeats`). When that
+    would leave nothing, every logged series is drawn."""
+    logged = [(title, ylabel, tuple(k for k in keys if series(records, k)[0])) for title, ylabel, keys in CURVE_PANELS]
+    logged = [RunPanel(title, ylabel, keys, HEALTHY.get(title, "")) for title, ylabel, keys in logged if keys]
+    drawn: list[tuple[str, tuple]] = []  # (key, its series) kept so far
+    panels, left_out = [], []
+    for panel in logged:
+        keys = []
+        for key in panel.keys:
+            points = series(records, key)
+            why = no_information(*points)
+            twin = None if why else next((k for k, other in drawn if repeats(points, other)), None)
+            if why or twin:
+                left_out.append(f"{series_name(key)}: {why or 'equals ' + series_name(twin)}")
+                continue
+            drawn.append((key, points))
+            keys.append(key)
+        if keys:
+            panels.append(RunPanel(panel.title, panel.ylabel, tuple(keys), panel.note))
+    return (panels, left_out) if panels else (logged, [])
+
+
 def plot_run_curves(run_dir, out=None, metrics: Sequence[str] | None = None) -> list[str]:
     """Draw one run's curves into `out` (default RUN_DIR/curves.png). With `metrics`, one
-    panel each (all must be logged); without, the CURVE_PANELS the run logged. Returns the
-    metrics.jsonl keys drawn, in panel order."""
+    panel each (all must be logged); without, the `run_panels` of the run, each with its
+    healthy-run note, and a footer naming what was left out. Returns the metrics.jsonl keys
+    drawn, in panel order."""
     records = read_metrics(run_dir)  # first: a missing run folder is the error to report
     out = check_output(out if out is not None else Path(run_dir) / CURVES_FILE)
     where = str(Path(run_dir) / METRICS_FILE)
+    left_out: list[str] = []
     if metrics:
         panels = []
         for name in metrics:
             key = metric_key(name)
             if not series(records, key)[0]:
                 raise no_metric(name, where, records)
-            panels.append((metric_label(key), y_label(key), (key,)))
+            panels.append(RunPanel(metric_label(key), y_label(key), (key,), healthy_note(key)))
     else:
-        panels = [(title, ylabel, tuple(k for k in keys if series(records, k)[0]))
-                  for title, ylabel, keys in CURVE_PANELS]
-        panels = [(title, ylabel, keys) for title, ylabel, keys in panels if keys]
+        panels, left_out = run_panels(records)
         if not panels:
             raise PlotError(f"{where}: none of the curve metrics is in it (logged: "
                             f"{', '.join(logged_keys(records)) or 'nothing'})")
     fig, axes = common.new_figure(len(panels))
     drawn = []
-    for ax, (title, ylabel, keys) in zip(axes, panels, strict=False):
-        for key in keys:
+    for ax, panel in zip(axes, panels, strict=False):
+        for key in panel.keys:
             steps, values = series(records, key)
             ax.plot(steps, values, label=metric_label(key).split("/")[-1], marker="." if len(steps) <= 30 else None)
             drawn.append(key)
-        ax.set_title(title, fontsize=10)
+        common.panel_heading(ax, panel.title, panel.note)
         step_axis(ax)
-        ax.set_ylabel(ylabel, fontsize=9)
+        ax.set_ylabel(panel.ylabel, fontsize=9)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
-        if len(keys) > 1:
+        if len(_PANEL_KEYS.get(panel.title, panel.keys)) > 1:  # also one share left of three: which one
             ax.legend(fontsize=8)
     fig.suptitle(f"training curves of run {run_name(run_dir)}", fontsize=11)
+    if left_out:
+        fig.supxlabel(textwrap.fill("not drawn, no information for this run: " + "; ".join(left_out), 160),
+                      fontsize=8, color="0.3")
     common.save_png(fig, out)
     return drawn
 
+
+def healthy_note(key: str) -> str:
+    """The healthy-run note of the panel that draws `key` (empty for a key of no panel)."""
+    return HEALTHY.get(_PANEL_OF.get(key, ""), "")

@@ -11,13 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opsd.analysis import plot_common as common
-from opsd.analysis.plot_common import PlotError, check_output, run_name, seed_number, step_axis
+from opsd.analysis.plot_common import PlotError, check_output, panel_heading, run_name, seed_number, step_axis
 from opsd.analysis.plot_curves import (
     CURVES_FILE,
     LABEL_TO_KEY,
+    healthy_note,
     logged_keys,
     metric_key,
     metric_label,
+    no_information,
     no_metric,
     panel_title,
     read_metrics,
@@ -28,7 +30,9 @@ from opsd.run_folder import METRICS_FILE
 
 # `overlay` without --metric: the quantities that tell arms apart (OPSD_EXPERIMENTS.md); the
 # loss last, since the SFT baseline's loss is another quantity (an NLL) than OPSD's.
-OVERLAY_METRICS = (LABEL_TO_KEY["true_kl"], LABEL_TO_KEY["H_student"], LABEL_TO_KEY["teacher_mass_removed"], "loss")
+# The completions' length and truncated share show drift (shorter answers, answers cut at the cap).
+OVERLAY_METRICS = (LABEL_TO_KEY["true_kl"], LABEL_TO_KEY["H_student"], LABEL_TO_KEY["teacher_mass_removed"],
+                   "completions/mean_length", "completions/truncated_ratio", "loss")
 
 
 @dataclass(frozen=True)
@@ -137,11 +141,15 @@ def curve_colors(curves: dict[str, list[Curve]]) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class ArmAccuracy:
-    """One arm's evaluated accuracy (a grid's results.json): its mean over the seeds and each seed's."""
+    """One arm's evaluated accuracy (a grid's results.json): its mean over the seeds, each seed's,
+    and its difference to the baseline with that difference's 95% interval (results.json's
+    `difference` and `ci`; None for the baseline itself or without them)."""
     arm: str
     mean: float
     per_run: tuple[float, ...]
     trained: bool
+    difference: float | None = None
+    ci: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +158,22 @@ class AccuracyPanel:
     title: str
     xlabel: str
     arms: tuple[ArmAccuracy, ...]
+    baseline: ArmAccuracy | None = None  # the arm the intervals are differences to
+
+    def whisker(self, arm: ArmAccuracy) -> tuple[float, float] | None:
+        """Where the arm's interval is drawn: the baseline's mean plus the difference's 95% CI,
+        so that it reaches the baseline's line when 0 is inside the interval."""
+        if arm.ci is None or self.baseline is None:
+            return None
+        return self.baseline.mean + arm.ci[0], self.baseline.mean + arm.ci[1]
+
+
+def _arm_accuracy(name: str, entry: dict) -> ArmAccuracy:
+    ci = entry.get("ci")
+    has_ci = isinstance(ci, list) and len(ci) == 2 and isinstance(entry.get("difference"), (int, float))
+    return ArmAccuracy(name, float(entry["mean"]), tuple(float(v) for v in entry["per_run"]),
+                       bool(entry.get("trained", True)), float(entry["difference"]) if has_ci else None,
+                       (float(ci[0]), float(ci[1])) if has_ci else None)
 
 
 def grid_accuracy(grid_dir) -> AccuracyPanel | None:
@@ -160,31 +184,45 @@ def grid_accuracy(grid_dir) -> AccuracyPanel | None:
     path = Path(grid_dir) / "results.json"
     try:
         table = json.loads(path.read_text(encoding="utf-8"))
-        arms = tuple(ArmAccuracy(name, float(a["mean"]), tuple(float(v) for v in a["per_run"]),
-                                 bool(a.get("trained", True)))
-                     for name, a in table["arms"].items() if "mean" in a)
+        arms = tuple(_arm_accuracy(name, a) for name, a in table["arms"].items() if "mean" in a)
         grid = table["grid"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # an older or hand-made folder: the training curves alone
     if not arms:
         return None
     metric = next((a["metric"] for a in table["arms"].values() if "metric" in a), "accuracy")
+    baseline = next((a for a in arms if a.arm == grid.get("baseline")), None)
     return AccuracyPanel(f"accuracy on {grid.get('eval_data') or 'the eval set'} (higher is better)",
-                         f"{metric} accuracy (%): bar = mean, dots = seeds", arms)
+                         f"{metric} accuracy (%)", arms, baseline)
+
+
+def accuracy_caption(panel: AccuracyPanel) -> str:
+    """What the accuracy panel draws, as drawn: no dots without several seeds, no whisker without
+    an interval."""
+    seeds = sorted({len(a.per_run) for a in panel.arms if a.trained})
+    metric = panel.xlabel.split(" ")[0]
+    words = (f"bar: each arm's {metric} (one run each)" if seeds in ([], [1]) else
+             f"bar: each arm's {metric}, the mean over its {'/'.join(map(str, seeds))} seeds")
+    if any(len(a.per_run) > 1 for a in panel.arms):
+        words += ", dots: each seed's run"
+    if panel.baseline is not None and any(panel.whisker(a) for a in panel.arms):
+        words += (f", whisker: the 95% interval of its difference to {panel.baseline.arm}, drawn from "
+                  f"{panel.baseline.arm}'s mean (dotted line)")
+    return words
 
 
 def informative(curves: dict[str, list[Curve]]) -> dict[str, list[Curve]]:
-    """The panels whose lines move: a metric that stays at one value in every run (teacher mass
-    removed at 0 under the token clip) says nothing a reader needs."""
-    def moves(curve: Curve) -> bool:
-        values = [v for v in curve.values if math.isfinite(v)]
-        return bool(values) and max(values) - min(values) > 1e-12 * max(1.0, abs(max(values)))
-
-    return {key: lines for key, lines in curves.items() if any(moves(c) for c in lines)}
+    """The panels that carry information: a metric all 0 or constant in every arm (teacher mass
+    removed at 0 under the token clip; plot_curves.no_information, the run's own rule) says
+    nothing a reader needs."""
+    return {key: lines for key, lines in curves.items()
+            if any(no_information(c.steps, [v for v in c.values if math.isfinite(v)] or [0.0]) is None
+                   for c in lines)}
 
 
 def _draw_accuracy(ax, panel: AccuracyPanel, colors: dict[str, str]) -> list[tuple[str, str]]:
-    """Horizontal bars, one per arm in the grid's order (top to bottom), the value written beside."""
+    """Horizontal bars, one per arm in the grid's order (top to bottom), each seed's run as a dot,
+    the interval as a whisker; the numbers in the arm's label."""
     drawn = []
     rows = list(panel.arms)
     for y, arm in enumerate(reversed(rows)):
@@ -192,17 +230,29 @@ def _draw_accuracy(ax, panel: AccuracyPanel, colors: dict[str, str]) -> list[tup
         ax.barh(y, arm.mean, color=color, alpha=0.6, height=0.6)
         if len(arm.per_run) > 1:
             ax.plot(arm.per_run, [y] * len(arm.per_run), "o", color="black", markersize=3)
-        ax.text(arm.mean, y, f" {arm.mean:.2f}", va="center", fontsize=9)
+        whisker = panel.whisker(arm)
+        if whisker is not None:
+            ax.plot(whisker, [y, y], "-|", color="black", linewidth=1.5, markersize=8)
         drawn.append(("accuracy", arm.arm))
-    ax.set_yticks(range(len(rows)), [f"{a.arm}{'' if a.trained else ' (untrained)'}" for a in reversed(rows)],
-                  fontsize=9)
-    top = max(max(a.mean, *a.per_run) for a in rows)
-    ax.set_xlim(0, min(100.0, max(10.0, top * 1.25)))
+    if panel.baseline is not None and any(panel.whisker(a) for a in rows):
+        ax.axvline(panel.baseline.mean, color="0.3", linewidth=0.9, linestyle=":")
+    ax.set_yticks(range(len(rows)), [_accuracy_label(panel, a) for a in reversed(rows)], fontsize=8)
+    top = max(max(a.mean, *a.per_run, *(panel.whisker(a) or ())) for a in rows)
+    ax.set_xlim(0, min(100.0, max(10.0, top * 1.15)))
     ax.set_title(panel.title, fontsize=10)
     ax.set_xlabel(panel.xlabel, fontsize=9)
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.3, axis="x")
     return list(reversed(drawn))
+
+
+def _accuracy_label(panel: AccuracyPanel, arm: ArmAccuracy) -> str:
+    """`token_left` / `60.00 (+14.38 [+6.88, +22.50])`: the arm, its mean and its difference."""
+    name = f"{arm.arm}{'' if arm.trained else ' (untrained)'}"
+    numbers = f"{arm.mean:.2f}"
+    if arm.ci is not None and panel.baseline is not None:
+        numbers += f" ({arm.difference:+.2f} [{arm.ci[0]:+.2f}, {arm.ci[1]:+.2f}])"
+    return f"{name}\n{numbers}"
 
 
 def plot_overlay(curves: dict[str, list[Curve]], out, title: str = "",
@@ -224,7 +274,7 @@ def plot_overlay(curves: dict[str, list[Curve]], out, title: str = "",
             if curve.low is not None:
                 ax.fill_between(curve.steps, curve.low, curve.high, color=color, alpha=0.15, linewidth=0)
             drawn.append((key, curve.label))
-        ax.set_title(panel_title(key), fontsize=10)
+        panel_heading(ax, panel_title(key), healthy_note(key))
         step_axis(ax)
         ax.set_ylabel(y_label(key), fontsize=9)
         ax.tick_params(labelsize=8)
@@ -257,19 +307,35 @@ def overlay_grid(grid_dir, out=None, metrics: Sequence[str] | None = None,
                  arms: Sequence[str] | None = None) -> list[tuple[str, str]]:
     """The arms of a opsd.research.grid folder (default output GRID_DIR/curves.png): first each arm's
     accuracy (its results.json, when there), then the training curves, seed mean and seed range
-    per arm; without chosen `metrics`, only the curves that move (`informative`)."""
+    per arm; without chosen `metrics`, only the curves that carry information (`informative`).
+    The title says what is drawn, as drawn (`grid_caption`)."""
     keys = [metric_key(m) for m in (metrics or OVERLAY_METRICS)]
     curves = grid_curves(grid_dir, keys, arms, required=bool(metrics))  # first: a missing folder is the error
     out = check_output(out if out is not None else Path(grid_dir) / CURVES_FILE)
     accuracy = grid_accuracy(grid_dir)
+    shown = curves
     if not metrics:
-        curves = informative(curves) or (curves if accuracy is None else {})
-    name = Path(grid_dir).resolve().name
-    if accuracy is None:
-        title = (f"training curves of grid {name}: each arm's mean over its seeds, band from the lowest to the "
-                 "highest seed")
-    else:
-        title = (f"grid {name}: each arm's accuracy, then its training curves (mean over its seeds, band from the "
-                 "lowest to the highest seed; curves that stay flat left out)")
-    return plot_overlay(curves, out, textwrap.fill(title, 110), accuracy)
+        shown = informative(curves) or (curves if accuracy is None else {})
+    left_out = [panel_title(key) for key in curves if key not in shown]
+    title = grid_caption(Path(grid_dir).resolve().name, shown, accuracy, left_out)
+    return plot_overlay(shown, out, textwrap.fill(title, 130), accuracy)
 
+
+def grid_caption(name: str, curves: dict[str, list[Curve]], accuracy: AccuracyPanel | None,
+                 left_out: Sequence[str] = ()) -> str:
+    """The grid figure's title: what its panels draw, as drawn (a band only where an arm has
+    several seeds), and the panels left out as flat in every arm."""
+    lines = [c for cs in curves.values() for c in cs]
+    if not lines:
+        drawing = ""
+    elif all(c.low is None for c in lines):
+        drawing = "each arm's one run"
+    else:
+        drawing = "each arm's mean over its seeds, band from the lowest to the highest seed"
+    parts = [f"grid {name}: {accuracy_caption(accuracy)}" if accuracy is not None else ""]
+    if drawing:
+        parts.append(f"training curves of grid {name}: {drawing}" if accuracy is None
+                     else f"then the training curves, {drawing}")
+    if left_out:
+        parts.append(f"not drawn (all 0 or constant in every arm): {', '.join(left_out)}")
+    return "; ".join(p for p in parts if p)

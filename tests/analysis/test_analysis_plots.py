@@ -15,7 +15,8 @@ from opsd.run_log import KL_LINE_FIELDS
 ROOT = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 OPSD_KEYS = [key for _, key in KL_LINE_FIELDS if key != "opsd/nll"]  # nll: the SFT loss only
-OTHER_KEYS = ["loss", "learning_rate", "grad_norm", "completions/mean_length", "completions/max_length"]
+OTHER_KEYS = ["loss", "learning_rate", "grad_norm", "completions/mean_length", "completions/max_length",
+              "completions/truncated_ratio"]
 GRPO_KEYS = ["grpo/reward_mean", "grpo/frac_reward_zero_std"]  # a GRPO run's panels (opsd.grpo.reward_stats)
 
 
@@ -268,7 +269,8 @@ def test_a_grids_figure_shows_accuracy_first_then_only_the_curves_that_move(tmp_
     titles = [ax.get_title() for ax in figures[-1].axes]
     assert titles == ["accuracy on tiny:7:40:amc_aime (higher is better)", "true KL (teacher || student)",
                       "student entropy", "loss"]
-    assert [label.get_text() for label in figures[-1].axes[0].get_yticklabels()] == ["token_left", "base (untrained)"]
+    assert [label.get_text() for label in figures[-1].axes[0].get_yticklabels()] == [
+        "token_left\n60.00", "base (untrained)\n45.62"]  # no difference in this results.json: no interval
     # Asked for by name, a flat metric is drawn all the same.
     assert ("teacher_mass_removed" in {run_plots.metric_label(k) for k, _ in run_plots.overlay_grid(
         grid, tmp_path / "chosen.png", metrics=["teacher_mass_removed"])})
