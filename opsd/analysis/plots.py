@@ -3,23 +3,32 @@ a grid's results.json against tokens, data or a setting. The command line lives 
 figures live in modules by subject, re-exported here (every caller imports this module):
 plot_curves (a run's curves), plot_overlays (runs and a grid's arms overlaid), plot_intervals
 (intervals, a run's checkpoint sweep), plot_results (accuracy against tokens, data or a
-setting), plot_common (what they share).
+setting), plot_passk (pass@k against k, pass@1 and pass@n over steps), plot_common (what they
+share).
 
     python -m opsd.analysis.plots curves RUN_DIR [--metric KEY ...] [--out FILE.png]
     python -m opsd.analysis.plots overlay RUN_DIR [RUN_DIR ...] [--metric KEY ...] --out FILE.png
     python -m opsd.analysis.plots overlay --grid GRID_DIR [--metric KEY ...] [--out FILE.png]
     python -m opsd.analysis.plots results RESULTS.json [--x FIELD] [--group REGEX] [--out FILE.png]
+    python -m opsd.analysis.plots passk GRID_DIR [--out FILE.png]
+    python -m opsd.analysis.plots passk --arm NAME REPORT.json [REPORT.json ...] [--arm ...] --out FILE.png
+    python -m opsd.analysis.plots steps GRID_DIR [--out FILE.png]
 
 `curves` draws what a run folder's `metrics.jsonl` holds, one panel per quantity (loss,
 true KL, divergence before the clip, clip shares, teacher mass removed, entropies,
-completion lengths, learning rate, gradient norm; a quantity the run did not log is left
-out). Default output: `RUN_DIR/curves.png`, which `opsd_train.py` also draws at the end of
+completion lengths, truncated completions, learning rate, gradient norm; a quantity the run
+did not log is left out, and so is a series that carries no information for this run: all 0,
+constant, or a repeat of one drawn before it, named in the figure's footer with its value;
+plot_curves states the tolerances). Each panel has a one-line note of what a healthy run looks
+like. Default output: `RUN_DIR/curves.png`, which `opsd_train.py` also draws at the end of
 every run. `overlay` draws one panel per metric with one line per run folder or, with
 `--grid`, one line per arm of a opsd.research.grid folder: the mean over the arm's seeds, with
-a band from the lowest to the highest seed at each step (default output
+a band from the lowest to the highest seed at each step where an arm has several (default output
 `GRID_DIR/curves.png`, which `opsd/research/grid.py` also draws); there, a first panel gives each
-arm's accuracy (the grid's results.json), and without `--metric` a curve that stays flat in
-every arm (teacher mass removed at 0 under the token clip) is left out. A metric is a `metrics.jsonl` key
+arm's accuracy (the grid's results.json: the mean, each seed's run, and the 95% interval of its
+difference to the baseline, drawn from the baseline's mean), and without `--metric` a curve all 0
+or constant in every arm (teacher mass removed at 0 under the token clip) is left out; the title
+says what is drawn. A metric is a `metrics.jsonl` key
 (`opsd/true_kl`) or its `[OPSD kl]` label (`true_kl`). `python -m opsd.analysis.stats ... --plot FILE.png`
 draws its arms with the intervals it prints, through `plot_intervals`; `plot_sweep` draws a
 run's accuracy per checkpoint (`dev_eval.sh RUN_FOLDER`, opsd/evaluation/sweep.py);
@@ -36,6 +45,15 @@ tiny:SEED:N`, log scale) or `learning_rate` (the arm's recipe, else the grid's; 
 Arms that `--group REGEX` puts together are one line (default: each arm its own labelled dot
 for tokens, the name's prefix, opsd_n64 -> opsd, otherwise). Default output: beside the JSON,
 NAME_X.png.
+
+`passk` draws pass@k against k (k = 1..n, log2 axis) from evaluation reports, each arm's mean
+over its runs as a line, each seed's run faint: a grid folder's arms (ARM/seed-N/eval.json, the
+untrained arm's ARM/eval.json dotted; default output `GRID_DIR/passk.png`, which a grid also
+draws), or the reports named with `--arm NAME REPORT.json ...` (repeat per arm). The numbers are
+each report's `metrics` pass@1..pass@n; all reports must be of one eval set with one n. `steps`
+draws a swept grid's (`sweep_every`) pass@1 and pass@n at each checkpoint, each arm's mean over
+its seeds with each seed faint and the untrained arm dotted (each cell's sweep.json and the
+reports it lists; default output `GRID_DIR/steps.png`, which such a grid also draws).
 
 Bad input (a missing folder or file, an unreadable `metrics.jsonl` line, a metric that no
 run logged, an --x that no arm of a results.json has, an output that is not a writable .png
@@ -90,6 +108,21 @@ from opsd.analysis.plot_overlays import (  # noqa: F401
     plot_overlay,
     run_curves,
 )
+from opsd.analysis.plot_passk import (  # noqa: F401
+    PASSK_FILE,
+    STEPS_FILE,
+    PassFigure,
+    StepsFigure,
+    grid_reports,
+    pass_figure,
+    passk_figure,
+    plot_grid_passk,
+    plot_passk,
+    plot_steps,
+    read_pass_at_k,
+    steps_data,
+    steps_figure,
+)
 from opsd.analysis.plot_results import (  # noqa: F401
     ACCURACY_VS_TOKENS_FILE,
     DEFAULT_GROUP,
@@ -114,8 +147,8 @@ from opsd.analysis.plot_results import (  # noqa: F401
 
 def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m opsd.analysis.plots") -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=prog,
-                                     description="PNG plots of training runs (metrics.jsonl) and of a grid's "
-                                                 "results.json.")
+                                     description="PNG plots of training runs (metrics.jsonl), of a grid's "
+                                                 "results.json, and of evaluation reports (pass@k).")
     commands = parser.add_subparsers(dest="command", required=True)
     metric = argparse.ArgumentParser(add_help=False)
     metric.add_argument("--metric", action="append", metavar="KEY",
@@ -140,34 +173,73 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m opsd.an
                               f"are one line; default: none for tokens, {DEFAULT_GROUP!r} (the name's prefix) "
                               "otherwise")
     results.add_argument("--out", metavar="FILE.png", help="default: beside RESULTS.json, NAME_X.png")
+    passk = commands.add_parser("passk", help="pass@k against k (log2 axis) per arm, from evaluation reports: "
+                                              "a grid's arms, or reports named per arm")
+    passk.add_argument("grid", nargs="?", metavar="GRID_DIR", help="a opsd.research.grid folder: its evaluated arms")
+    passk.add_argument("--arm", nargs="+", action="append", metavar=("NAME", "REPORT.json"),
+                       help="instead of GRID_DIR: an arm's name, then its eval reports (one per seed); repeat per "
+                            "arm")
+    passk.add_argument("--out", metavar="FILE.png", help=f"required with --arm; default GRID_DIR/{PASSK_FILE}")
+    steps = commands.add_parser("steps", help="a swept grid's pass@1 and pass@n over its checkpoints, per arm")
+    steps.add_argument("grid", metavar="GRID_DIR", help="a opsd.research.grid folder with sweep_every")
+    steps.add_argument("--out", metavar="FILE.png", help=f"default GRID_DIR/{STEPS_FILE}")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m opsd.analysis.plots") -> int:
     args = parse_args(argv, prog)
+    commands = {"results": _results, "curves": _curves, "overlay": _overlay, "passk": _passk, "steps": _steps}
     try:
-        if args.command == "results":
-            out, drawn = plot_results(args.results, args.x, args.out, args.group)
-        elif args.command == "curves":
-            drawn = plot_run_curves(args.run, args.out, args.metric)
-            out = args.out or Path(args.run) / CURVES_FILE
-        elif args.grid:
-            if args.runs:
-                raise PlotError("give either RUN_DIRs or --grid, not both")
-            drawn = overlay_grid(args.grid, args.out, args.metric)
-            out = args.out or Path(args.grid) / CURVES_FILE
-        else:
-            if not args.runs:
-                raise PlotError("overlay needs RUN_DIRs or --grid GRID_DIR")
-            if not args.out:
-                raise PlotError("overlay of RUN_DIRs needs --out FILE.png")
-            drawn = overlay_runs(args.runs, args.out, args.metric)
-            out = args.out
+        out, drawn = commands[args.command](args)
     except PlotError as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     print(f"{out}: {len(drawn)} series")
     return 0
+
+
+def _results(args) -> tuple[Path, list]:
+    return plot_results(args.results, args.x, args.out, args.group)
+
+
+def _curves(args) -> tuple[Path, list]:
+    return args.out or Path(args.run) / CURVES_FILE, plot_run_curves(args.run, args.out, args.metric)
+
+
+def _overlay(args) -> tuple[Path, list]:
+    if args.grid:
+        if args.runs:
+            raise PlotError("give either RUN_DIRs or --grid, not both")
+        return args.out or Path(args.grid) / CURVES_FILE, overlay_grid(args.grid, args.out, args.metric)
+    if not args.runs:
+        raise PlotError("overlay needs RUN_DIRs or --grid GRID_DIR")
+    if not args.out:
+        raise PlotError("overlay of RUN_DIRs needs --out FILE.png")
+    return args.out, overlay_runs(args.runs, args.out, args.metric)
+
+
+def _passk(args) -> tuple[Path, list]:
+    if not args.arm:
+        if not args.grid:
+            raise PlotError("passk needs GRID_DIR or --arm NAME REPORT.json ...")
+        return args.out or Path(args.grid) / PASSK_FILE, plot_grid_passk(args.grid, args.out)
+    if args.grid:
+        raise PlotError("give either GRID_DIR or --arm, not both")
+    if not args.out:
+        raise PlotError("passk of --arm reports needs --out FILE.png")
+    check_output(args.out)
+    arms: dict[str, list] = {}
+    for name, *reports in args.arm:
+        if not reports:
+            raise PlotError(f"--arm {name}: no report (--arm NAME REPORT.json [REPORT.json ...])")
+        if name in arms:
+            raise PlotError(f"--arm {name}: given twice")
+        arms[name] = [(Path(report).name, Path(report)) for report in reports]
+    return args.out, plot_passk(pass_figure(arms), args.out)
+
+
+def _steps(args) -> tuple[Path, list]:
+    return args.out or Path(args.grid) / STEPS_FILE, plot_steps(args.grid, args.out)
 
 
 if __name__ == "__main__":
