@@ -226,7 +226,8 @@ def plot_run_curves(run_dir, out=None, metrics: Sequence[str] | None = None) -> 
             ax.legend(fontsize=8)
     fig.suptitle(f"training curves of run {run_name(run_dir)}", fontsize=11)
     if left_out:
-        fig.supxlabel(textwrap.fill("not drawn, no information for this run: " + "; ".join(left_out), 160),
+        width = int(fig.get_figwidth() * 72 / 4.8)  # characters of 8-point type across the figure
+        fig.supxlabel(textwrap.fill("not drawn, no information for this run: " + "; ".join(left_out), width),
                       fontsize=8, color="0.3")
     common.save_png(fig, out)
     return drawn
