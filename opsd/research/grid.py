@@ -35,7 +35,8 @@ so re-running the same command after an interruption finishes the grid. At the
 end: `results.md` (one table, the verdict of `opsd.analysis.stats` compare of each arm
 against the baseline) and `results.json` (every number) in the grid folder, and
 `curves.png` beside them: each trained arm's training curves, the mean over its
-seeds with the lowest-to-highest band (`python -m opsd.analysis.plots overlay --grid`). Each arm's
+seeds with the lowest-to-highest band (`python -m opsd.analysis.plots overlay --grid`), and
+`passk.png`: each arm's pass@k against k (`python -m opsd.analysis.plots passk`). Each arm's
 sampled tokens (the mean over its seeds of `tokens/sampled` at the last checkpoint, opsd.analysis.tokens)
 stand next to its accuracy, and each cell's wall time (timing.json) below the table. The output
 ends with each evaluated cell's FINAL line and each arm's verdict against the baseline (what
@@ -46,7 +47,8 @@ With `sweep_every: N`, trained cells save a checkpoint every N steps and evaluat
 `sweep.json` with accuracy against step, best against last); the arms' table still compares
 the last checkpoints, and `results.md` / `results.json` add each arm's mean accuracy per step
 (`results.json` also its mean sampled tokens per step), and `accuracy_vs_tokens.png` draws each
-arm's accuracy against the tokens it sampled (`python -m opsd.analysis.stats tokens GRID_DIR`: the table).
+arm's accuracy against the tokens it sampled (`python -m opsd.analysis.stats tokens GRID_DIR`: the table),
+and `steps.png` its pass@1 and pass@n per checkpoint (`python -m opsd.analysis.plots steps`).
 """
 from __future__ import annotations
 
@@ -344,6 +346,28 @@ def draw_accuracy_vs_tokens(grid: Grid, out: Path) -> Path | None:
     return None if drawn is None else path
 
 
+def draw_passk(grid: Grid, out: Path) -> Path | None:
+    """passk.png beside results.md: pass@k against k per evaluated arm (its seeds' eval.json), in
+    the grid's order; None (one warning line) when it cannot be drawn."""
+    from opsd.analysis import plots as run_plots
+
+    arms = [arm.name for arm in grid.arms]
+    drawn = run_plots.draw_or_warn("pass@k plot", run_plots.plot_grid_passk, out, arms=arms)
+    return None if drawn is None else out / run_plots.PASSK_FILE
+
+
+def draw_steps(grid: Grid, out: Path) -> Path | None:
+    """With `sweep_every`: steps.png beside results.md, each arm's pass@1 and pass@n per swept
+    checkpoint; None without a sweep, or (one warning line) when it cannot be drawn."""
+    from opsd.analysis import plots as run_plots
+
+    if not grid.sweep_every:
+        return None
+    drawn = run_plots.draw_or_warn("pass@k over steps plot", run_plots.plot_steps, out,
+                                   arms=[arm.name for arm in grid.arms])
+    return None if drawn is None else out / run_plots.STEPS_FILE
+
+
 # --------------------------------------------------------------------------
 # Where the cells run
 # --------------------------------------------------------------------------
@@ -511,10 +535,10 @@ def _run_grid(grid: Grid, all_cells: list[Cell], out: Path, args, code: str | No
     write_text_atomic(out / "results.json", json.dumps(table, indent=1) + "\n")
     write_text_atomic(out / "results.md", markdown(table))
     print(markdown(table), end="")
-    curves = draw_curves(grid, out)
-    tokens_plot = draw_accuracy_vs_tokens(grid, out)
-    log(f"results: {out / 'results.md'}" + (f"; curves: {curves}" if curves else "")
-        + (f"; accuracy against sampled tokens: {tokens_plot}" if tokens_plot else ""))
+    figures = {"curves": draw_curves(grid, out), "pass@k": draw_passk(grid, out),
+               "accuracy against sampled tokens": draw_accuracy_vs_tokens(grid, out),
+               "pass@1 and pass@n over steps": draw_steps(grid, out)}
+    log(f"results: {out / 'results.md'}" + "".join(f"; {what}: {path}" for what, path in figures.items() if path))
     print("\n".join(["", *final_lines(all_cells, table)]))
     return 1 if failed else 0
 
