@@ -299,7 +299,8 @@ def _recipe_line(g: dict) -> str:
     on_top = ", ".join(f"{k}={v}" for k, v in g.get("recipe", {}).items())
     file = g.get("base_recipe_file", BASE_RECIPES[name])
     return (f"Trained arms start from the {name} recipe (`{file}`: {changes})"
-            + (f", then the grid's recipe keys ({on_top})" if on_top else "") + ", then their own (arm rows' `recipe`).")
+            + (f", then the grid's recipe keys ({on_top})" if on_top else "")
+            + ", then their own (arm rows' `recipe`).")
 
 
 def _compute_cell(arm: dict) -> str:
