@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from opsd.analysis.problem_metrics import Metric, resolve_metric
 from opsd.analysis.reports import Run, check_comparable
 from opsd.analysis.significance import (
     ALPHA,
@@ -31,18 +32,23 @@ from opsd.analysis.significance import (
 )
 
 
-def summarize_runs(runs: Sequence[Run], counts: np.ndarray, n_resamples: int, seed: int) -> dict:
-    """All numbers of `summary` for runs already checked by check_comparable."""
+def summarize_runs(runs: Sequence[Run], counts: np.ndarray, n_resamples: int, seed: int,
+                   metric: Metric | None = None) -> dict:
+    """All numbers of `summary` for runs already checked by check_comparable; `counts` [run,
+    problem] are the metric's numerators (check_comparable(runs, metric); default avg@k: correct
+    counts). A run's value is under "avg" (its mean over problems) whatever the metric."""
     k = runs[0].k
-    accuracy = 100.0 * counts / k  # [run, problem], points
+    metric = metric or resolve_metric(None, k)
+    accuracy = metric.values(counts)  # [run, problem], in the metric's unit
+    binomial = metric.kind == "avg" or metric.name == "pass@1"  # the sampling se is a binomial's
     per_run = []
     for i, run in enumerate(runs):
         boot = bootstrap_mean(accuracy[i], n_resamples, seed)
-        per_run.append({"file": run.path, "checkpoint": run.checkpoint, "avg": run.avg,
-                        "sampling_se": sampling_se(counts[i], k), "problems_ci": boot["ci"],
+        per_run.append({"file": run.path, "checkpoint": run.checkpoint, "avg": metric.mean(counts[i]),
+                        "sampling_se": sampling_se(counts[i], k) if binomial else None, "problems_ci": boot["ci"],
                         "problems_se": boot["se"]})
-    result = {"command": "summary", "metric": f"avg@{k}", "dataset": runs[0].dataset,
-              "settings": runs[0].settings, "num_problems": int(counts.shape[1]),
+    result = {"command": "summary", "metric": metric.name, "unit": metric.unit, "definition": metric.definition,
+              "dataset": runs[0].dataset, "settings": runs[0].settings, "num_problems": int(counts.shape[1]),
               "samples_per_problem": k, "runs": per_run, "across_runs": None}
     if len(runs) >= 2:
         across = describe([r["avg"] for r in per_run])
@@ -54,30 +60,34 @@ def summarize_runs(runs: Sequence[Run], counts: np.ndarray, n_resamples: int, se
 
 
 def compare_arms(runs_a: Sequence[Run], runs_b: Sequence[Run], counts: np.ndarray, n_resamples: int,
-                 seed: int, run_sd: float | None = None, names: Sequence[str] = ("A", "B")) -> dict:
-    """All numbers of `compare`; `counts` [run, problem] holds arm A's runs, then arm B's; `names`
-    name the arms in the verdict's sentence. "verdict" is that sentence, then the statistics
-    (statistics_text) after "In numbers:"; "verdict_sentence" and "statistics" hold each part."""
+                 seed: int, run_sd: float | None = None, names: Sequence[str] = ("A", "B"),
+                 metric: Metric | None = None) -> dict:
+    """All numbers of `compare`; `counts` [run, problem] holds arm A's runs, then arm B's: the
+    metric's numerators (default avg@k: correct counts); `names` name the arms in the verdict's
+    sentence. "verdict" is that sentence, then the statistics (statistics_text) after "In
+    numbers:"; "verdict_sentence" and "statistics" hold each part."""
     k = runs_a[0].k
+    metric = metric or resolve_metric(None, k)
     counts_a, counts_b = counts[:len(runs_a)], counts[len(runs_a):]
-    means_a, means_b = [r.avg for r in runs_a], [r.avg for r in runs_b]
-    boot = bootstrap_difference(100.0 * counts_a / k, 100.0 * counts_b / k, n_resamples, seed)
+    means_a, means_b = [metric.mean(row) for row in counts_a], [metric.mean(row) for row in counts_b]
+    boot = bootstrap_difference(metric.values(counts_a), metric.values(counts_b), n_resamples, seed)
     run_test = run_level_test(means_a, means_b)
-    scores = problem_scores(counts_a, counts_b)
+    scores = problem_scores(counts_a, counts_b)  # integers: the numerators share one denominator
     per_problem = {**sign_test(scores), "sign_flip_p": sign_flip_test(scores)}
     per_problem["sign_test_p"] = per_problem.pop("p")
     diff = boot["diff"]
     assumed = assumed_noise_interval(diff, run_sd, len(runs_a), len(runs_b)) if run_sd else None
     sentence = verdict(diff, boot["ci"], len(runs_a), len(runs_b), run_p=run_test and run_test["p"],
                        problem_p=per_problem["sign_flip_p"], assumed=assumed, names=names,
-                       num_problems=int(counts.shape[1]))
+                       num_problems=int(counts.shape[1]), unit=metric.unit)
     arms = {}
     for label, runs, means in (("A", runs_a, means_a), ("B", runs_b, means_b)):
         arms[label] = {"files": [r.path for r in runs], "per_run": means, **describe(means)}
-    result = {"command": "compare", "metric": f"avg@{k}", "dataset": runs_a[0].dataset,
-              "settings": runs_a[0].settings, "num_problems": int(counts.shape[1]), "samples_per_problem": k,
-              "arms": arms, "difference": diff, "bootstrap": boot, "run_level_test": run_test,
-              "per_problem": per_problem, "assumed_run_sd": assumed, "verdict_sentence": sentence}
+    result = {"command": "compare", "metric": metric.name, "unit": metric.unit, "definition": metric.definition,
+              "dataset": runs_a[0].dataset, "settings": runs_a[0].settings, "num_problems": int(counts.shape[1]),
+              "samples_per_problem": k, "arms": arms, "difference": diff, "bootstrap": boot,
+              "run_level_test": run_test, "per_problem": per_problem, "assumed_run_sd": assumed,
+              "verdict_sentence": sentence}
     result["statistics"] = statistics_text(result)
     result["verdict"] = f"{sentence}. In numbers: {result['statistics']}"
     return result

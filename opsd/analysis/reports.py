@@ -34,6 +34,12 @@ class Run:
     keys: tuple            # (problem text, gold answer) per problem, in report order
     num_correct: np.ndarray  # [problem] correct samples out of k
     k: int
+    correct: np.ndarray | None = None     # [problem, sample] each sample's `correct`
+    # [problem, sample] each sample's normalised answer as a number, 0, 1, ... in the order first
+    # seen in its problem, -1 without an answer; None when a sample has no `answer` field
+    # (answer_error says where): the metrics that read answers (opsd.analysis.problem_metrics) refuse it
+    answer_ids: np.ndarray | None = None
+    answer_error: str | None = None
 
     @property
     def avg(self) -> float:
@@ -62,7 +68,7 @@ def load_run(path) -> Run:
     if not report["problems"]:
         raise ReportError(path, "the report has no problems")
 
-    keys, counts, seen = [], [], set()
+    keys, counts, flag_rows, answer_rows, answer_error, seen = [], [], [], [], None, set()
     for i, problem in enumerate(report["problems"], start=1):
         samples = problem.get("samples") if isinstance(problem, dict) else None
         if not isinstance(samples, list) or not isinstance(problem.get("problem"), str):
@@ -78,15 +84,32 @@ def load_run(path) -> Run:
             raise ReportError(path, f"problem {i}: every sample needs a true/false 'correct'")
         keys.append(key)
         counts.append(sum(flags))
+        flag_rows.append(flags)
+        answers = [s.get("answer", False) for s in samples]
+        bad = next((j for j, a in enumerate(answers, start=1) if a is not None and not isinstance(a, str)), None)
+        if bad is not None and answer_error is None:
+            answer_error = f"problem {i} sample {bad} has none"
+        answer_rows.append(answer_ids(answers) if answer_error is None else None)
 
     run = Run(path=path, dataset=_dataset_label(report["dataset"]), settings=report["settings"],
               checkpoint=str(report.get("checkpoint", "?")), keys=tuple(keys),
-              num_correct=np.asarray(counts, dtype=np.int64), k=k)
+              num_correct=np.asarray(counts, dtype=np.int64), k=k, correct=np.asarray(flag_rows, dtype=bool),
+              answer_ids=None if answer_error else np.asarray(answer_rows, dtype=np.int64),
+              answer_error=answer_error)
     metrics = report.get("metrics")
     stated = metrics.get(f"avg@{k}") if isinstance(metrics, dict) else None
     if isinstance(stated, (int, float)) and abs(stated - run.avg) > 1e-6:
         raise ReportError(path, f"metrics avg@{k} is {stated} but its samples give {run.avg:.4f}")
     return run
+
+
+def answer_ids(answers) -> list[int]:
+    """Each answer's number in one problem: its normalised form (opsd.grading.normalize_answer, what
+    the majority vote compares) numbered 0, 1, ... in the order first seen; -1 for no answer."""
+    from opsd.grading import normalize_answer
+
+    numbers: dict[str, int] = {}
+    return [-1 if a is None else numbers.setdefault(normalize_answer(a), len(numbers)) for a in answers]
 
 
 def _dataset_label(dataset: str) -> str:
@@ -100,9 +123,10 @@ def _dataset_label(dataset: str) -> str:
     return dataset
 
 
-def check_comparable(runs: Sequence[Run]) -> np.ndarray:
+def check_comparable(runs: Sequence[Run], metric=None) -> np.ndarray:
     """Same dataset, settings and problem set in every run (checked against the
-    first one). Returns correct counts [run, problem], problems sorted by (text, gold)
+    first one). Returns correct counts [run, problem], or with `metric` (an
+    opsd.analysis.problem_metrics.Metric) its integer numerators, problems sorted by (text, gold)
     so that no result depends on the order of problems inside the files."""
     first = runs[0]
     seen_paths = {}
@@ -127,7 +151,8 @@ def check_comparable(runs: Sequence[Run]) -> np.ndarray:
             raise ReportError(run.path, f"problem set differs from {first.path}: "
                                         f"{missing} of its problems missing, {extra} others present")
         row = np.empty(len(first.keys), dtype=np.int64)
-        for key, count in zip(run.keys, run.num_correct, strict=True):
+        values = run.num_correct if metric is None else metric.numerators(run)
+        for key, count in zip(run.keys, values, strict=True):
             row[order[key]] = count
         rows.append(row)
     return np.stack(rows)

@@ -62,6 +62,7 @@ from statistics import NormalDist
 
 import numpy as np
 
+POINTS = "points"  # the unit of avg@k, pass@K and maj@K (opsd.analysis.problem_metrics)
 CONFIDENCE = 0.95
 ALPHA = 0.05
 # One resample count for every comparison, so that `compare` and opsd.research.grid print the same
@@ -266,7 +267,8 @@ def sign_flip_test(scores: Sequence[int]) -> float:
     """Exact two-sided paired permutation test: under the null each problem's
     difference is as likely to have either sign. p = P(|sum of +-s_i| >= |sum of s_i|)
     over all 2^m sign patterns of the m nonzero scores, counted exactly by
-    convolving the per-problem two-point distributions on the integer grid."""
+    convolving the per-problem two-point distributions on the integer grid. Each step
+    touches only the sums reachable so far (pass@K numerators over C(n, K) make long grids)."""
     signed = np.asarray(scores, dtype=np.int64)
     s = np.abs(signed[signed != 0])
     divisor = math.gcd(*map(int, s)) if s.size else 1  # a smaller grid, same p
@@ -275,12 +277,16 @@ def sign_flip_test(scores: Sequence[int]) -> float:
     total = int(s.sum())
     dist = np.zeros(2 * total + 1)
     dist[total] = 1.0  # index = sum + total
+    new = np.zeros_like(dist)
+    reach = 0  # dist is 0 outside total +- reach
     for v in s:
         v = int(v)
-        new = np.zeros_like(dist)
-        new[v:] += 0.5 * dist[:dist.size - v]
-        new[:dist.size - v] += 0.5 * dist[v:]
-        dist = new
+        low, high = total - reach, total + reach + 1
+        new[low - v:high + v] = 0.0
+        new[low + v:high + v] += 0.5 * dist[low:high]
+        new[low - v:high - v] += 0.5 * dist[low:high]
+        dist, new = new, dist
+        reach += v
     sums = np.abs(np.arange(dist.size) - total)
     return float(min(1.0, dist[sums >= observed].sum()))
 
@@ -297,10 +303,15 @@ def _runs(a: int, b: int) -> str:
     return f"{a} vs {b} runs"
 
 
-def _gap(diff: float, names: Sequence[str], num_problems: int | None) -> str:
-    """The sentence's subject: "B is 4.20 points above A on these 30 problems"."""
+def _gap(diff: float, names: Sequence[str], num_problems: int | None, unit: str = POINTS) -> str:
+    """The sentence's subject: "B is 4.20 points above A on these 30 problems" (a count such as
+    distinct answers: "B has 0.40 more distinct answers a problem than A ...")."""
     a, b = names
     where = f" on these {num_problems} problems" if num_problems else ""
+    if unit != POINTS:
+        if round(abs(diff), 2) == 0:
+            return f"{b} has as many {unit} as {a}{where}"
+        return f"{b} has {abs(diff):.2f} {'more' if diff > 0 else 'fewer'} {unit} than {a}{where}"
     if round(abs(diff), 2) == 0:
         return f"{b} scores the same as {a}{where}"
     return f"{b} is {abs(diff):.2f} points {'above' if diff > 0 else 'below'} {a}{where}"
@@ -308,14 +319,14 @@ def _gap(diff: float, names: Sequence[str], num_problems: int | None) -> str:
 
 def verdict(diff: float, ci: Sequence[float], runs_a: int, runs_b: int, run_p: float | None = None,
             problem_p: float | None = None, assumed: dict | None = None, alpha: float = ALPHA,
-            names: Sequence[str] = ("A", "B"), num_problems: int | None = None) -> str:
+            names: Sequence[str] = ("A", "B"), num_problems: int | None = None, unit: str = POINTS) -> str:
     """One plain sentence, what a newcomer reads first (the numbers go to `statistics`). A
     difference is called real only when the bootstrap CI excludes 0 and the run-level test
     agrees (or, without one, the interval from an assumed per-run sd, and then it says so);
     with neither (1 vs 1 runs, no assumed sd) it says at most that the two checkpoints differ,
     never that the arms do (CHECKPOINTS_VS_ARMS)."""
     low, high = ci
-    head = _gap(diff, names, num_problems)
+    head = _gap(diff, names, num_problems, unit)
     runs = _runs(runs_a, runs_b)
     excludes = low > 0 or high < 0
     if run_p is not None:
@@ -355,7 +366,8 @@ def statistics_text(result: dict) -> str:
     low, high = boot["ci"]
     runs_a, runs_b = result["arms"]["A"]["n"], result["arms"]["B"]["n"]
     resampled = "runs and problems" if max(runs_a, runs_b) > 1 else "problems"
-    parts = [f"difference {result['difference']:+.2f} points, 95% CI [{low:+.2f}, {high:+.2f}] by a paired "
+    unit = result.get("unit", POINTS)
+    parts = [f"difference {result['difference']:+.2f} {unit}, 95% CI [{low:+.2f}, {high:+.2f}] by a paired "
              f"bootstrap over {resampled} with {boot['n_resamples']} resamples, seed {boot['seed']}"]
     test, assumed = result["run_level_test"], result["assumed_run_sd"]
     if test:

@@ -1,9 +1,10 @@
 """Statistics for comparing evaluation runs: is arm B better than arm A, or is it noise?
 
     python -m opsd.analysis.stats summary RUN.json [RUN2.json ...]            [--bootstrap N] [--seed S] [--json OUT]
-                                                                    [--plot FILE.png]
+                                                                    [--plot FILE.png] [--metric METRIC]
     python -m opsd.analysis.stats compare --a A1.json [A2.json ...] --b B1.json [B2.json ...]
                                 [--bootstrap N] [--seed S] [--run-sd SD] [--json OUT] [--plot FILE.png]
+                                [--metric avg@k | pass@K | maj@K | distinct]
     python -m opsd.analysis.stats tokens GRID_DIR [--json OUT] [--plot FILE.png]
     python -m opsd.analysis.stats equivalence GRID_DIR --a ARM[@STEP] --b ARM[@STEP] --margin POINTS
         (opsd.analysis.evidence)
@@ -28,7 +29,9 @@ One file is one
 training run of an arm (one training seed); give several per arm. All files must
 share the dataset, the frozen settings block and the problem set, else the tool
 prints one line `error: FILE: ...` on stderr and exits with status 2. Numbers are
-avg@k in percentage points, recomputed from the per-sample `correct` flags.
+avg@k in percentage points, recomputed from the per-sample `correct` flags, or with `--metric`
+pass@K, maj@K (points) or distinct answers a problem, from the samples' flags and answers
+(opsd.analysis.problem_metrics); the output and --json name the metric and its unit.
 
 The work is split by job: reading and checking the reports (opsd.analysis.reports), the
 statistics and the verdict (opsd.analysis.significance: where the noise comes from and which
@@ -46,6 +49,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from opsd.analysis.comparison import (  # noqa: F401  (re-exported: callers import them from here)
     compare_arms,
     format_sweep_markdown,
@@ -53,6 +58,7 @@ from opsd.analysis.comparison import (  # noqa: F401  (re-exported: callers impo
     sweep_checkpoints,
     sweep_final_line,
 )
+from opsd.analysis.problem_metrics import DEFINITIONS, SYNTAX, Metric, parse_metric, resolve_metric
 from opsd.analysis.reports import (  # noqa: F401  (re-exported)
     InputError,
     ReportError,
@@ -96,25 +102,36 @@ from opsd.jsonl import read_jsonl
 from opsd.run_folder import METRICS_FILE
 
 
+def _metric_line(result: dict) -> list[str]:
+    """The metric's unit and definition, for a metric other than the default avg@k (whose output
+    stays as it always was)."""
+    if result["metric"].startswith("avg@"):
+        return []
+    return [f"metric {result['metric']}: {result['definition']}"]
+
+
 def format_summary(result: dict) -> str:
     metric = result["metric"]
     lines = [(f"summary {metric} | dataset {result['dataset']} | {result['num_problems']} problems x "
-              f"{result['samples_per_problem']} samples | {len(result['runs'])} run(s)")]
+              f"{result['samples_per_problem']} samples | {len(result['runs'])} run(s)"), *_metric_line(result)]
     width = max(len("run"), *(len(Path(r["file"]).name) for r in result["runs"]))
     lines.append(f"{'run':<{width}}  {metric:>7}  {'sampling se':>11}  problems 95% CI (bootstrap)")
     for r in result["runs"]:
         lines.append(f"{Path(r['file']).name:<{width}}  {r['avg']:>7.2f}  {_f(r['sampling_se']):>11}  "
                      f"{_ci(r['problems_ci'])}")
     across = result["across_runs"]
+    binomial = metric.startswith("avg@") or metric == "pass@1"  # a share of samples: it has a sampling se
     if across:
         boot = across["bootstrap"]
         lines += [(f"across runs: mean {across['mean']:.2f}, sd {across['sd']:.2f}, se {across['se']:.2f}, "
                    f"95% CI {_ci(across['ci'])} (t, df {across['n'] - 1})"),
-                  f"  evaluation sampling alone would give a run-to-run sd of about {_f(across['sampling_only_sd'])}",
+                  *([f"  evaluation sampling alone would give a run-to-run sd of about "
+                     f"{_f(across['sampling_only_sd'])}"] if binomial else []),
                   (f"  runs + problems resampled ({boot['n_resamples']} bootstrap resamples, seed {boot['seed']}): "
                    f"95% CI {_ci(boot['ci'])}")]
     lines += ["what each number captures:",
-              "  sampling se      re-evaluating the same checkpoint (other sampling seed), same problems",
+              "  sampling se      re-evaluating the same checkpoint (other sampling seed), same problems"
+              if binomial else "  sampling se      avg@k and pass@1 only (a share of samples); - for this metric",
               "  problems 95% CI  another draw of equally many problems like these (includes sampling noise)"]
     if across:
         lines += ["  sd, se, 95% CI   retraining with other seeds (plus sampling noise), same problems",
@@ -130,7 +147,7 @@ def format_compare(result: dict) -> str:
     # The sentence first, what the two claims mean, then every number behind it.
     lines = [f"verdict: {result['verdict']}", f"  {CHECKPOINTS_VS_ARMS}",
              (f"compare {metric} | dataset {result['dataset']} | {result['num_problems']} problems x "
-              f"{result['samples_per_problem']} samples"),
+              f"{result['samples_per_problem']} samples"), *_metric_line(result),
              f"arm  runs     mean      sd      se  per-run {metric}"]
     for label, arm in result["arms"].items():
         per_run = " ".join(f"{v:.2f}" for v in arm["per_run"])
@@ -138,7 +155,7 @@ def format_compare(result: dict) -> str:
                      f"{per_run}")
     for label, arm in result["arms"].items():
         lines.append(f"{label}: " + ", ".join(Path(f).name for f in arm["files"]))
-    lines.append(f"B - A: {result['difference']:+.2f} points")
+    lines.append(f"B - A: {result['difference']:+.2f} {result['unit']}")
     runs_a, runs_b = result["arms"]["A"]["n"], result["arms"]["B"]["n"]
     if min(runs_a, runs_b) > 1:
         resampled = "runs + problems (paired)"
@@ -171,7 +188,7 @@ def interval_panels(result: dict) -> tuple[list, str]:
     figure's title: exactly the estimates and intervals the text prints."""
     from opsd.analysis.plots import Interval, IntervalPanel
 
-    metric = result["metric"]
+    metric, unit = result["metric"], result.get("unit", "points")
     head = (f"{metric} | {result['dataset']} | {result['num_problems']} problems x "
             f"{result['samples_per_problem']} samples")
     if result["command"] == "summary":
@@ -183,7 +200,7 @@ def interval_panels(result: dict) -> tuple[list, str]:
             rows += [Interval(f"across {across['n']} runs: t 95% CI", across["mean"], _pair(across["ci"]), means),
                      Interval("runs + problems: bootstrap 95% CI", across["bootstrap"]["mean"],
                               _pair(across["bootstrap"]["ci"]), means)]
-        return [IntervalPanel("each run, and the arm", f"{metric} (points)", tuple(rows))], f"summary {head}"
+        return [IntervalPanel("each run, and the arm", f"{metric} ({unit})", tuple(rows))], f"summary {head}"
     arms = [Interval(f"{label}: {arm['n']} run{'s' if arm['n'] > 1 else ''}, mean"
                      + (", t 95% CI" if arm["ci"] else ""),
                      arm["mean"], _pair(arm["ci"]), tuple(arm["per_run"]))
@@ -198,8 +215,8 @@ def interval_panels(result: dict) -> tuple[list, str]:
         assumed = result["assumed_run_sd"]
         differences.append(Interval(f"assumed per-run sd {assumed['run_sd']:g}: 95% interval",
                                     result["difference"], _pair(assumed["ci"])))
-    panels = [IntervalPanel("arms (dots: run means)", f"{metric} (points)", tuple(arms)),
-              IntervalPanel("B - A", "points", tuple(differences), zero_line=True)]
+    panels = [IntervalPanel("arms (dots: run means)", f"{metric} ({unit})", tuple(arms)),
+              IntervalPanel("B - A", unit, tuple(differences), zero_line=True)]
     return panels, f"compare {head}\nverdict: {result['verdict_sentence']}"
 
 
@@ -232,14 +249,22 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m opsd.an
     common.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
     common.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
     common.add_argument("--plot", metavar="FILE.png", help="also draw the printed estimates and intervals (PNG)")
-    summary = commands.add_parser("summary", parents=[common], help="avg@k per run and across runs")
+    common.add_argument("--metric", default="avg@k", metavar="METRIC",
+                        help=f"what is compared, per problem: {SYNTAX} (default avg@k; each defined below)")
+    metrics = {"avg@k": DEFINITIONS["avg"], "pass@K": DEFINITIONS["pass"], "maj@K": DEFINITIONS["maj"],
+               "distinct": DEFINITIONS["distinct"]}
+    epilog = "metrics (n: the samples a problem in the reports):\n" + "\n".join(
+        f"  {name:<9} {text}" for name, text in metrics.items())
+    listed = {"parents": [common], "epilog": epilog, "formatter_class": argparse.RawDescriptionHelpFormatter}
+    summary = commands.add_parser("summary", help="avg@k per run and across runs", **listed)
     summary.add_argument("runs", nargs="+", metavar="RUN.json")
-    compare = commands.add_parser("compare", parents=[common], help="difference of means B - A")
+    compare = commands.add_parser("compare", help="difference of means B - A", **listed)
     compare.add_argument("--a", nargs="+", required=True, metavar="RUN.json", help="arm A: one report per run")
     compare.add_argument("--b", nargs="+", required=True, metavar="RUN.json", help="arm B: one report per run")
     compare.add_argument("--run-sd", type=float, metavar="SD",
-                         help="assumed per-run sd in points (e.g. 1.48, the anchor's); shown as an extra "
-                              "interval, and used by the verdict when no run-level test is possible (1 vs 1)")
+                         help="assumed per-run sd in the metric's unit (e.g. 1.48 points, the anchor's avg@12); "
+                              "shown as an extra interval, and used by the verdict when no run-level test is "
+                              "possible (1 vs 1)")
     tokens = commands.add_parser(
         "tokens", help="a grid's accuracy against sampled tokens: per arm, step | sampled tokens | accuracy",
         description="Per arm of a opsd.research.grid folder: step | sampled tokens | accuracy, means over the arm's "
@@ -253,6 +278,15 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m opsd.an
 
     evidence.add_commands(commands, DEFAULT_BOOTSTRAP, MIN_BOOTSTRAP)  # equivalence (TOST), reach (tokens to X)
     return parser.parse_args(argv)
+
+
+def _metric_counts(runs: Sequence[Run], spec: str) -> tuple[Metric, np.ndarray]:
+    """The metric of --metric for these runs and its numerators [run, problem]; the runs are
+    checked against each other first, so that reports of other settings say so before a K is
+    measured against their n."""
+    counts = check_comparable(runs)
+    metric = resolve_metric(spec, runs[0].k)
+    return metric, counts if metric.kind == "avg" else check_comparable(runs, metric)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m opsd.analysis.stats") -> int:
@@ -271,14 +305,16 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m opsd.analysis
             raise InputError(f"--run-sd must be a positive number, got {args.run_sd}")
         if args.plot:
             _plot_output(args.plot)  # before the work: a bad path costs no bootstrap and writes no --json
+        parse_metric(args.metric)  # a misspelt metric costs no file reading
         if args.command == "summary":
             runs = [load_run(p) for p in args.runs]
-            result = summarize_runs(runs, check_comparable(runs), args.bootstrap, args.seed)
+            metric, counts = _metric_counts(runs, args.metric)
+            result = summarize_runs(runs, counts, args.bootstrap, args.seed, metric)
             text = format_summary(result)
         else:
             runs_a, runs_b = [load_run(p) for p in args.a], [load_run(p) for p in args.b]
-            counts = check_comparable([*runs_a, *runs_b])
-            result = compare_arms(runs_a, runs_b, counts, args.bootstrap, args.seed, args.run_sd)
+            metric, counts = _metric_counts([*runs_a, *runs_b], args.metric)
+            result = compare_arms(runs_a, runs_b, counts, args.bootstrap, args.seed, args.run_sd, metric=metric)
             text = format_compare(result)
         if args.json:
             _write_json(args.json, result)
