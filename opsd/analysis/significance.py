@@ -358,6 +358,21 @@ def verdict(diff: float, ci: Sequence[float], runs_a: int, runs_b: int, run_p: f
     return f"{head}, within evaluation-sampling noise: not even these two checkpoints differ measurably with {runs}"
 
 
+def shown_direction(result: dict, alpha: float = ALPHA, arms_only: bool = False) -> int:
+    """+1 (B above A), -1 (below) or 0 (not shown) for a `compare_arms` result, by the verdict's
+    rule: the bootstrap CI excludes 0 and the run-level test agrees (p < alpha) or, without one
+    and unless `arms_only`, the per-problem sign-flip test does (these checkpoints differ)."""
+    low, high = result["bootstrap"]["ci"]
+    if not (low > 0 or high < 0):
+        return 0
+    test = result["run_level_test"]
+    if test is not None:
+        beyond = test["p"] < alpha
+    else:
+        beyond = not arms_only and result["per_problem"]["sign_flip_p"] < alpha
+    return (1 if low > 0 else -1) if beyond else 0
+
+
 def statistics_text(result: dict) -> str:
     """The numbers behind a `compare_arms` verdict in one line, the same in `compare` and
     opsd.research.grid: the difference, its bootstrap CI with the resample count, and the test that
