@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 from statistics import NormalDist
 
 import numpy as np
@@ -148,6 +149,26 @@ def _problem_weights(rng: np.random.Generator, num_problems: int, n_resamples: i
     return rng.multinomial(num_problems, np.full(num_problems, 1.0 / num_problems), size=n_resamples)
 
 
+@lru_cache(maxsize=4)
+def _problem_draw(seed: int, num_problems: int, n_resamples: int) -> tuple[np.ndarray, dict]:
+    """The problem weights of default_rng(seed), and the generator's state after drawing them."""
+    rng = np.random.default_rng(seed)
+    weights = _problem_weights(rng, num_problems, n_resamples)
+    weights.setflags(write=False)
+    return weights, rng.bit_generator.state
+
+
+def _seeded_problem_weights(seed: int, num_problems: int, n_resamples: int) -> tuple[np.random.Generator, np.ndarray]:
+    """(generator, problem weights) exactly as default_rng(seed) followed by _problem_weights: the
+    draw, most of a bootstrap's time, is made once per (seed, problems, resamples) and reused (a
+    grid bootstraps every run, arm and metric with seed 0 on the same problems); the generator
+    continues from the state it had after the draw, so every number is the same."""
+    weights, state = _problem_draw(seed, num_problems, n_resamples)
+    rng = np.random.Generator(np.random.PCG64())
+    rng.bit_generator.state = state
+    return rng, weights
+
+
 def _resampled_means(rng: np.random.Generator, values: np.ndarray, problem_weights: np.ndarray) -> np.ndarray:
     """[resample] Mean of `values` [run, problem] over the drawn problems and a fresh
     draw of runs (with replacement) for each resample."""
@@ -169,8 +190,7 @@ def bootstrap_mean(values, n_resamples: int = DEFAULT_BOOTSTRAP, seed: int = 0,
     replacement. With one run this is the plain bootstrap over problems.
     Returns mean, se (sd of the resampled means) and the percentile ci."""
     values = np.atleast_2d(np.asarray(values, dtype=float))
-    rng = np.random.default_rng(seed)
-    weights = _problem_weights(rng, values.shape[1], n_resamples)
+    rng, weights = _seeded_problem_weights(seed, values.shape[1], n_resamples)
     draws = _resampled_means(rng, values, weights)
     return {"mean": float(values.mean()), "se": float(draws.std(ddof=1)),
             "ci": _percentile_ci(draws, confidence), "n_resamples": n_resamples, "seed": seed}
@@ -194,8 +214,7 @@ def bootstrap_difference(values_a, values_b, n_resamples: int = DEFAULT_BOOTSTRA
     b = np.atleast_2d(np.asarray(values_b, dtype=float))
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"arms have different numbers of problems: {a.shape[1]} vs {b.shape[1]}")
-    rng = np.random.default_rng(seed)
-    weights = _problem_weights(rng, a.shape[1], n_resamples)
+    rng, weights = _seeded_problem_weights(seed, a.shape[1], n_resamples)
     draws = _resampled_means(rng, b, weights) - _resampled_means(rng, a, weights)
     return {"diff": float(b.mean() - a.mean()), "se": float(draws.std(ddof=1)),
             "ci": _percentile_ci(draws, confidence), "n_resamples": n_resamples, "seed": seed}

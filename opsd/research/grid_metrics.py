@@ -27,15 +27,18 @@ from opsd.run_log import COLLAPSE_FIELD
 DISTINCT = "distinct"
 
 
-def metric_names(n: int) -> list[str]:
-    """The grid's metrics for reports of n samples a problem: pass@1, pass@n, maj@n, distinct."""
-    return list(dict.fromkeys(["pass@1", f"pass@{n}", f"maj@{n}", DISTINCT]))
+def metric_names(runs: list[Run]) -> list[str]:
+    """The grid's metrics for these reports (n samples a problem): pass@1, pass@n, maj@n, distinct;
+    the last two only where every sample has its `answer` (reports of every version do)."""
+    n = runs[0].k
+    answered = all(run.answer_ids is not None for run in runs)
+    return list(dict.fromkeys(["pass@1", f"pass@{n}", *([f"maj@{n}", DISTINCT] if answered else [])]))
 
 
 def arm_metrics(runs: list[Run]) -> dict:
     """{metric: {unit, mean, per_run}} of one arm's runs (mean over its runs of each run's mean)."""
     out = {}
-    for name in metric_names(runs[0].k):
+    for name in metric_names(runs):
         metric = resolve_metric(name, runs[0].k)
         per_run = [metric.mean(row) for row in check_comparable(runs, metric)]
         out[name] = {"unit": metric.unit, "mean": sum(per_run) / len(per_run), "per_run": per_run}
@@ -46,7 +49,7 @@ def compare_metrics(ref: str, ref_runs: list[Run], arm: str, arm_runs: list[Run]
     """{metric: compare_arms result} of `arm` against `ref` on every metric of metric_names."""
     runs = [*ref_runs, *arm_runs]
     results = {}
-    for name in metric_names(runs[0].k):
+    for name in metric_names(runs):
         metric = resolve_metric(name, runs[0].k)
         results[name] = compare_arms(ref_runs, arm_runs, check_comparable(runs, metric), DEFAULT_BOOTSTRAP, 0,
                                      names=(ref, arm), metric=metric)
@@ -171,7 +174,8 @@ def sweep_entry(cells) -> dict:
     entry = {"per_step_pass": table, "best_step": best, "last_vs_best": None}
     if best != last:
         best_runs, last_runs = [s[best] for s in per_seed], [s[last] for s in per_seed]
-        result = compare_arms(best_runs, last_runs, check_comparable([*best_runs, *last_runs]), DEFAULT_BOOTSTRAP, 0)
+        result = compare_arms(best_runs, last_runs, check_comparable([*best_runs, *last_runs]), DEFAULT_BOOTSTRAP, 0,
+                              names=(f"step {best}", f"step {last}"))
         entry["last_vs_best"] = {"best_step": best, "last_step": last, **_numbers(result)}
     return entry
 
@@ -195,7 +199,7 @@ def sweep_line(name: str, arm: dict) -> str:
 
 def collapse_words(fired: dict) -> str:
     if not fired:
-        return "collapse watch: no run"
+        return "collapse watch: no finished run"
     said = [f"seed {seed} at step {step}" if step is not None else f"not in seed {seed}"
             for seed, step in fired.items()]
     return "collapse watch fired " + ", ".join(said) if any(v is not None for v in fired.values()) else (
@@ -206,8 +210,11 @@ def collapse_words(fired: dict) -> str:
 # results.md
 # --------------------------------------------------------------------------
 
-def _cell(entry: dict, versus: dict) -> str:
-    """"mean (difference [95% CI], p run-level)", or the mean alone for the arm compared with."""
+def _cell(entry: dict | None, versus: dict | None) -> str:
+    """"mean (difference [95% CI], p run-level)", the mean alone for the arm compared with, - for a
+    metric its reports cannot give (no answers)."""
+    if entry is None or versus is None:
+        return "-"
     mean = f"{entry['mean']:.2f}"
     if "difference" not in versus:
         return mean
@@ -217,8 +224,9 @@ def _cell(entry: dict, versus: dict) -> str:
 
 
 def _columns(table: dict) -> list[str]:
-    arm = next((a for a in table["arms"].values() if "metrics" in a), None)
-    return list(arm["metrics"]) if arm else []
+    """Every metric some arm has, in the order of metric_names."""
+    names = [m for a in table["arms"].values() for m in a.get("metrics", {})]
+    return sorted(set(names), key=names.index)
 
 
 def _header(names: list[str]) -> str:
@@ -231,17 +239,18 @@ def metrics_lines(table: dict) -> list[str]:
     if not names:
         return []
     baseline = table["grid"]["baseline"]
-    n = next(m for m in names if m.startswith("maj@")).split("@")[1]
+    n = names[1].split("@")[1] if len(names) > 1 else "1"
     lines = ["", f"pass@1 (= avg@{n}), pass@{n} (a problem counts when one of its {n} samples is correct), maj@{n} "
                  f"(when the majority answer of its {n} samples is) and distinct answers a problem (normalised final "
-                 "answers among its samples), means over each arm's runs; in brackets the difference to "
+                 "answers among its samples; - for reports without answers), means over each arm's runs; in "
+                 "brackets the difference to "
                  f"`{baseline}`, its 95% CI (the paired bootstrap of the verdicts) and the run-level p (-: one run a "
                  "side allows none). `python -m opsd.analysis.stats compare --metric pass@K | maj@K | distinct` "
                  "gives each with its verdict.", "",
              f"| arm | {_header(names)} |", "|---|" + "---|" * len(names)]
     for name, arm in table["arms"].items():
         if "metrics" in arm:
-            cells = [_cell(arm["metrics"][m], arm["metrics"][m]) for m in names]
+            cells = [_cell(arm["metrics"].get(m), arm["metrics"].get(m)) for m in names]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     references = table.get("compare_to") or {}
     if references:
@@ -249,7 +258,7 @@ def metrics_lines(table: dict) -> list[str]:
                   f"| arm | against | {_header(names)} | verdict |", "|---|---|" + "---|" * (len(names) + 1)]
         for ref, rows in references.items():
             for name, row in rows.items():
-                cells = [_cell(table["arms"][name]["metrics"][m], row["metrics"][m]) for m in names]
+                cells = [_cell(table["arms"][name]["metrics"].get(m), row["metrics"].get(m)) for m in names]
                 lines.append(f"| {name} | {ref} | " + " | ".join(cells) + f" | {row['verdict_words']} |")
     return lines
 

@@ -226,3 +226,21 @@ def test_margin_and_compare_to_are_checked_when_the_grid_is_read(tmp_path, capsy
     path.write_text(json.dumps({"preset": "tiny", "margin": 2.5, "compare_to": ["opsd"],
                                 "arms": {"base": {"train": False}, "opsd": {}, "sft": {}}}))
     assert (load_grid(str(path)).margin, load_grid(str(path)).compare_to) == (2.5, ("opsd",))
+
+
+def test_reports_without_answers_keep_their_pass_at_k(tmp_path):
+    """A report whose samples have no `answer` (an old one) gives pass@1 and pass@n; maj@n and distinct
+    answers are left out for it ("-" in results.md), the grid's results stand."""
+    out = tmp_path / "grid"
+    write_flat_grid(out, {"opsd": [collapsed(10), collapsed(10), collapsed(11)]})
+    report = json.loads((out / "base" / "eval.json").read_text())
+    for problem in report["problems"]:
+        for sample in problem["samples"]:
+            del sample["answer"]
+    write_json_atomic(out / "base" / "eval.json", report)
+    grid = grid_of(("base", "opsd"), seeds=(0, 1, 2))
+    table = opsd.research.grid.results(grid, out, opsd.research.grid.cells(grid, out))
+    assert list(table["arms"]["base"]["metrics"]) == ["pass@1", "pass@8"]
+    opsd_metrics = table["arms"]["opsd"]["metrics"]
+    assert "difference" in opsd_metrics["pass@8"] and "difference" not in opsd_metrics["maj@8"]
+    assert "| base | 12.50 | 100.00 | - | - |" in opsd.research.grid.markdown(table)
