@@ -53,6 +53,11 @@ The verdict calls a difference real only when the bootstrap CI excludes 0 AND th
 run-level test gives p < 0.05; if only one does, it says "inconclusive". With 1 vs
 1 runs it never claims an arm difference (unless `--run-sd` is given, and then it
 says the noise level was assumed).
+
+Every metric (opsd.analysis.problem_metrics) is compared the same way, in its own unit: per
+problem an integer numerator over one denominator (avg@k: correct samples over k; pass@K and
+maj@K: subsets of K samples over C(n, K); distinct: answers over 1), so the per-problem scores
+of the sign and sign-flip tests stay integers and the sign-flip test stays exact.
 """
 from __future__ import annotations
 
