@@ -308,7 +308,8 @@ def test_results_give_each_arms_sampled_tokens_next_to_its_accuracy(tmp_path, ca
     assert a["base"]["sampled_tokens"] == 0 and not a["base"]["trained"]
     text = opsd.research.grid.markdown(table)
     assert "| mean | sampled tokens | forward + backward tokens | vs base (95% CI) |" in text
-    rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
+    first_table = text.split("\n\n")[2]  # the arms' table (the metrics' tables below it have arm rows too)
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in first_table.splitlines() if line.startswith("| ")}
     assert rows["| opsd"][4] == "8 k" and rows["| opsd"][3] == f"{a['opsd']['mean']:.2f}"
     assert rows["| sft"][4] == "0" and rows["| old"][4] == "not recorded" and rows["| base"][4] == "-"
     assert opsd.research.grid.draw_accuracy_vs_tokens(grid, out) == out / "accuracy_vs_tokens.png"
