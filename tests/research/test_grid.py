@@ -173,11 +173,14 @@ def test_a_grid_split_into_parts_for_one_call_each_is_the_whole_grid(whole):
 
 def test_the_data_size_axis_has_three_fresh_seeds_a_cell_on_a_fresh_eval_set():
     """grids/grpo_tuned/data_size_3seeds.json (issue 52 item 4): OPSD, SFT and the tuned GRPO at 64 to
-    4,096 unique problems, seeds and eval set used by no other grid file."""
+    4,096 unique problems, and OPSD whose teacher reads the answer only (issue 59 item 6) at 4,096; seeds
+    and eval set used by no other grid file."""
     grid = opsd.research.grid.load_grid(str(REPO / "grids" / "grpo_tuned" / "data_size_3seeds.json"))
     assert len(grid.seeds) >= 3
     trained = {a.name: a for a in grid.arms if a.train}
-    assert set(trained) == {f"{m}_n{n}" for m in ("opsd", "sft", "grpo") for n in (64, 256, 1024, 4096)}
+    assert set(trained) == {f"{m}_n{n}" for m in ("opsd", "sft", "grpo") for n in (64, 256, 1024, 4096)} | {
+        "opsd_answer_n4096"}
+    assert trained["opsd_answer_n4096"].env == {**trained["opsd_n4096"].env, "OPSD_TEACHER_CONTEXT": "answer"}
     for name, arm in trained.items():
         assert arm.flags[arm.flags.index("--dataset_name") + 1] == f"tiny:20260705:{name.split('_n')[1]}"
         if name.startswith("grpo"):
