@@ -72,6 +72,20 @@ def test_opsd_grid_help_is_research_grids_own_under_its_name():
         assert opsd("grid", sub, "--help").stdout.startswith(f"usage: opsd grid {sub} ")
 
 
+def test_grid_help_lists_its_subcommands_one_line_each():
+    """`status DIR` and `cancel DIR` take a grid folder, not a grid file: the usage shows the three
+    forms and the help ends with one line for each (issue 60 item 6)."""
+    for result, name in ((opsd("grid", "--help"), "opsd grid"),
+                         (same_as("grid", "--help"), "python -m opsd.research.grid")):
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert lines[:3] == [f"usage: {name} GRID --out DIR [options]", f"       {name} status DIR",
+                             f"       {name} cancel DIR"]
+        listed = lines[lines.index(f"subcommands ({name} SUBCOMMAND DIR; {name} SUBCOMMAND --help):") + 1:]
+        assert [line.split()[:2] for line in listed] == [["status", "DIR"], ["cancel", "DIR"]]
+        assert all(line.startswith("  ") and len(line.split()) > 5 for line in listed)
+
+
 @pytest.mark.parametrize("args, message", [
     (["nope"], "error: 'nope' is not an opsd subcommand; expected one of: " + ", ".join(command.SUBCOMMANDS)),
     ([], "error: opsd needs a subcommand: " + ", ".join(command.SUBCOMMANDS) + " (opsd --help)"),
