@@ -95,10 +95,14 @@ def test_a_missing_or_unknown_subcommand_is_one_line_exit_2(args, message):
     assert (result.returncode, result.stdout, result.stderr) == (2, "", message + "\n")
 
 
-def test_opsd_doctor_is_the_gpu_stack_check(tmp_path):
-    """Here (the CPU stack, no vLLM) the check finds differences: exit 1, as checks/check_gpu_stack.py."""
-    result, own = opsd("doctor"), same_as("doctor")
-    assert result.returncode == own.returncode == 1 and result.stdout == own.stdout
+def test_opsd_doctor_is_the_stack_check(tmp_path):
+    """`opsd doctor` is checks/check_gpu_stack.py: the same lines and exit status, on the install's
+    own file and on the GPU stack's (which this CPU install is not: exit 1)."""
+    for args in ((), ("--gpu",)):
+        result, own = opsd("doctor", *args), same_as("doctor", *args)
+        assert result.returncode == own.returncode and result.stdout == own.stdout
+        assert result.stdout.startswith("checking the installed packages against requirements")
+    assert result.returncode == 1
     result = opsd("doctor", str(tmp_path / "no.txt"))
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1 and "no.txt" in result.stderr
 

@@ -281,17 +281,71 @@ def test_check_gpu_stack_accepts_any_build_of_an_unlabelled_pin(tmp_path):
 
 
 def test_check_gpu_stack_command_exits_non_zero_on_this_cpu_machine(tmp_path):
-    """Here (the CPU stack: torch 2.13.0+cpu, no vLLM) the command reports the differences
-    and exits 1; a missing file is one error line, exit 2."""
-    result = subprocess.run([sys.executable, str(ROOT / "checks" / "check_gpu_stack.py")], capture_output=True,
-                            text=True)
+    """Here (the CPU stack: torch 2.13.0+cpu, no vLLM) the command asked for the GPU stack reports
+    the differences and exits 1; a missing file is one error line, exit 2."""
+    result = subprocess.run([sys.executable, str(ROOT / "checks" / "check_gpu_stack.py"), "--gpu"],
+                            capture_output=True, text=True)
     assert result.returncode == 1, result.stderr
-    assert result.stdout.splitlines()[-1].endswith("not as pinned")
-    assert any(line.startswith("vllm ") and line.endswith("MISSING") for line in result.stdout.splitlines())
+    lines = result.stdout.splitlines()
+    assert lines[0] == "checking the installed packages against requirements-gpu.txt (asked with --gpu)"
+    # torch, torchvision, torchaudio, vllm and transformers differ from the GPU stack
+    assert lines[-1] == "requirements-gpu.txt: 5 of 27 not as pinned"
+    assert any(line.startswith("vllm ") and line.endswith("MISSING") for line in lines)
     result = subprocess.run([sys.executable, str(ROOT / "checks" / "check_gpu_stack.py"), str(tmp_path / "no.txt")],
                             capture_output=True, text=True)
-    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
-    assert result.stderr.startswith("error: ") and "no.txt" in result.stderr
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"error: {tmp_path / 'no.txt'}: cannot read it (No such file or directory)\n"
+
+
+def test_doctor_checks_a_cpu_install_against_requirements_txt_and_passes_it():
+    """The README's CPU install (bash install.sh: torch 2.13.0+cpu, no vLLM) is checked against
+    requirements.txt, says so and why in its first line, and exits 0 (issue 60 item 5)."""
+    import torch
+
+    from opsd import gpu_stack as stack
+    if torch.version.cuda is not None or stack.installed_version("vllm"):
+        pytest.skip("a GPU install: checked against requirements-gpu.txt")
+    result = subprocess.run([sys.executable, str(ROOT / "checks" / "check_gpu_stack.py")], cwd="/",
+                            capture_output=True, text=True)
+    assert (result.returncode, result.stderr) == (0, ""), result.stdout
+    lines = result.stdout.splitlines()
+    assert lines[0] == (f"checking the installed packages against requirements.txt (a CPU install: torch "
+                        f"{torch.__version__} is a CPU build and vLLM is not installed; --cpu / --gpu choose)")
+    assert lines[-1] == f"requirements.txt: all {len(pins('requirements.txt'))} as pinned"
+    asked = subprocess.run([sys.executable, str(ROOT / "checks" / "check_gpu_stack.py"), "--cpu"],
+                           capture_output=True, text=True)
+    assert asked.returncode == 0 and asked.stdout.splitlines()[1:] == lines[1:]
+    assert asked.stdout.splitlines()[0] == "checking the installed packages against requirements.txt (asked with --cpu)"
+
+
+def test_doctor_reads_torch_version_cuda_without_importing_torch(tmp_path, monkeypatch):
+    """torch.version.cuda from the installed torch/version.py: this machine's, then a CUDA build's."""
+    import torch
+
+    from opsd import gpu_stack as stack
+    assert stack.torch_cuda() == torch.version.cuda
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "version.py").write_text(
+        "from typing import Optional\n__version__ = '2.11.0+cu130'\ndebug = False\ncuda: Optional[str] = '13.0'\n")
+
+    class Distribution:
+        def locate_file(self, name):
+            return tmp_path / name
+
+    monkeypatch.setattr(stack.metadata, "distribution", lambda name: Distribution())
+    assert stack.torch_cuda() == "13.0"
+
+
+@pytest.mark.parametrize("installed, cuda, expected", [
+    ({"torch": "2.13.0+cpu"}, None, ("cpu", "torch 2.13.0+cpu is a CPU build and vLLM is not installed")),
+    ({"torch": "2.11.0"}, "13.0", ("gpu", "torch 2.11.0 is built for CUDA 13.0")),
+    ({"torch": "2.11.0", "vllm": "0.26.0"}, "13.0", ("gpu", "vLLM 0.26.0 is installed")),
+    ({"vllm": "0.26.0"}, None, ("gpu", "vLLM 0.26.0 is installed")),
+    ({}, None, ("cpu", "torch and vLLM are not installed")),
+], ids=["cpu-torch", "cuda-torch", "vllm", "vllm-only", "nothing"])
+def test_doctor_takes_the_gpu_file_for_vllm_or_a_cuda_torch(installed, cuda, expected):
+    from opsd import gpu_stack as stack
+    assert stack.detect_stack(installed.get, cuda) == expected
 
 
 # pyproject.toml's declared dependencies against the locks and the code.
