@@ -513,3 +513,23 @@ def test_the_gpu_scripts_parse(script):
     assert result.returncode == 0, result.stderr
     text = (ROOT / script).read_text()
     assert text.startswith(("#!/usr/bin/env bash\n# ", "# Sourced by")), text[:60]
+
+
+def test_dev_eval_checks_its_argument_before_printing_anything(tmp_path):
+    """A path that is missing, a file, or a folder that is neither a checkpoint nor a run folder is
+    one error line that says which, with nothing printed before it (no '[eval] ... evaluating on the
+    default' line; issue 60 item 7); relative paths are the caller's."""
+    (tmp_path / "notes.txt").write_text("not a checkpoint\n")
+    (tmp_path / "empty").mkdir()
+    cases = {
+        "notackpt": f"error: checkpoint folder not found: {tmp_path / 'notackpt'}",
+        "notes.txt": f"error: {tmp_path / 'notes.txt'} is a file, not a checkpoint folder (holding "
+                     "adapter_config.json) or a run folder (holding checkpoint-N folders)",
+        "empty": f"error: {tmp_path / 'empty'} is neither a LoRA checkpoint (no adapter_config.json) nor a run "
+                 "folder (no checkpoint-N folder)",
+    }
+    for argument, message in cases.items():
+        result = run(["bash", str(ROOT / "dev_eval.sh"), argument], {"OPSD_EVAL_OUT": str(tmp_path / "out")},
+                     timeout=120, cwd=tmp_path)
+        assert (result.returncode, result.stdout, result.stderr) == (2, "", message + "\n"), argument
+    assert not (tmp_path / "out").exists()
