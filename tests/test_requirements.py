@@ -12,6 +12,7 @@ import importlib.metadata
 import inspect
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -207,11 +208,18 @@ def test_the_vllm_that_was_run_is_in_trls_range_and_the_projects():
     assert compatible("0.26.0", "2.11.0", "5.17.0")
 
 
-def fake_python(tmp_path) -> tuple[dict, Path]:
-    """PATH with a `python` that records its arguments, one call a line, and does nothing."""
+def fake_python(tmp_path, prefix: str = "/venv", base_prefix: str = "/usr") -> tuple[dict, Path]:
+    """PATH with a `python` that records its arguments, one call a line, and does nothing; `python -c
+    CODE` records nothing and exits 0 (torch is a CPU build), except install.sh's check of the
+    environment, which runs in this interpreter with sys.prefix and sys.base_prefix set as given (by
+    default a virtual environment's: they differ)."""
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir()
-    (bin_dir / "python").write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
+    setup = f"import sys; sys.prefix, sys.base_prefix = {prefix!r}, {base_prefix!r}; exec(sys.argv[1])"
+    (bin_dir / "python").write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [[ "$1" = -c && "$2" = *base_prefix* ]]; then exec {sys.executable} -c "{setup}" "$2"; fi\n'
+        f'if [[ "$1" = -c ]]; then exit 0; fi\necho "$*" >> {log}\n')
     (bin_dir / "python").chmod(0o755)
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}, log
 
@@ -247,7 +255,61 @@ def test_install_refuses_an_unknown_option_in_one_line(tmp_path):
     env, log = fake_python(tmp_path)
     result = subprocess.run(["bash", str(ROOT / "install.sh"), "--cuda"], env=env, capture_output=True, text=True)
     assert result.returncode == 2 and not log.exists()
-    assert result.stderr.splitlines() == ["error: install.sh: unknown option '--cuda'; expected --gpu, -h or nothing"]
+    assert result.stderr.splitlines() == [
+        "error: install.sh: unknown option '--cuda'; expected --gpu, --system, -h or nothing"]
+
+
+REFUSED = ("is not a virtual environment; make one and activate it first (python3 -m venv .venv && "
+           ". .venv/bin/activate), or pass --system to install into this Python")
+
+
+@pytest.mark.parametrize("options", [[], ["--gpu"]])
+def test_install_refuses_a_python_that_is_not_a_virtual_environment(tmp_path, options):
+    """sys.prefix == sys.base_prefix and no conda-meta: a system or shared Python. One line says what
+    to do; nothing is installed (issue 60 item 3)."""
+    env, log = fake_python(tmp_path, prefix="/usr", base_prefix="/usr")
+    result = subprocess.run(["bash", str(ROOT / "install.sh"), *options], env=env, capture_output=True, text=True)
+    assert (result.returncode, result.stdout) == (2, "") and not log.exists()
+    assert result.stderr == f"error: install.sh: {tmp_path / 'bin' / 'python'} {REFUSED}\n"
+
+
+@pytest.mark.parametrize("options", [["--system"], ["--gpu", "--system"], ["--system", "--gpu"]])
+def test_install_with_system_installs_into_that_python(tmp_path, options):
+    env, log = fake_python(tmp_path, prefix="/usr", base_prefix="/usr")
+    result = subprocess.run(["bash", str(ROOT / "install.sh"), *options], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    calls = log.read_text().splitlines()
+    assert ("-m pip check" in calls) == ("--gpu" in options)
+    assert calls[-1] == "-m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e ."
+
+
+def test_install_takes_a_conda_environment(tmp_path):
+    """A conda environment's Python has sys.prefix == sys.base_prefix and a conda-meta folder."""
+    prefix = tmp_path / "conda-env"
+    (prefix / "conda-meta").mkdir(parents=True)
+    env, log = fake_python(tmp_path, prefix=str(prefix), base_prefix=str(prefix))
+    result = subprocess.run(["bash", str(ROOT / "install.sh")], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert log.read_text().splitlines()[0] == "-m pip install -q --disable-pip-version-check torch==2.13.0"
+
+
+def test_install_without_python_on_path_says_how_to_make_one(tmp_path):
+    """A fresh machine has python3 but no `python` until a virtual environment is activated."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "dirname").symlink_to(shutil.which("dirname"))
+    result = subprocess.run([shutil.which("bash"), str(ROOT / "install.sh")], env={"PATH": str(bin_dir)},
+                            capture_output=True, text=True)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == ("error: install.sh: no python on PATH; make a virtual environment and activate it "
+                             "first: python3 -m venv .venv && . .venv/bin/activate\n")
+
+
+def test_a_virtual_environment_in_the_checkout_is_ignored_by_git():
+    """README's first command makes .venv in the checkout: git ignores it, so that the tests that
+    read tracked files (git ls-files) never see it."""
+    result = subprocess.run(["git", "check-ignore", "-q", ".venv/lib/python3.11/site-packages/x.py"], cwd=ROOT)
+    assert result.returncode == 0
 
 
 def test_check_gpu_stack_passes_the_machine_that_ran_and_names_each_difference():
