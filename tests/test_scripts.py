@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from lora_helpers import lora_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -533,23 +534,6 @@ def test_dev_eval_checks_its_argument_before_printing_anything(tmp_path):
                      timeout=120, cwd=tmp_path)
         assert (result.returncode, result.stdout, result.stderr) == (2, "", message + "\n"), argument
     assert not (tmp_path / "out").exists()
-
-
-def lora_checkpoint(folder: Path) -> str:
-    """A LoRA checkpoint of the embedded random model in `folder`, tokenizer included; its base."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from opsd import tiny_default
-    from opsd.model_utils import peft_wrapping
-
-    base = tiny_default.resolve_model("tiny-random")
-    with peft_wrapping():
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                               LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(base).save_pretrained(folder)
-    return base
 
 
 def test_quickstart_ends_with_the_trained_checkpoint_and_a_loading_command_that_runs(tmp_path):
