@@ -10,6 +10,7 @@
 #   capped recipe: token clip + left padding, 12 steps x batch 16, trained and evaluated on one
 #   problem family of the task (a x b + c x d, the family this model learns fastest), 40 held-out
 #   problems.
+# It ends with the trained checkpoint's path and a two-line command that loads it.
 #   usage: bash quickstart.sh [--skip-install]     (OPSD_OUTPUT: the grid folder)
 set -euo pipefail
 cd "$(dirname "$0")"
