@@ -44,6 +44,20 @@ if [[ $# -ne 1 ]]; then
   exit 2
 fi
 repo="$(cd "$(dirname "$(realpath -- "${BASH_SOURCE[0]}")")" && pwd)"
+# The argument first: nothing else is printed before a bad one is refused.
+if [[ "$1" != base ]]; then
+  given="$(realpath -m -- "$1")"
+  if [[ -f "$given" ]]; then
+    echo "error: $given is a file, not a checkpoint folder (holding adapter_config.json) or a run folder (holding checkpoint-N folders)" >&2
+    exit 2
+  elif [[ ! -e "$given" ]]; then
+    echo "error: checkpoint folder not found: $given" >&2
+    exit 2
+  elif [[ ! -f "$given/adapter_config.json" ]] && ! compgen -G "$given/checkpoint-*/trainer_state.json" > /dev/null; then
+    echo "error: $given is neither a LoRA checkpoint (no adapter_config.json) nor a run folder (no checkpoint-N folder)" >&2
+    exit 2
+  fi
+fi
 # Every OPSD_* variable set is a declared one (a misspelled name would be ignored): one error line.
 python -m opsd.config check-env
 

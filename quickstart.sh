@@ -10,6 +10,7 @@
 #   capped recipe: token clip + left padding, 12 steps x batch 16, trained and evaluated on one
 #   problem family of the task (a x b + c x d, the family this model learns fastest), 40 held-out
 #   problems.
+# It ends with the trained checkpoint's path and a two-line command that loads it.
 #   usage: bash quickstart.sh [--skip-install]     (OPSD_OUTPUT: the grid folder)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -28,3 +29,13 @@ else
   echo "[quickstart] CPU: base and token clip + left padding, 12 steps x batch 16 on one problem family ($grid -> $out)"
 fi
 python -m opsd.research.grid "$grid" --out "$out" "${options[@]}"  # ends with the FINAL lines and the verdicts
+
+# The trained arm that learns here (token clip + left padding): its last checkpoint, and how to load it.
+checkpoint="$( (ls -d "$out"/token_left/seed-*/run/checkpoint-* 2> /dev/null || true) | sort -V | tail -n 1)"
+if [[ -n "$checkpoint" ]]; then
+  checkpoint="$(realpath -- "$checkpoint")"
+  echo "[quickstart] trained checkpoint (token clip + left padding): $checkpoint"
+  echo "[quickstart] load it (its README.md, the model card, has a snippet that also generates):"
+  echo "python -W ignore::FutureWarning -c 'from peft import AutoPeftModelForCausalLM"
+  echo "model = AutoPeftModelForCausalLM.from_pretrained(\"$checkpoint\"); print(type(model).__name__, \"on\", model.peft_config[\"default\"].base_model_name_or_path)'"
+fi

@@ -1,6 +1,7 @@
-"""Is this machine's GPU stack the one requirements-gpu.txt pins (the one that ran)?
+"""Is this machine's install the one the project pins (requirements-gpu.txt on a GPU install,
+the stack that ran; requirements.txt on a CPU one)?
 
-    python checks/check_gpu_stack.py [REQUIREMENTS]     # default: requirements-gpu.txt
+    python checks/check_gpu_stack.py [--cpu | --gpu | REQUIREMENTS]
 
 The check itself is opsd/gpu_stack.py, installed with the project as `opsd doctor`; this file
 keeps the command the notes and the GPU scripts use.

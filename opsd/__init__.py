@@ -17,7 +17,7 @@ The method's library is what OPSD is, apart from any engine or entry point:
 - `run_folder`, `run_log`, `jsonl`: run folders, the `[OPSD kl]` line and `metrics.jsonl`;
 - `sampling`, `model_utils`: shared leaves (sampling settings and seeds; peft / device helpers);
 - `cli`, `gpu_stack`: what every command line shares; the installed packages against
-  requirements-gpu.txt (`opsd doctor`);
+  requirements.txt or requirements-gpu.txt (`opsd doctor`);
 - `command`: the `opsd` command, the one module above the rest of the house: it starts the entry
   points (opsd_train.py, evaluation, research, analysis) and imports each only when it runs.
 

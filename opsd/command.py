@@ -83,7 +83,7 @@ SUBCOMMANDS = {
     "plot": Subcommand(_plot, "PNG plots of training runs: one run's curves, or several overlaid"),
     "probe": Subcommand(_probe, "score frozen rollouts under several OPSD settings, without training"),
     "config": Subcommand(_config, "check a recipe file; list the OPSD_* variables and the switches set"),
-    "doctor": Subcommand(_doctor, "compare the installed packages with the GPU stack that ran"),
+    "doctor": Subcommand(_doctor, "the installed packages against the pins (CPU or GPU stack)"),
 }
 
 

@@ -379,7 +379,7 @@ def _unquote(value: str) -> str:
 def _parse_value(key: str, raw: str) -> object:
     kind = _FIELD_TYPES.get(key)
     if kind is None:
-        raise _LineProblem(_unknown_key_message(key))
+        raise _LineProblem(_unknown_key_message(key, raw))
     value = _convert(key, raw, kind)
     check = _RANGES.get(key)
     if check is not None and not check[0](value):
@@ -412,7 +412,10 @@ def _convert(key: str, raw: str, kind: type) -> object:
     return raw
 
 
-def _unknown_key_message(key: str) -> str:
+def _unknown_key_message(key: str, raw: str) -> str:
+    if key.startswith(VARIABLE_PREFIX):  # a switch or script variable: one place for each setting
+        return (f"{key} is an environment variable, not a recipe key: set it in the environment "
+                f"({key}={raw} bash train_capped.sh RECIPE) or in a grid arm's \"env\"")
     message = f"unknown key {key!r}"
     close = difflib.get_close_matches(key.lower(), [*_FIELD_TYPES, *BUDGET_KNOBS], n=1)
     return f"{message} (did you mean {close[0]}?)" if close else f"{message}; allowed keys: {', '.join(_FIELD_TYPES)}"

@@ -1,9 +1,14 @@
-"""Is this machine's GPU stack the one requirements-gpu.txt pins (the one that ran)?
+"""Is this machine's install the one the project pins: requirements.txt (CPU) or
+requirements-gpu.txt (the GPU stack that ran)?
 
-    opsd doctor [REQUIREMENTS]     # default: the checkout's requirements-gpu.txt
-    python checks/check_gpu_stack.py [REQUIREMENTS]     # the same check
+    opsd doctor [--cpu | --gpu | REQUIREMENTS]
+    python checks/check_gpu_stack.py [--cpu | --gpu | REQUIREMENTS]     # the same check
 
-One line per requirement: the package, what the file asks for, what is installed, ok or
+Which file: `--cpu` requirements.txt, `--gpu` requirements-gpu.txt, a path that file; without
+one, the install decides: a GPU install (an installed vLLM, or a torch built for CUDA:
+torch.version.cuda, read from torch/version.py without importing torch) is checked against
+requirements-gpu.txt, any other against requirements.txt. The first line says which file and why.
+Then one line per requirement: the package, what the file asks for, what is installed, ok or
 MISMATCH / MISSING. An exact pin must be the installed version exactly, build label included
 (a pin of 2.11.0+cu130 would refuse 2.11.0+cpu; a pin of 2.11.0 takes any build of it); a range
 must contain it; an unpinned package must be installed. Exit status 0 when every line is ok,
@@ -14,6 +19,7 @@ environment.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable
 from importlib import metadata
@@ -22,9 +28,10 @@ from pathlib import Path
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
-# The checkout's requirements-gpu.txt: the editable install (install.sh) runs this file from the
+# The checkout's requirements files: the editable install (install.sh) runs this file from the
 # checkout; an install without one names the file to compare with.
 ROOT = Path(__file__).resolve().parents[1]
+STACKS = {"cpu": "requirements.txt", "gpu": "requirements-gpu.txt"}
 
 
 def read_requirements(path: Path) -> list[Requirement]:
@@ -89,20 +96,59 @@ def check(requirements: list[Requirement], installed: Callable[[str], str | None
     return lines, sum(row[3] != "ok" for row in rows[1:])
 
 
-def main(argv: list[str] | None = None, prog: str = "opsd doctor") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description="Compare the installed packages with requirements-gpu.txt "
-                                     "(the GPU stack that ran): one line per package, exit 0 when all are as pinned.")
-    parser.add_argument("requirements", nargs="?", default=str(ROOT / "requirements-gpu.txt"),
-                        help="a requirements file (default: the checkout's requirements-gpu.txt)")
-    args = parser.parse_args(argv)
+def torch_cuda() -> str | None:
+    """torch.version.cuda of the installed torch (None: a CPU build, or no torch), read from its
+    torch/version.py: importing torch takes seconds and may fail on a broken install."""
     try:
-        requirements = read_requirements(Path(args.requirements))
-    except (OSError, ValueError) as exc:
+        text = Path(str(metadata.distribution("torch").locate_file("torch/version.py"))).read_text()
+    except (metadata.PackageNotFoundError, OSError):
+        return None
+    match = re.search(r"^cuda\b[^=\n]*=\s*['\"]([^'\"]+)['\"]", text, flags=re.M)
+    return match.group(1) if match else None
+
+
+def detect_stack(installed: Callable[[str], str | None], cuda: str | None) -> tuple[str, str]:
+    """("gpu" or "cpu", why) for an install: vLLM or a CUDA torch make it a GPU install."""
+    if installed("vllm"):
+        return "gpu", f"vLLM {installed('vllm')} is installed"
+    if cuda:
+        return "gpu", f"torch {installed('torch')} is built for CUDA {cuda}"
+    torch = installed("torch")
+    return "cpu", (f"torch {torch} is a CPU build and vLLM is not installed" if torch
+                   else "torch and vLLM are not installed")
+
+
+def main(argv: list[str] | None = None, prog: str = "opsd doctor") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description="Compare the installed packages with the project's pins: "
+                                     "requirements.txt (a CPU install) or requirements-gpu.txt (a GPU install, the "
+                                     "stack that ran); one line per package, exit 0 when all are as pinned.")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--cpu", dest="stack", action="store_const", const="cpu",
+                       help="check against requirements.txt (what bash install.sh installs)")
+    which.add_argument("--gpu", dest="stack", action="store_const", const="gpu",
+                       help="check against requirements-gpu.txt (what bash install.sh --gpu installs)")
+    which.add_argument("requirements", nargs="?", help="a requirements file to check against (default: "
+                       "requirements-gpu.txt with an installed vLLM or a CUDA torch, else requirements.txt)")
+    args = parser.parse_args(argv)
+    if args.requirements:
+        name, why = args.requirements, "the file given"
+    elif args.stack:
+        name, why = STACKS[args.stack], f"asked with --{args.stack}"
+    else:
+        stack, reason = detect_stack(installed_version, torch_cuda())
+        name, why = STACKS[stack], f"a {stack.upper()} install: {reason}; --cpu / --gpu choose"
+    path = Path(args.requirements) if args.requirements else ROOT / name
+    try:
+        requirements = read_requirements(path)
+    except OSError as exc:
+        print(f"error: {name}: cannot read it ({exc.strerror or exc})", file=sys.stderr)
+        return 2
+    except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    print(f"checking the installed packages against {name} ({why})")
     lines, mismatches = check(requirements, installed_version)
     print("\n".join(lines))
-    print(f"{args.requirements}: " + (f"{mismatches} of {len(requirements)} not as pinned" if mismatches
-                                      else f"all {len(requirements)} as pinned"))
+    print(f"{name}: " + (f"{mismatches} of {len(requirements)} not as pinned" if mismatches
+                        else f"all {len(requirements)} as pinned"))
     return 1 if mismatches else 0
-

@@ -7,7 +7,7 @@ Every problem is `error(message)` with a one-line message naming the file (as `n
 the path unless given) and, for a bad line, its number:
 
     NAME: cannot read it as UTF-8 text (REASON)
-    NAME:LINE: not valid JSON (REASON)
+    NAME:LINE: not valid JSON (REASON: column COLUMN)
     NAME:LINE: not a JSON object
 
 Standard library only: a leaf module that imports no project module.
@@ -63,13 +63,14 @@ def read_jsonl(path: str | os.PathLike, error: ErrorClass, name: str | None = No
 
 
 def parse_json(text: str, error: ErrorClass, name: str, line: int | None = None):
-    """json.loads(text), any failure `error("NAME:LINE: not valid JSON (REASON)")`: LINE is
-    `line` (the text is that line of the file) or where the parser stopped; what json
-    refuses beyond syntax (a 5,000-digit number, deep nesting) has no position to give."""
+    """json.loads(text), any failure `error("NAME:LINE: not valid JSON (REASON: column COLUMN)")`:
+    LINE is `line` (the text is that line of the file) or where the parser stopped, COLUMN where
+    on that line (json's own message without it reads "Unterminated string starting at"); what
+    json refuses beyond syntax (a 5,000-digit number, deep nesting) has no position to give."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise error(f"{name}:{line or e.lineno}: not valid JSON ({e.msg})") from None
+        raise error(f"{name}:{line or e.lineno}: not valid JSON ({e.msg}: column {e.colno})") from None
     except (ValueError, RecursionError) as e:
         where = f"{name}:{line}" if line else name
         raise error(f"{where}: not valid JSON ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})") from None

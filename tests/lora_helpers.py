@@ -1,4 +1,4 @@
-"""A LoRA adapter that acts, for tests: peft's fresh adapters are no-ops (B = 0)."""
+"""A LoRA adapter that acts, for tests: peft's fresh adapters are no-ops (B = 0); a saved checkpoint."""
 import copy
 import math
 
@@ -28,3 +28,21 @@ def acting_lora(model, targets, r: int, dtype=None, seed: int = 0):
             elif "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=gen).to(param.dtype) * 0.3)
     return peft_model
+
+
+def lora_checkpoint(folder) -> str:
+    """A LoRA checkpoint of the embedded random model saved in `folder` (made if missing), its
+    tokenizer beside it, as a run saves one; returns the base model's folder (adapter_config.json's)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opsd import tiny_default
+    from opsd.model_utils import peft_wrapping
+
+    base = tiny_default.resolve_model("tiny-random")
+    with peft_wrapping():
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                               LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(base).save_pretrained(folder)
+    return base

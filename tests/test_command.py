@@ -72,6 +72,20 @@ def test_opsd_grid_help_is_research_grids_own_under_its_name():
         assert opsd("grid", sub, "--help").stdout.startswith(f"usage: opsd grid {sub} ")
 
 
+def test_grid_help_lists_its_subcommands_one_line_each():
+    """`status DIR` and `cancel DIR` take a grid folder, not a grid file: the usage shows the three
+    forms and the help ends with one line for each (issue 60 item 6)."""
+    for result, name in ((opsd("grid", "--help"), "opsd grid"),
+                         (same_as("grid", "--help"), "python -m opsd.research.grid")):
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert lines[:3] == [f"usage: {name} GRID --out DIR [options]", f"       {name} status DIR",
+                             f"       {name} cancel DIR"]
+        listed = lines[lines.index(f"subcommands ({name} SUBCOMMAND DIR; {name} SUBCOMMAND --help):") + 1:]
+        assert [line.split()[:2] for line in listed] == [["status", "DIR"], ["cancel", "DIR"]]
+        assert all(line.startswith("  ") and len(line.split()) > 5 for line in listed)
+
+
 @pytest.mark.parametrize("args, message", [
     (["nope"], "error: 'nope' is not an opsd subcommand; expected one of: " + ", ".join(command.SUBCOMMANDS)),
     ([], "error: opsd needs a subcommand: " + ", ".join(command.SUBCOMMANDS) + " (opsd --help)"),
@@ -81,10 +95,14 @@ def test_a_missing_or_unknown_subcommand_is_one_line_exit_2(args, message):
     assert (result.returncode, result.stdout, result.stderr) == (2, "", message + "\n")
 
 
-def test_opsd_doctor_is_the_gpu_stack_check(tmp_path):
-    """Here (the CPU stack, no vLLM) the check finds differences: exit 1, as checks/check_gpu_stack.py."""
-    result, own = opsd("doctor"), same_as("doctor")
-    assert result.returncode == own.returncode == 1 and result.stdout == own.stdout
+def test_opsd_doctor_is_the_stack_check(tmp_path):
+    """`opsd doctor` is checks/check_gpu_stack.py: the same lines and exit status, on the install's
+    own file and on the GPU stack's (which this CPU install is not: exit 1)."""
+    for args in ((), ("--gpu",)):
+        result, own = opsd("doctor", *args), same_as("doctor", *args)
+        assert result.returncode == own.returncode and result.stdout == own.stdout
+        assert result.stdout.startswith("checking the installed packages against requirements")
+    assert result.returncode == 1
     result = opsd("doctor", str(tmp_path / "no.txt"))
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1 and "no.txt" in result.stderr
 

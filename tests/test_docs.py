@@ -1,6 +1,7 @@
 """The specification lives in the repository: every reference to it names
 docs/SPEC.md and a section that exists there."""
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -8,10 +9,29 @@ SPEC = ROOT / "docs" / "SPEC.md"
 
 
 def project_files():
-    """Every text file of the project but this test (whose patterns would match themselves)."""
-    for pattern in ("*.py", "*.sh", "*.md", "*.env", "*.txt", "tests/**/*.py", "*/**/*.py", "bench/*", "docs/*",
-                    ".ci/*"):
-        yield from (path for path in ROOT.glob(pattern) if path.is_file() and path != Path(__file__).resolve())
+    """Every text file of the project but this test (whose patterns would match themselves): the
+    files git lists (tracked, or new and not ignored), so that what a run or a user leaves in the
+    checkout (outputs/, a .venv, the cache) is never read. At the root: .py, .sh, .md, .env and
+    .txt files; below it: .py files, and every file directly in bench/, docs/ and .ci/."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode()
+    for name in sorted(set(listed.split("\0")) - {""}):
+        path = Path(name)
+        top = len(path.parts) == 1 and path.suffix in (".py", ".sh", ".md", ".env", ".txt")
+        below = len(path.parts) > 1 and (path.suffix == ".py" or (len(path.parts) == 2 and path.parts[0] in
+                                                                  ("bench", "docs", ".ci")))
+        if (top or below) and (ROOT / path).is_file() and ROOT / path != Path(__file__).resolve():
+            yield ROOT / path
+
+
+def test_project_files_are_the_listed_ones_never_what_a_run_or_a_venv_leaves():
+    """A .venv (README's first command) and a grid's outputs/ in the checkout are not read."""
+    names = {path.relative_to(ROOT).as_posix() for path in project_files()}
+    assert {"README.md", "opsd/config.py", "docs/SPEC.md", ".ci/run", "tests/conftest.py"} <= names
+    assert not any(name.startswith((".venv/", "outputs/", ".cache/")) for name in names)
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", ".venv/x.py", "outputs/q/code/v/opsd/x.py"],
+                             cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert ignored == [".venv/x.py", "outputs/q/code/v/opsd/x.py"]
 
 
 def spec_sections() -> set[str]:

@@ -12,6 +12,7 @@ import importlib.metadata
 import inspect
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -207,11 +208,18 @@ def test_the_vllm_that_was_run_is_in_trls_range_and_the_projects():
     assert compatible("0.26.0", "2.11.0", "5.17.0")
 
 
-def fake_python(tmp_path) -> tuple[dict, Path]:
-    """PATH with a `python` that records its arguments, one call a line, and does nothing."""
+def fake_python(tmp_path, prefix: str = "/venv", base_prefix: str = "/usr") -> tuple[dict, Path]:
+    """PATH with a `python` that records its arguments, one call a line, and does nothing; `python -c
+    CODE` records nothing and exits 0 (torch is a CPU build), except install.sh's check of the
+    environment, which runs in this interpreter with sys.prefix and sys.base_prefix set as given (by
+    default a virtual environment's: they differ)."""
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir()
-    (bin_dir / "python").write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
+    setup = f"import sys; sys.prefix, sys.base_prefix = {prefix!r}, {base_prefix!r}; exec(sys.argv[1])"
+    (bin_dir / "python").write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [[ "$1" = -c && "$2" = *base_prefix* ]]; then exec {sys.executable} -c "{setup}" "$2"; fi\n'
+        f'if [[ "$1" = -c ]]; then exit 0; fi\necho "$*" >> {log}\n')
     (bin_dir / "python").chmod(0o755)
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}, log
 
@@ -247,7 +255,61 @@ def test_install_refuses_an_unknown_option_in_one_line(tmp_path):
     env, log = fake_python(tmp_path)
     result = subprocess.run(["bash", str(ROOT / "install.sh"), "--cuda"], env=env, capture_output=True, text=True)
     assert result.returncode == 2 and not log.exists()
-    assert result.stderr.splitlines() == ["error: install.sh: unknown option '--cuda'; expected --gpu, -h or nothing"]
+    assert result.stderr.splitlines() == [
+        "error: install.sh: unknown option '--cuda'; expected --gpu, --system, -h or nothing"]
+
+
+REFUSED = ("is not a virtual environment; make one and activate it first (python3 -m venv .venv && "
+           ". .venv/bin/activate), or pass --system to install into this Python")
+
+
+@pytest.mark.parametrize("options", [[], ["--gpu"]])
+def test_install_refuses_a_python_that_is_not_a_virtual_environment(tmp_path, options):
+    """sys.prefix == sys.base_prefix and no conda-meta: a system or shared Python. One line says what
+    to do; nothing is installed (issue 60 item 3)."""
+    env, log = fake_python(tmp_path, prefix="/usr", base_prefix="/usr")
+    result = subprocess.run(["bash", str(ROOT / "install.sh"), *options], env=env, capture_output=True, text=True)
+    assert (result.returncode, result.stdout) == (2, "") and not log.exists()
+    assert result.stderr == f"error: install.sh: {tmp_path / 'bin' / 'python'} {REFUSED}\n"
+
+
+@pytest.mark.parametrize("options", [["--system"], ["--gpu", "--system"], ["--system", "--gpu"]])
+def test_install_with_system_installs_into_that_python(tmp_path, options):
+    env, log = fake_python(tmp_path, prefix="/usr", base_prefix="/usr")
+    result = subprocess.run(["bash", str(ROOT / "install.sh"), *options], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    calls = log.read_text().splitlines()
+    assert ("-m pip check" in calls) == ("--gpu" in options)
+    assert calls[-1] == "-m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e ."
+
+
+def test_install_takes_a_conda_environment(tmp_path):
+    """A conda environment's Python has sys.prefix == sys.base_prefix and a conda-meta folder."""
+    prefix = tmp_path / "conda-env"
+    (prefix / "conda-meta").mkdir(parents=True)
+    env, log = fake_python(tmp_path, prefix=str(prefix), base_prefix=str(prefix))
+    result = subprocess.run(["bash", str(ROOT / "install.sh")], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert log.read_text().splitlines()[0] == "-m pip install -q --disable-pip-version-check torch==2.13.0"
+
+
+def test_install_without_python_on_path_says_how_to_make_one(tmp_path):
+    """A fresh machine has python3 but no `python` until a virtual environment is activated."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "dirname").symlink_to(shutil.which("dirname"))
+    result = subprocess.run([shutil.which("bash"), str(ROOT / "install.sh")], env={"PATH": str(bin_dir)},
+                            capture_output=True, text=True)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == ("error: install.sh: no python on PATH; make a virtual environment and activate it "
+                             "first: python3 -m venv .venv && . .venv/bin/activate\n")
+
+
+def test_a_virtual_environment_in_the_checkout_is_ignored_by_git():
+    """README's first command makes .venv in the checkout: git ignores it, so that the tests that
+    read tracked files (git ls-files) never see it."""
+    result = subprocess.run(["git", "check-ignore", "-q", ".venv/lib/python3.11/site-packages/x.py"], cwd=ROOT)
+    assert result.returncode == 0
 
 
 def test_check_gpu_stack_passes_the_machine_that_ran_and_names_each_difference():
@@ -281,17 +343,71 @@ def test_check_gpu_stack_accepts_any_build_of_an_unlabelled_pin(tmp_path):
 
 
 def test_check_gpu_stack_command_exits_non_zero_on_this_cpu_machine(tmp_path):
-    """Here (the CPU stack: torch 2.13.0+cpu, no vLLM) the command reports the differences
-    and exits 1; a missing file is one error line, exit 2."""
-    result = subprocess.run([sys.executable, str(ROOT / "checks" / "check_gpu_stack.py")], capture_output=True,
-                            text=True)
+    """Here (the CPU stack: torch 2.13.0+cpu, no vLLM) the command asked for the GPU stack reports
+    the differences and exits 1; a missing file is one error line, exit 2."""
+    result = subprocess.run([sys.executable, str(ROOT / "checks" / "check_gpu_stack.py"), "--gpu"],
+                            capture_output=True, text=True)
     assert result.returncode == 1, result.stderr
-    assert result.stdout.splitlines()[-1].endswith("not as pinned")
-    assert any(line.startswith("vllm ") and line.endswith("MISSING") for line in result.stdout.splitlines())
+    lines = result.stdout.splitlines()
+    assert lines[0] == "checking the installed packages against requirements-gpu.txt (asked with --gpu)"
+    # torch, torchvision, torchaudio, vllm and transformers differ from the GPU stack
+    assert lines[-1] == "requirements-gpu.txt: 5 of 27 not as pinned"
+    assert any(line.startswith("vllm ") and line.endswith("MISSING") for line in lines)
     result = subprocess.run([sys.executable, str(ROOT / "checks" / "check_gpu_stack.py"), str(tmp_path / "no.txt")],
                             capture_output=True, text=True)
-    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
-    assert result.stderr.startswith("error: ") and "no.txt" in result.stderr
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"error: {tmp_path / 'no.txt'}: cannot read it (No such file or directory)\n"
+
+
+def test_doctor_checks_a_cpu_install_against_requirements_txt_and_passes_it():
+    """The README's CPU install (bash install.sh: torch 2.13.0+cpu, no vLLM) is checked against
+    requirements.txt, says so and why in its first line, and exits 0 (issue 60 item 5)."""
+    import torch
+
+    from opsd import gpu_stack as stack
+    if torch.version.cuda is not None or stack.installed_version("vllm"):
+        pytest.skip("a GPU install: checked against requirements-gpu.txt")
+    result = subprocess.run([sys.executable, str(ROOT / "checks" / "check_gpu_stack.py")], cwd="/",
+                            capture_output=True, text=True)
+    assert (result.returncode, result.stderr) == (0, ""), result.stdout
+    lines = result.stdout.splitlines()
+    assert lines[0] == (f"checking the installed packages against requirements.txt (a CPU install: torch "
+                        f"{torch.__version__} is a CPU build and vLLM is not installed; --cpu / --gpu choose)")
+    assert lines[-1] == f"requirements.txt: all {len(pins('requirements.txt'))} as pinned"
+    asked = subprocess.run([sys.executable, str(ROOT / "checks" / "check_gpu_stack.py"), "--cpu"],
+                           capture_output=True, text=True)
+    assert asked.returncode == 0 and asked.stdout.splitlines()[1:] == lines[1:]
+    assert asked.stdout.splitlines()[0] == "checking the installed packages against requirements.txt (asked with --cpu)"
+
+
+def test_doctor_reads_torch_version_cuda_without_importing_torch(tmp_path, monkeypatch):
+    """torch.version.cuda from the installed torch/version.py: this machine's, then a CUDA build's."""
+    import torch
+
+    from opsd import gpu_stack as stack
+    assert stack.torch_cuda() == torch.version.cuda
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "version.py").write_text(
+        "from typing import Optional\n__version__ = '2.11.0+cu130'\ndebug = False\ncuda: Optional[str] = '13.0'\n")
+
+    class Distribution:
+        def locate_file(self, name):
+            return tmp_path / name
+
+    monkeypatch.setattr(stack.metadata, "distribution", lambda name: Distribution())
+    assert stack.torch_cuda() == "13.0"
+
+
+@pytest.mark.parametrize("installed, cuda, expected", [
+    ({"torch": "2.13.0+cpu"}, None, ("cpu", "torch 2.13.0+cpu is a CPU build and vLLM is not installed")),
+    ({"torch": "2.11.0"}, "13.0", ("gpu", "torch 2.11.0 is built for CUDA 13.0")),
+    ({"torch": "2.11.0", "vllm": "0.26.0"}, "13.0", ("gpu", "vLLM 0.26.0 is installed")),
+    ({"vllm": "0.26.0"}, None, ("gpu", "vLLM 0.26.0 is installed")),
+    ({}, None, ("cpu", "torch and vLLM are not installed")),
+], ids=["cpu-torch", "cuda-torch", "vllm", "vllm-only", "nothing"])
+def test_doctor_takes_the_gpu_file_for_vllm_or_a_cuda_torch(installed, cuda, expected):
+    from opsd import gpu_stack as stack
+    assert stack.detect_stack(installed.get, cuda) == expected
 
 
 # pyproject.toml's declared dependencies against the locks and the code.

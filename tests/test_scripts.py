@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from lora_helpers import lora_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -513,3 +514,60 @@ def test_the_gpu_scripts_parse(script):
     assert result.returncode == 0, result.stderr
     text = (ROOT / script).read_text()
     assert text.startswith(("#!/usr/bin/env bash\n# ", "# Sourced by")), text[:60]
+
+
+def test_dev_eval_checks_its_argument_before_printing_anything(tmp_path):
+    """A path that is missing, a file, or a folder that is neither a checkpoint nor a run folder is
+    one error line that says which, with nothing printed before it (no '[eval] ... evaluating on the
+    default' line; issue 60 item 7); relative paths are the caller's."""
+    (tmp_path / "notes.txt").write_text("not a checkpoint\n")
+    (tmp_path / "empty").mkdir()
+    cases = {
+        "notackpt": f"error: checkpoint folder not found: {tmp_path / 'notackpt'}",
+        "notes.txt": f"error: {tmp_path / 'notes.txt'} is a file, not a checkpoint folder (holding "
+                     "adapter_config.json) or a run folder (holding checkpoint-N folders)",
+        "empty": f"error: {tmp_path / 'empty'} is neither a LoRA checkpoint (no adapter_config.json) nor a run "
+                 "folder (no checkpoint-N folder)",
+    }
+    for argument, message in cases.items():
+        result = run(["bash", str(ROOT / "dev_eval.sh"), argument], {"OPSD_EVAL_OUT": str(tmp_path / "out")},
+                     timeout=120, cwd=tmp_path)
+        assert (result.returncode, result.stdout, result.stderr) == (2, "", message + "\n"), argument
+    assert not (tmp_path / "out").exists()
+
+
+def test_quickstart_ends_with_the_trained_checkpoint_and_a_loading_command_that_runs(tmp_path):
+    """After the grid (here a stand-in `python` that runs nothing, on a machine without CUDA), the
+    quickstart prints the trained arm's last checkpoint and a two-line command that loads it, which
+    runs as printed, from any folder, without a warning (issue 60 item 8)."""
+    out = tmp_path / "qs"
+    run_folder = out / "token_left" / "seed-10" / "run"
+    for step in (4, 9):
+        (run_folder / f"checkpoint-{step}").mkdir(parents=True)
+    checkpoint = run_folder / "checkpoint-12"  # the newest by step, not by name
+    base = lora_checkpoint(checkpoint)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(
+        '#!/usr/bin/env bash\ncase "$*" in\n  "-m opsd.config check-env") exit 0 ;;\n'
+        '  "-c import sys, torch"*) exit 1 ;;\n  "-m opsd.research.grid grids/quickstart_cpu.json --out "*) exit 0 ;;\n'
+        'esac\necho "unexpected: python $*" >&2; exit 3\n')
+    (bin_dir / "python").chmod(0o755)
+    result = run(["bash", str(ROOT / "quickstart.sh"), "--skip-install"],
+                 {"OPSD_OUTPUT": str(out), "PATH": f"{bin_dir}:{os.environ['PATH']}"}, timeout=60)
+    assert (result.returncode, result.stderr) == (0, "")
+    lines = result.stdout.splitlines()
+    command = [
+        "python -W ignore::FutureWarning -c 'from peft import AutoPeftModelForCausalLM",
+        f'model = AutoPeftModelForCausalLM.from_pretrained("{checkpoint}"); '
+        'print(type(model).__name__, "on", model.peft_config["default"].base_model_name_or_path)\'']
+    assert lines[-4:] == [
+        f"[quickstart] trained checkpoint (token clip + left padding): {checkpoint}",
+        "[quickstart] load it (its README.md, the model card, has a snippet that also generates):", *command]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONWARNINGS")}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    loaded = subprocess.run(["bash", "-c", "\n".join(command)], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert loaded.stdout == f"PeftModelForCausalLM on {base}\n"
+    assert "warn" not in loaded.stderr.lower(), loaded.stderr

@@ -99,8 +99,10 @@ def load_grid(path: str) -> Grid:
     switches = set(SWITCH_VARIABLES.values())
     arms = []
     for name, value in arms_spec.items():
-        if not isinstance(value, dict) or set(value) - {"train", "recipe", "env", "flags"}:
+        if not isinstance(value, dict):
             raise GridError(f"{where}: arm {name!r} must be an object with train / recipe / env / flags")
+        if unknown := sorted(set(value) - {"train", "recipe", "env", "flags"}):
+            raise GridError(f"{where}: arm {name!r}: unknown key {unknown[0]!r}; expected env, flags, recipe, train")
         if not name.replace("-", "").replace("_", "").isalnum():
             raise GridError(f"{where}: arm name {name!r}: use letters, digits, - and _")
         env = value.get("env", {})

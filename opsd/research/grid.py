@@ -445,7 +445,17 @@ def main(argv=None, prog: str = "python -m opsd.research.grid") -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in COMMANDS:  # `status DIR` / `cancel DIR`; else the first argument is the grid file
         return folder_command(argv, prog)
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    # The subcommands take a grid folder instead of a grid file (folder_command); listed here so that
+    # --help shows them.
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                     usage="%(prog)s GRID --out DIR [options]\n"
+                                           "       %(prog)s status DIR\n       %(prog)s cancel DIR",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=(
+                                         f"subcommands ({prog} SUBCOMMAND DIR; {prog} SUBCOMMAND --help):\n"
+                                         "  status DIR  each cell of a grid folder: done, running where (its step), "
+                                         "pending, failed (its log), cancelled\n"
+                                         "  cancel DIR  stop a SLURM grid's jobs; they stay cancelled until a re-run "
+                                         "with --resubmit-cancelled"))
     parser.add_argument("grid", help="grid file (JSON)")
     parser.add_argument("--out", required=True, help="grid folder: one sub-folder per cell, results at the top")
     parser.add_argument("--cluster", choices=("local", "slurm"), default="local",

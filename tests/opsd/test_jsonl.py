@@ -6,7 +6,7 @@ import json
 import pytest
 from one_line_errors import one_line_message
 
-from opsd.jsonl import parse_lines, read_jsonl, read_text, split_lines
+from opsd.jsonl import parse_json, parse_lines, read_jsonl, read_text, split_lines
 
 
 class Bad(ValueError):
@@ -38,7 +38,18 @@ def test_text_is_utf8(tmp_path):
 def test_bad_json_names_file_and_line(tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_text('{"a": 1}\n\n{"a": \n{"a": 2}\n')
-    assert message_of(read_jsonl, path, Bad) == f"{path}:3: not valid JSON (Expecting value)"
+    assert message_of(read_jsonl, path, Bad) == f"{path}:3: not valid JSON (Expecting value: column 7)"
+
+
+def test_a_truncated_line_keeps_the_column_where_its_string_starts(tmp_path):
+    """json's message "Unterminated string starting at" means nothing without its position: the
+    column (1-based, on the file's line) comes with it; a whole text's error names its own line."""
+    path = tmp_path / "cut.jsonl"
+    path.write_text('{"a": 1}\n{"problem": "What is 2+\n')
+    assert message_of(read_jsonl, path, Bad) == (
+        f"{path}:2: not valid JSON (Unterminated string starting at: column 13)")
+    text = '{\n  "a": tru\n}'
+    assert message_of(parse_json, text, Bad, "x.json") == "x.json:2: not valid JSON (Expecting value: column 8)"
 
 
 def test_non_object_names_file_and_line(tmp_path):
