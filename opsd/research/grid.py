@@ -1,7 +1,7 @@
 """Ablation grid: arms x seeds -> train -> evaluate -> compare each arm with the baseline
 (opsd.analysis.stats); the grid file's format: docs/RESEARCH.md, "Ablation grids".
 
-    python -m opsd.research.grid GRID.json --out runs/my-grid [--parallel 4] [--dry-run]
+    python -m opsd.research.grid GRID.json --out runs/my-grid [--parallel 4] [--dry-run] [--results-only]
     python -m opsd.research.grid status runs/my-grid    # each cell: done / running where / pending / failed / cancelled
     python -m opsd.research.grid cancel runs/my-grid    # scancel a SLURM grid's jobs; they stay cancelled
 
@@ -467,6 +467,9 @@ def main(argv=None, prog: str = "python -m opsd.research.grid") -> int:
     parser.add_argument("--gpus-per-cell", type=int, default=None,
                         help="GPUs a cell trains on (default 1; 0 = CPU); several = that many DDP processes")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    parser.add_argument("--results-only", action="store_true",
+                        help="table the cells that have finished (results.md / .json, figures) and run none: a grid "
+                             "still running elsewhere, or whose cells were brought back from another machine")
     parser.add_argument("--allow-code-change", action="store_true",
                         help="resume cells that started on another version of the code (recorded in each cell.json); "
                              "without it such a cell stops the grid")
@@ -512,7 +515,7 @@ def main(argv=None, prog: str = "python -m opsd.research.grid") -> int:
         for cell in all_cells:
             check_cell_identity(grid, cell, processes)
             check_cell_code(cell, code, args.allow_code_change)
-        if args.cluster == "slurm" and not args.dry_run:
+        if args.cluster == "slurm" and not (args.dry_run or args.results_only):
             executors.check_slurm_tools()
             if (args.gpus_per_cell or 1) > 1:
                 _check_processes_divide_batch(grid, args.gpus_per_cell)
@@ -546,12 +549,17 @@ def _run_grid(grid: Grid, all_cells: list[Cell], out: Path, args, code: str | No
     todo = [c for c in all_cells if not c.report.is_file()]
     log(f"{len(all_cells)} cells, {len(all_cells) - len(todo)} already done, {len(todo)} to run"
         + (" on SLURM" if args.cluster == "slurm" else ""))
+    if args.results_only and todo:
+        log(f"--results-only: the {len(todo)} unfinished cell(s) stay as they are; the table holds the finished ones")
+        todo = []
     code, code_dir = snapshot_code(out) if todo else (code, REPO)
     if todo and code is not None:
         log(f"the cells run the code as it is now ({code}), copied to {code_dir}: editing the checkout from "
             "here on changes none of them")
     try:
-        if args.cluster == "slurm":
+        if args.results_only:
+            outcomes = {}
+        elif args.cluster == "slurm":
             outcomes = run_on_slurm(grid, args.grid, todo, out, args, log, code=code, code_dir=code_dir)
             if outcomes is None:
                 return 0

@@ -244,3 +244,22 @@ def test_reports_without_answers_keep_their_pass_at_k(tmp_path):
     opsd_metrics = table["arms"]["opsd"]["metrics"]
     assert "difference" in opsd_metrics["pass@8"] and "difference" not in opsd_metrics["maj@8"]
     assert "| base | 12.50 | 100.00 | - | - |" in opsd.research.grid.markdown(table)
+
+
+def test_results_only_tables_the_finished_cells_and_runs_none(tmp_path, capsys):
+    """--results-only: a grid with unfinished cells (still running elsewhere, or brought back in part from
+    another machine) is tabled from its finished cells; no cell is trained or evaluated, the unfinished
+    ones are listed missing, and the exit status is 0."""
+    out = TG.write_grid(tmp_path / "grid", arms=("opsd",))
+    grid_file = tmp_path / "grid.json"
+    grid_file.write_text(json.dumps({"preset": "tiny", "seeds": [0, 1, 2], "baseline": "base",
+                                     "budget": {"max_steps": 4},
+                                     "arms": {"base": {"train": False}, "opsd": {}, "sft": {}}}))
+    assert opsd.research.grid.main([str(grid_file), "--out", str(out), "--results-only"]) == 0
+    printed = capsys.readouterr().out
+    assert "7 cells, 3 already done, 4 to run" in printed
+    assert "--results-only: the 4 unfinished cell(s) stay as they are; the table holds the finished ones" in printed
+    table = json.loads((out / "results.json").read_text())
+    assert table["missing"] == ["opsd/seed-2", "sft/seed-0", "sft/seed-1", "sft/seed-2"]
+    assert table["arms"]["opsd"]["runs"] == 2 and table["arms"]["sft"]["runs"] == 0
+    assert not (out / "sft").exists() and not (out / "opsd" / "seed-2").exists()  # nothing ran
