@@ -415,6 +415,7 @@ def chunked_grpo_loss(
     old_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     beta: float = 0.0,
+    bias_correction_kl: bool = True,
     chunk_size: int = 1024,
     lm_head_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -437,6 +438,6 @@ def chunked_grpo_loss(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     objective = GRPOObjective(
         completion_ids, advantages, weights, old_logp=old_logp, ref_logp=ref_logp, temperature=temperature,
-        epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta,
+        epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, bias_correction_kl=bias_correction_kl,
     )  # fmt: skip
     return _apply(objective, student_hidden, None, lm_head_weight, lm_head_bias, chunk_size)

@@ -53,6 +53,7 @@ class GRPOSettings:
     epsilon_high: float | None
     max_completion_length: int  # dr_grpo's normaliser
     beta: float = 0.0  # TRL's GRPO beta: the k3 KL to the reference (the adapter disabled); 0 = no reference forward
+    bias_correction_kl: bool = True  # TRL's use_bias_correction_kl: the KL times the importance ratio (opsd.grpo)
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,8 @@ def objective_settings(args) -> ObjectiveSettings:
     grpo = None
     if objective == "grpo":
         grpo = GRPOSettings(loss_type=args.grpo_loss_type, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
-                            max_completion_length=args.max_completion_length, beta=args.grpo_beta)
+                            max_completion_length=args.max_completion_length, beta=args.grpo_beta,
+                            bias_correction_kl=args.grpo_use_bias_correction_kl)
     return ObjectiveSettings(objective=objective, implementation=args.loss_implementation, divergence=divergence,
                              chunk_size=args.loss_chunk_size, compile=bool(args.compile_loss), grpo=grpo)
 
@@ -186,6 +188,7 @@ def chunked_grpo(s: ObjectiveSettings) -> Objective:
         return chunked_grpo_loss(student, _whole(head.weight), ids, advantages, weights,
                                  temperature=s.divergence.temperature, epsilon_low=g.epsilon_low,
                                  epsilon_high=g.epsilon_high, ref_logp=ref_logp, beta=g.beta,
+                                 bias_correction_kl=g.bias_correction_kl,
                                  chunk_size=s.chunk_size, lm_head_bias=_whole(head.bias))
     return objective
 
@@ -202,7 +205,8 @@ def logits_grpo(s: ObjectiveSettings) -> Objective:
         return grpo_loss(head(student), batch.completion_ids, mask, rewards.advantages,
                          loss_type=g.loss_type, temperature=s.divergence.temperature, epsilon_low=g.epsilon_low,
                          epsilon_high=g.epsilon_high, max_completion_length=g.max_completion_length,
-                         num_items=rewards.num_items, ref_logp=ref_logp, beta=g.beta)
+                         num_items=rewards.num_items, ref_logp=ref_logp, beta=g.beta,
+                         bias_correction_kl=g.bias_correction_kl)
     return objective
 
 
