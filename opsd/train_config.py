@@ -140,6 +140,11 @@ class OPSDConfig(DistillationConfig):
         default=False,
         metadata={"help": "TRL: leave truncated completions out of the loss; only false (they are trained on, rewarded "
                           "as the evaluation grades them)."})
+    sft_teacher_diagnostics: bool = field(
+        default=False,
+        metadata={"help": "loss_type sft: also run the teacher's no-grad forward each micro-batch, for the true-KL "
+                          "and teacher-entropy diagnostics (opsd/true_kl, opsd/teacher_entropy); off, SFT runs the "
+                          "student alone and its tokens/forward count only the student's forward."})
     max_prompt_length: int | None = field(default=None, metadata={"help": "Student prompt limit (warns only)."})
     max_teacher_prompt_length: int | None = field(
         default=None, metadata={"help": "Teacher prompt limit; the privileged context is truncated to fit."}
@@ -366,6 +371,11 @@ def check_honoured(args) -> None:
             raise ValueError(f"{name}={getattr(args, name)!r}: {sampled} are sampled by the project's own rollout "
                              f"engine, which does not implement {name} (vLLM does: --use_vllm true without "
                              "reason_first, not for loss_type grpo)")
+    if args.sft_teacher_diagnostics and args.loss_type != "sft":
+        raise ValueError(f"sft_teacher_diagnostics: an SFT setting, which loss_type {args.loss_type} does not read")
+    if args.loss_type == "sft" and args.reason_first and not args.sft_teacher_diagnostics:
+        raise ValueError("reason_first with loss_type sft: the teacher's analyses feed only the teacher's forward, "
+                         "which SFT runs only with sft_teacher_diagnostics")
     if args.loss_type != "grpo":
         for name in GRPO_ONLY:
             if getattr(args, name) != defaults[name]:
