@@ -7,7 +7,7 @@
     python -m opsd.analysis.stats tokens GRID_DIR [--json OUT] [--plot FILE.png]
     python -m opsd.analysis.stats equivalence GRID_DIR --a ARM[@STEP] --b ARM[@STEP] --margin POINTS
         (opsd.analysis.evidence)
-    python -m opsd.analysis.stats reach GRID_DIR (--target X | --target-arm ARM) [--ratio-to ARM]
+    python -m opsd.analysis.stats reach GRID_DIR --target X [--ratio-to ARM]
         (opsd.analysis.evidence)
 
 `tokens` puts a grid's arms (a opsd.research.grid folder) on the sampled-tokens axis
@@ -841,7 +841,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m opsd.analysis
     if args.command in ("equivalence", "reach"):
         from opsd.analysis import evidence
 
-        return evidence.main(args, grid_table, (InputError, TokensError))
+        return evidence.main(args, grid_table, (InputError, TokensError),
+                             evidence.StatsTools(load_run, check_comparable, _problem_weights))  # reach's readers
     try:
         if args.bootstrap < MIN_BOOTSTRAP:
             raise InputError(f"--bootstrap must be at least {MIN_BOOTSTRAP}, got {args.bootstrap}")
