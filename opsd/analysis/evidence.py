@@ -39,7 +39,8 @@ of resampled means, paired by problem.
 Inputs are what opsd.research.grid writes (ARM/seed-N/{run/metrics.jsonl, sweep.json, eval.json},
 read by opsd.analysis.stats.grid_table, which passes the table in; for an arm of 5+ seeds also the
 reports of its swept checkpoints, ARM/seed-N/eval/, and base/eval.json, read by the stats readers
-it passes in, `StatsTools`: stats imports this module, so this module cannot import stats). Bad input is one `error: ...` line, exit 2.
+it passes in, `StatsTools`: stats imports this module, so this module cannot import stats). Bad
+input is one `error: ...` line, exit 2.
 """
 from __future__ import annotations
 
