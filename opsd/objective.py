@@ -243,8 +243,9 @@ def eos_log_probs(student: torch.Tensor, teacher: torch.Tensor, completion_ids: 
     last = (mask.sum(1) - 1).clamp(min=0)  # completions are left-aligned in [B, C]
     rows = torch.arange(mask.shape[0], device=mask.device)
     token = completion_ids[rows, last]
-    eos = torch.tensor(eos_token_ids, device=token.device)
-    ended = (mask.sum(1) > 0) & torch.isin(token, eos)
+    ended = mask.sum(1) > 0
+    # Compared with each id as a Python number: a tensor of the ids made here would be a blocking copy.
+    ended = ended & torch.stack([token == eos for eos in eos_token_ids]).any(0)
     out = {}
     for key, hidden in zip(EOS_STAT_KEYS, (teacher, student), strict=True):
         logits = project(hidden[rows, last].detach())
