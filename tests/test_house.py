@@ -138,7 +138,7 @@ def test_drift_once_removed_stays_gone():
     alone called them; the trainer and evaluation build their own backends, the trainer its
     objective); neither the trainer nor the collator takes a `pad_side` (the probe's other
     geometries are opsd/research/probe.py's); in opsd/, only train_config imports TRL (opsd/__init__.py
-    says so); opsd/analysis/stats.py takes Student's t from scipy, a requirement, not by hand."""
+    says so); opsd/analysis/significance.py takes Student's t from scipy, a requirement, not by hand."""
     defined = [f"{path.relative_to(ROOT)}:{node.lineno}: {node.name}"
                for path in files(".py") if "tests" not in path.relative_to(ROOT).parts
                for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
@@ -155,5 +155,5 @@ def test_drift_once_removed_stays_gone():
                  or isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "trl")
     assert trl == ["train_config.py"]
     assert "Only `train_config` imports TRL" in (ROOT / "opsd/__init__.py").read_text(encoding="utf-8")
-    stats = (ROOT / "opsd/analysis/stats.py").read_text(encoding="utf-8")
+    stats = (ROOT / "opsd/analysis/significance.py").read_text(encoding="utf-8")
     assert "from scipy.stats import t\n" in stats and "betainc" not in stats

@@ -55,6 +55,8 @@ class Grid:
     eval_flags: tuple[str, ...] = ()
     sweep_every: int | None = None  # save and evaluate a checkpoint every this many steps
     base_recipe: str = "shipped"  # a key of BASE_RECIPES
+    margin: float | None = None  # the equivalence margin in pass@1 points, stated before the run (results)
+    compare_to: tuple[str, ...] = ()  # arms every arm is also compared with, beside the baseline (results)
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ def load_grid(path: str) -> Grid:
     if not isinstance(spec, dict):
         raise GridError(f"{where}: expected a JSON object")
     known = {"preset", "eval_data", "eval_flags", "sweep_every", "seeds", "budget", "recipe", "baseline", "arms",
-             "base_recipe"}
+             "base_recipe", "margin", "compare_to"}
     if unknown := sorted(set(spec) - known):
         raise GridError(f"{where}: unknown key {unknown[0]!r}; expected {', '.join(sorted(known))}")
     arms_spec = spec.get("arms")
@@ -133,11 +135,38 @@ def load_grid(path: str) -> Grid:
     if base_recipe not in BASE_RECIPES:
         raise GridError(f"{where}: 'base_recipe' must be one of {', '.join(map(repr, BASE_RECIPES))} "
                         f"({', '.join(BASE_RECIPES.values())}), got {base_recipe!r}")
+    margin, compare_to = _check_margin(spec, where), _check_compare_to(spec, arms, baseline, where)
     grid = Grid(tuple(arms), tuple(seeds), spec.get("eval_data"), spec.get("preset"), budget,
-                dict(spec.get("recipe", {})), baseline, tuple(eval_flags), sweep_every, base_recipe)
+                dict(spec.get("recipe", {})), baseline, tuple(eval_flags), sweep_every, base_recipe, margin,
+                compare_to)
     for arm in grid.arms:  # a recipe error surfaces now, with the arm's name, not after hours of training
         _check_recipe(recipe_text(grid, arm), f"{where}: arm {arm.name!r}")
     return grid
+
+
+def _check_margin(spec: dict, where: str) -> float | None:
+    """The grid file's `margin`: points > 0 on the pass@1 scale, or absent (no equivalence claim)."""
+    margin = spec.get("margin")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                               or not 0 < margin < float("inf")):
+        raise GridError(f"{where}: 'margin' must be a number of points > 0 (the equivalence margin on the pass@1 "
+                        f"scale), got {margin!r}")
+    return None if margin is None else float(margin)
+
+
+def _check_compare_to(spec: dict, arms: list[Arm], baseline: str, where: str) -> tuple[str, ...]:
+    """The grid file's `compare_to`: arms other than the baseline, each once."""
+    names = spec.get("compare_to", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise GridError(f"{where}: 'compare_to' must be a list of arm names, got {names!r}")
+    for name in names:
+        if name not in {a.name for a in arms}:
+            raise GridError(f"{where}: compare_to {name!r} is not an arm ({', '.join(a.name for a in arms)})")
+        if name == baseline:
+            raise GridError(f"{where}: compare_to {name!r} is the baseline, which every arm is compared with already")
+        if names.count(name) > 1:
+            raise GridError(f"{where}: compare_to names {name!r} twice")
+    return tuple(names)
 
 
 def _check_eval_flags(flags: list[str], where: str) -> None:

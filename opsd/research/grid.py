@@ -17,6 +17,8 @@ A grid file (JSON) names the arms and what they share:
       "base_recipe": "shipped",               # arms start from recipe.env (default) or "released"
       "recipe": {"learning_rate": 1e-4},      # recipe keys every trained arm gets, on top of it
       "baseline": "base",                     # the arm every other arm is compared with
+      "compare_to": ["token"],                # optional: arms every arm is also compared with (results)
+      "margin": 3,                            # optional: equivalence margin in pass@1 points, stated now
       "arms": {
         "base": {"train": false},             # the untrained model, evaluated once
         "shipped": {},
@@ -33,9 +35,12 @@ rollout RNG), so arms are compared on paired seeds. A cell whose `eval.json`
 exists is skipped; a cell with a partial run resumes from its last checkpoint,
 so re-running the same command after an interruption finishes the grid. At the
 end: `results.md` (one table, the verdict of `opsd.analysis.stats` compare of each arm
-against the baseline) and `results.json` (every number) in the grid folder, and
+against the baseline; a second with pass@1, pass@n, maj@n and distinct answers a problem against
+it, and one against the `compare_to` arms: opsd/research/grid_metrics.py) and `results.json`
+(every number) in the grid folder, and
 `curves.png` beside them: each trained arm's training curves, the mean over its
-seeds with the lowest-to-highest band (`python -m opsd.analysis.plots overlay --grid`). Each arm's
+seeds with the lowest-to-highest band (`python -m opsd.analysis.plots overlay --grid`), and
+`passk.png`: each arm's pass@k against k (`python -m opsd.analysis.plots passk`). Each arm's
 sampled tokens (the mean over its seeds of `tokens/sampled` at the last checkpoint, opsd.analysis.tokens)
 stand next to its accuracy, and each cell's wall time (timing.json) below the table. The output
 ends with each evaluated cell's FINAL line and each arm's verdict against the baseline (what
@@ -46,7 +51,8 @@ With `sweep_every: N`, trained cells save a checkpoint every N steps and evaluat
 `sweep.json` with accuracy against step, best against last); the arms' table still compares
 the last checkpoints, and `results.md` / `results.json` add each arm's mean accuracy per step
 (`results.json` also its mean sampled tokens per step), and `accuracy_vs_tokens.png` draws each
-arm's accuracy against the tokens it sampled (`python -m opsd.analysis.stats tokens GRID_DIR`: the table).
+arm's accuracy against the tokens it sampled (`python -m opsd.analysis.stats tokens GRID_DIR`: the table),
+and `steps.png` its pass@1 and pass@n per checkpoint (`python -m opsd.analysis.plots steps`).
 """
 from __future__ import annotations
 
@@ -92,15 +98,19 @@ from opsd.run_folder import write_text_atomic
 # --------------------------------------------------------------------------
 
 def results(grid: Grid, out: Path, all_cells: list[Cell]) -> dict:
-    """opsd.analysis.stats summary per arm and compare of each arm against the baseline."""
+    """opsd.analysis.stats summary per arm and compare of each arm against the baseline, on pass@1
+    and on the metrics of opsd.research.grid_metrics (pass@n, maj@n, distinct answers; swept
+    checkpoints; the collapse watch; the `compare_to` arms; equivalence with the grid's `margin`)."""
     from opsd.analysis import stats as run_stats
+    from opsd.research import grid_metrics
 
     runs = {arm.name: [run_stats.load_run(c.report) for c in all_cells if c.arm is arm and c.report.is_file()]
             for arm in grid.arms}
     table = {"grid": {"eval_data": grid.eval_data, "preset": grid.preset, "seeds": list(grid.seeds),
                       "budget": grid.budget, "base_recipe": grid.base_recipe,
                       "base_recipe_file": BASE_RECIPES[grid.base_recipe], "base_recipe_keys": base_recipe_keys(grid),
-                      "recipe": grid.recipe, "baseline": grid.baseline},
+                      "recipe": grid.recipe, "baseline": grid.baseline, "margin": grid.margin,
+                      "compare_to": list(grid.compare_to)},
              "arms": {}}
     base_runs = runs[grid.baseline]
     for arm in grid.arms:
@@ -113,23 +123,30 @@ def results(grid: Grid, out: Path, all_cells: list[Cell]) -> dict:
             entry["per_run"] = [r["avg"] for r in summary["runs"]]
             entry["mean"] = sum(entry["per_run"]) / len(entry["per_run"])
             entry["metric"] = summary["metric"]
+            entry["metrics"] = grid_metrics.arm_metrics(arm_runs)
         if arm.name != grid.baseline and arm_runs and base_runs:
-            counts = run_stats.check_comparable([*base_runs, *arm_runs])
             # opsd.analysis.stats compare's numbers and words (its resample count and seed): the same
             # interval as `python -m opsd.analysis.stats compare --a BASELINE --b ARM` prints.
-            compare = run_stats.compare_arms(base_runs, arm_runs, counts, run_stats.DEFAULT_BOOTSTRAP, 0,
-                                             names=(grid.baseline, arm.name))
-            entry["difference"] = compare["difference"]
-            entry["ci"] = compare["bootstrap"]["ci"]
-            entry["verdict"] = compare["verdict"]
-            entry["verdict_sentence"] = compare["verdict_sentence"]
-            entry["statistics"] = compare["statistics"]
+            versus = grid_metrics.comparison(grid.baseline, base_runs, arm.name, arm_runs, grid.margin)
+            kept = ("difference", "ci", "verdict", "verdict_sentence", "statistics", "verdict_words", "disagreement",
+                    "equivalence")
+            entry.update({key: versus[key] for key in kept if key in versus})
+            for name, numbers in versus["metrics"].items():
+                entry["metrics"][name].update(numbers)
+        arm_cells = [c for c in all_cells if c.arm is arm]
         if grid.sweep_every and arm.train:
-            entry["per_step"] = _mean_per_step([c for c in all_cells if c.arm is arm])
+            entry["per_step"] = _mean_per_step(arm_cells)
+            entry.update(grid_metrics.sweep_entry(arm_cells))
+        if arm.train:
+            entry["collapse_warning"] = grid_metrics.collapse_steps([c for c in arm_cells if c.report.is_file()])
         entry.update(_sampled_tokens(grid, [c for c in all_cells if c.arm is arm and c.report.is_file()],
                                      entry.get("per_step")))
         entry.update(_wall_time([c for c in all_cells if c.arm is arm and c.report.is_file()]))
         table["arms"][arm.name] = entry
+    table["compare_to"] = {
+        ref: {arm.name: grid_metrics.comparison(ref, runs[ref], arm.name, runs[arm.name], grid.margin)
+              for arm in grid.arms if arm.name != ref and runs[arm.name]}
+        for ref in grid.compare_to if runs[ref]}
     table["missing"] = [c.name for c in all_cells if not c.report.is_file()]
     table["bootstrap_resamples"] = run_stats.DEFAULT_BOOTSTRAP
     return table
@@ -242,10 +259,14 @@ def _wall_lines(table: dict) -> list[str]:
 
 
 def markdown(table: dict) -> str:
+    from opsd.research import grid_metrics
+
     g = table["grid"]
     metric = next((a["metric"] for a in table["arms"].values() if "metric" in a), "avg@k")
+    margin = (f" Equivalence margin {g['margin']:g} points on pass@1, stated in the grid file before the run "
+              "(TOST beside each difference test)." if g.get("margin") is not None else "")
     lines = [f"Eval set `{g['eval_data'] or 'default'}`, {metric}; budget {g['budget']}; seeds {g['seeds']}; "
-             f"baseline `{g['baseline']}`.", "", _recipe_line(g), "",
+             f"baseline `{g['baseline']}`.{margin}", "", _recipe_line(g), "",
              f"| arm | runs | {metric} per run | mean | sampled tokens | forward + backward tokens "
              f"| vs {g['baseline']} (95% CI) | verdict |",
              "|---|---|---|---|---|---|---|---|"]
@@ -253,10 +274,11 @@ def markdown(table: dict) -> str:
         per_run = ", ".join(f"{v:.2f}" for v in a.get("per_run", [])) or "-"
         mean = f"{a['mean']:.2f}" if "mean" in a else "-"
         diff = f"{a['difference']:+.2f} [{a['ci'][0]:+.2f}, {a['ci'][1]:+.2f}]" if "difference" in a else "-"
-        verdict = a.get("verdict_sentence", "-")  # its numbers are the CI column
+        verdict = a.get("verdict_words", a.get("verdict_sentence", "-"))  # its numbers are the CI column
         tokens = _tokens_cell(a)
         lines.append(f"| {name} | {a['runs']} | {per_run} | {mean} | {tokens} | {_compute_cell(a)} | {diff} "
                      f"| {verdict} |")
+    lines += grid_metrics.metrics_lines(table)
     swept = {name: a["per_step"] for name, a in table["arms"].items() if a.get("per_step")}
     if swept:
         steps = sorted({int(step) for per_step in swept.values() for step in per_step})
@@ -266,6 +288,7 @@ def markdown(table: dict) -> str:
         for step in steps:
             cells = [f"{per_step[str(step)]:.2f}" if str(step) in per_step else "-" for per_step in swept.values()]
             lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    lines += grid_metrics.sweep_lines(table) + grid_metrics.collapse_lines(table)
     lines += _wall_lines(table)
     if any("sampled_tokens" in a for a in table["arms"].values()):
         lines += ["", "sampled tokens: completion tokens the student sampled up to the last checkpoint "
@@ -295,8 +318,10 @@ def _recipe_line(g: dict) -> str:
     keys = g.get("base_recipe_keys", {})
     changes = ", ".join(f"{k}={v}" for k, v in keys.items()) or "no key changed"
     on_top = ", ".join(f"{k}={v}" for k, v in g.get("recipe", {}).items())
-    return (f"Trained arms start from the {name} recipe (`{g.get('base_recipe_file', BASE_RECIPES[name])}`: {changes})"
-            + (f", then the grid's recipe keys ({on_top})" if on_top else "") + ", then their own (arm rows' `recipe`).")
+    file = g.get("base_recipe_file", BASE_RECIPES[name])
+    return (f"Trained arms start from the {name} recipe (`{file}`: {changes})"
+            + (f", then the grid's recipe keys ({on_top})" if on_top else "")
+            + ", then their own (arm rows' `recipe`).")
 
 
 def _compute_cell(arm: dict) -> str:
@@ -341,6 +366,28 @@ def draw_accuracy_vs_tokens(grid: Grid, out: Path) -> Path | None:
     drawn = run_plots.draw_or_warn("accuracy-vs-tokens plot",
                                    lambda: run_plots.plot_accuracy_vs_tokens(run_stats.grid_table(out), path))
     return None if drawn is None else path
+
+
+def draw_passk(grid: Grid, out: Path) -> Path | None:
+    """passk.png beside results.md: pass@k against k per evaluated arm (its seeds' eval.json), in
+    the grid's order; None (one warning line) when it cannot be drawn."""
+    from opsd.analysis import plots as run_plots
+
+    arms = [arm.name for arm in grid.arms]
+    drawn = run_plots.draw_or_warn("pass@k plot", run_plots.plot_grid_passk, out, arms=arms)
+    return None if drawn is None else out / run_plots.PASSK_FILE
+
+
+def draw_steps(grid: Grid, out: Path) -> Path | None:
+    """With `sweep_every`: steps.png beside results.md, each arm's pass@1 and pass@n per swept
+    checkpoint; None without a sweep, or (one warning line) when it cannot be drawn."""
+    from opsd.analysis import plots as run_plots
+
+    if not grid.sweep_every:
+        return None
+    drawn = run_plots.draw_or_warn("pass@k over steps plot", run_plots.plot_steps, out,
+                                   arms=[arm.name for arm in grid.arms])
+    return None if drawn is None else out / run_plots.STEPS_FILE
 
 
 # --------------------------------------------------------------------------
@@ -510,10 +557,10 @@ def _run_grid(grid: Grid, all_cells: list[Cell], out: Path, args, code: str | No
     write_text_atomic(out / "results.json", json.dumps(table, indent=1) + "\n")
     write_text_atomic(out / "results.md", markdown(table))
     print(markdown(table), end="")
-    curves = draw_curves(grid, out)
-    tokens_plot = draw_accuracy_vs_tokens(grid, out)
-    log(f"results: {out / 'results.md'}" + (f"; curves: {curves}" if curves else "")
-        + (f"; accuracy against sampled tokens: {tokens_plot}" if tokens_plot else ""))
+    figures = {"curves": draw_curves(grid, out), "pass@k": draw_passk(grid, out),
+               "accuracy against sampled tokens": draw_accuracy_vs_tokens(grid, out),
+               "pass@1 and pass@n over steps": draw_steps(grid, out)}
+    log(f"results: {out / 'results.md'}" + "".join(f"; {what}: {path}" for what, path in figures.items() if path))
     print("\n".join(["", *final_lines(all_cells, table)]))
     return 1 if failed else 0
 
@@ -564,8 +611,9 @@ def final_lines(cells: list[Cell], table: dict) -> list[str]:
             m = json.loads(cell.report.read_text(encoding="utf-8"))["metrics"]
             lines.append(f"{cell.name}: {final_line(m['num_correct'], m['num_samples'], m['num_problems'], m['k'])}")
     baseline = table["grid"]["baseline"]
-    return lines + [f"{name} vs {baseline}: {arm['verdict']}" for name, arm in table["arms"].items()
-                    if "verdict" in arm]
+    lines += [f"{name} vs {baseline}: {arm['verdict']}" for name, arm in table["arms"].items() if "verdict" in arm]
+    return lines + [f"{name} vs {ref}: {row['verdict']}" for ref, rows in (table.get("compare_to") or {}).items()
+                    for name, row in rows.items()]
 
 
 def _check_executor_options(args) -> None:

@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from opsd.analysis import plot_common
 from opsd.analysis import plots as run_plots
 from opsd.run_log import KL_LINE_FIELDS
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 OPSD_KEYS = [key for _, key in KL_LINE_FIELDS if key != "opsd/nll"]  # nll: the SFT loss only
-OTHER_KEYS = ["loss", "learning_rate", "grad_norm", "completions/mean_length", "completions/max_length"]
+OTHER_KEYS = ["loss", "learning_rate", "grad_norm", "completions/mean_length", "completions/max_length",
+              "completions/truncated_ratio"]
 GRPO_KEYS = ["grpo/reward_mean", "grpo/frac_reward_zero_std"]  # a GRPO run's panels (opsd.grpo.reward_stats)
 
 
@@ -179,8 +181,8 @@ def test_bad_input_is_one_line_exit_2_and_no_png(tmp_path, capsys):
 def figures(monkeypatch):
     """The Figure objects the plots would save (rendered and written as usual)."""
     drawn = []
-    real_save = run_plots._save
-    monkeypatch.setattr(run_plots, "_save", lambda fig, out: drawn.append(fig) or real_save(fig, out))
+    real_save = plot_common.save_png
+    monkeypatch.setattr(plot_common, "save_png", lambda fig, out: drawn.append(fig) or real_save(fig, out))
     return drawn
 
 
@@ -225,7 +227,7 @@ def test_a_failed_write_leaves_no_partial_png(tmp_path, monkeypatch):
     def full_disk(src, dst):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(run_plots.os, "replace", full_disk)
+    monkeypatch.setattr(plot_common.os, "replace", full_disk)
     with pytest.raises(run_plots.PlotError, match="curves.png: cannot write it \\(No space left on device\\)"):
         run_plots.plot_run_curves(run)
     assert no_pngs(tmp_path)
@@ -267,7 +269,8 @@ def test_a_grids_figure_shows_accuracy_first_then_only_the_curves_that_move(tmp_
     titles = [ax.get_title() for ax in figures[-1].axes]
     assert titles == ["accuracy on tiny:7:40:amc_aime (higher is better)", "true KL (teacher || student)",
                       "student entropy", "loss"]
-    assert [label.get_text() for label in figures[-1].axes[0].get_yticklabels()] == ["token_left", "base (untrained)"]
+    assert [label.get_text() for label in figures[-1].axes[0].get_yticklabels()] == [
+        "token_left\n60.00", "base (untrained)\n45.62"]  # no difference in this results.json: no interval
     # Asked for by name, a flat metric is drawn all the same.
     assert ("teacher_mass_removed" in {run_plots.metric_label(k) for k, _ in run_plots.overlay_grid(
         grid, tmp_path / "chosen.png", metrics=["teacher_mass_removed"])})

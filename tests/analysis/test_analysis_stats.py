@@ -553,3 +553,23 @@ def test_bad_plot_path_is_one_line_before_any_output(arms, tmp_path, capsys):
         one_error_line(*cli(capsys, "compare", "--a", *paths_a, "--b", *paths_b, "--json", tmp_path / "c.out.json",
                             "--plot", target), f"error: {target}: ", fragment)
     assert not (tmp_path / "c.out.json").exists() and not list(tmp_path.rglob("*.png"))
+
+
+def test_a_reused_problem_draw_gives_the_numbers_of_a_fresh_generator():
+    """The bootstrap draws its problem weights once per (seed, problems, resamples) and reuses them
+    (a grid bootstraps every run, arm and metric alike): every interval is what default_rng(seed)
+    drawing from scratch gives."""
+    from opsd.analysis import significance
+
+    rng = np.random.default_rng(5)
+    a, b = rng.random((3, 20)), rng.random((2, 20))
+    bootstrap_difference(b, a, 400, seed=9)  # fills the cache for (9, 20, 400)
+    bootstrap_mean(a, 400, seed=9)
+    fresh = np.random.default_rng(9)
+    weights = significance._problem_weights(fresh, 20, 400)
+    draws = significance._resampled_means(fresh, b, weights) - significance._resampled_means(fresh, a, weights)
+    assert bootstrap_difference(a, b, 400, seed=9)["ci"] == significance._percentile_ci(draws, 0.95)
+    fresh = np.random.default_rng(9)
+    weights = significance._problem_weights(fresh, 20, 400)
+    assert bootstrap_mean(b, 400, seed=9)["ci"] == significance._percentile_ci(
+        significance._resampled_means(fresh, b, weights), 0.95)

@@ -52,10 +52,20 @@ def test_grid_tgz_brings_back_sweeps_and_timings_not_checkpoints(tmp_path):
     with tarfile.open(out / "grid.tgz") as tar:
         names = sorted(tar.getnames())
     assert names == sorted([
-        "g/results.md", "g/base/eval.json", "g/base/timing.json", "g/base/eval.log",
-        "g/opsd/seed-0/eval.json", "g/opsd/seed-0/timing.json", "g/opsd/seed-0/eval.log",
-        "g/opsd/seed-0/sweep.json", "g/opsd/seed-0/run/metrics.jsonl"])  # no checkpoint, no per-checkpoint report
+        "g/results.md", "g/base/eval.json", "g/base/timing.json", "g/base/eval.log", "g/base/cell.json",
+        "g/base/eval/eval_x.json", "g/opsd/seed-0/eval.json", "g/opsd/seed-0/timing.json", "g/opsd/seed-0/eval.log",
+        "g/opsd/seed-0/cell.json", "g/opsd/seed-0/eval/eval_x.json",  # each checkpoint's report: pass@k over steps
+        "g/opsd/seed-0/sweep.json", "g/opsd/seed-0/run/metrics.jsonl"])  # no checkpoint folder
     assert sorted(p.name for p in out.iterdir()) == ["grid.log", "grid.tgz", "machine.txt"]  # few files to return
+
+
+def test_more_grids_run_beside_the_first_and_share_grid_tgz(tmp_path):
+    run, out = _run_script(tmp_path, "first.json", "8", "second.json", "4")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "grid first.json into runs/first" in (out / "grid.log").read_text()
+    assert "grid second.json into runs/second" in (out / "grid-second.log").read_text()
+    with tarfile.open(out / "grid.tgz") as tar:
+        assert {name.split("/")[0] for name in tar.getnames()} == {"first", "second"}
 
 
 def test_grid_name_runs_a_part_into_the_whole_grids_folder(tmp_path):

@@ -48,7 +48,8 @@ def test_results_give_each_arms_forward_and_backward_tokens(tmp_path):
     assert a["old"]["forward_tokens"] is None and a["old"]["forward_tokens_per_run"] == [None]
     text = opsd.research.grid.markdown({"grid": {"eval_data": None, "budget": {}, "seeds": [0, 1], "baseline": "base"},
                                    "arms": a})
-    rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
+    first_table = text.split("\n\n")[2]  # the arms' table (the metrics' tables below it have arm rows too)
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in first_table.splitlines() if line.startswith("| ")}
     assert rows["| arm"][5] == "forward + backward tokens"
     assert rows["| opsd"][5] == "24 k + 10 k" and rows["| sft"][5] == "4 k + 1.8 k"
     assert rows["| old"][5] == "not recorded" and rows["| base"][5] == "-"
