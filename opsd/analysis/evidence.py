@@ -38,9 +38,8 @@ of resampled means, paired by problem.
 
 Inputs are what opsd.research.grid writes (ARM/seed-N/{run/metrics.jsonl, sweep.json, eval.json},
 read by opsd.analysis.stats.grid_table, which passes the table in; for an arm of 5+ seeds also the
-reports of its swept checkpoints, ARM/seed-N/eval/, and base/eval.json, read by the stats readers
-it passes in, `StatsTools`: stats imports this module, so this module cannot import stats). Bad
-input is one `error: ...` line, exit 2.
+reports of its swept checkpoints, ARM/seed-N/eval/, and base/eval.json, read by
+opsd.analysis.reports). Bad input is one `error: ...` line, exit 2.
 """
 from __future__ import annotations
 
@@ -51,10 +50,12 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
+# The evaluation reports' reader and the problems' bootstrap draw that `compare` uses (one import each).
+from opsd.analysis.reports import check_comparable, load_run
+from opsd.analysis.significance import _problem_weights
 from opsd.analysis.tokens import format_tokens
 
 COMMANDS = ("equivalence", "reach")
@@ -69,17 +70,6 @@ MIN_SEEDS_FOR_INTERVAL = 5
 
 class EvidenceError(Exception):
     """Bad input for an evidence command; one line (`error: ...`, exit 2)."""
-
-
-class StatsTools(NamedTuple):
-    """opsd.analysis.stats's evaluation-report reader and problems' bootstrap draw, which `reach`
-    shares with `compare`. Passed in by stats (its main, or a caller), since stats imports this
-    module: `load_run(path)`, `check_comparable(runs)` (counts [run, problem] in one problem
-    order) and `problem_weights(rng, num_problems, n_resamples)`."""
-
-    load_run: Callable
-    check_comparable: Callable
-    problem_weights: Callable
 
 
 # --------------------------------------------------------------------------
@@ -309,7 +299,7 @@ def _report(cell: Path, step: int) -> Path:
     return recorded if recorded.is_file() else cell / "eval" / recorded.name
 
 
-def problem_curves(grid_dir, table: dict, names: Sequence[str], tools: StatsTools) -> dict[str, ProblemCurves]:
+def problem_curves(grid_dir, table: dict, names: Sequence[str]) -> dict[str, ProblemCurves]:
     """Per-problem accuracies (points) of each named arm's seeds at its points, and of the
     untrained arm, from the grid's evaluation reports (all of one problem set and settings:
     opsd.analysis.stats.check_comparable), for the hierarchical bootstrap."""
@@ -319,8 +309,8 @@ def problem_curves(grid_dir, table: dict, names: Sequence[str], tools: StatsTool
     untrained = [n for n, a in table["arms"].items() if not a["trained"]]
     base = [grid / untrained[0] / "eval.json"] if len(untrained) == 1 else []
     flat = [p for name in names for seed in paths[name] for p in seed] + base
-    runs = [tools.load_run(p) for p in flat]
-    per_problem = 100.0 * tools.check_comparable(runs) / runs[0].k  # [report, problem], problems in one order
+    runs = [load_run(p) for p in flat]
+    per_problem = 100.0 * check_comparable(runs) / runs[0].k  # [report, problem], problems in one order
     out, at = {}, 0
     for name in names:
         seeds, points = len(paths[name]), len(paths[name][0])
@@ -331,10 +321,9 @@ def problem_curves(grid_dir, table: dict, names: Sequence[str], tools: StatsTool
 
 
 def reach_table(table: dict, target: float | None, arms: Sequence[str] | None = None, ratio_to: str | None = None,
-                n_resamples: int = 10000, seed: int = 0, grid_dir="", tools: StatsTools | None = None) -> dict:
+                n_resamples: int = 10000, seed: int = 0, grid_dir="") -> dict:
     """Tokens to reach the target accuracy, fixed in advance, per trained arm of `table`
-    (opsd.analysis.stats.grid_table of `grid_dir`) that samples (module docstring); `tools` read
-    the reports of arms with 5+ seeds."""
+    (opsd.analysis.stats.grid_table of `grid_dir`) that samples (module docstring)."""
     if target is None:
         raise EvidenceError("--target ACCURACY is required: the accuracy to reach, in points, fixed before the "
                             "results are read")
@@ -358,12 +347,10 @@ def reach_table(table: dict, target: float | None, arms: Sequence[str] | None = 
             skipped[name] = "samples no tokens (reference solutions only)"
             del curves[name]
     many = [n for n, c in curves.items() if len(c) >= MIN_SEEDS_FOR_INTERVAL]
-    if many and tools is None:
-        raise ValueError("reach_table: arms of 5+ seeds need `tools` (StatsTools) to read their reports")
-    problems = problem_curves(grid_dir, table, many, tools) if many else {}
+    problems = problem_curves(grid_dir, table, many) if many else {}
     rng = np.random.default_rng(seed)
     # One draw of problems for every arm: ratios stay paired by problem.
-    weights = tools.problem_weights(rng, next(iter(problems.values())).values.shape[2], n_resamples) if many else None
+    weights = _problem_weights(rng, next(iter(problems.values())).values.shape[2], n_resamples) if many else None
     results = {name: reach(c, target, origin, problems.get(name), weights, rng) for name, c in curves.items()}
     if ratio_to is not None:
         if ratio_to in skipped:
@@ -494,10 +481,9 @@ def add_commands(commands, default_bootstrap: int, min_bootstrap: int) -> None:
     rc.set_defaults(min_bootstrap=min_bootstrap)
 
 
-def main(args: argparse.Namespace, read_grid: Callable[[str], dict], errors: tuple[type[Exception], ...],
-         tools: StatsTools | None = None) -> int:
+def main(args: argparse.Namespace, read_grid: Callable[[str], dict], errors: tuple[type[Exception], ...]) -> int:
     """Run an evidence subcommand parsed by opsd.analysis.stats; `read_grid` is its grid_table, which
-    raises `errors` on bad input (as its `tools` do). 0, or 2 with one `error:` line."""
+    raises `errors` on bad input (the reports' readers raise them too). 0, or 2 with one `error:` line."""
     try:
         if args.command == "reach" and args.target_arm is not None:
             raise EvidenceError(f"--target-arm {args.target_arm}: removed; a target read off an arm's own results "
@@ -509,8 +495,7 @@ def main(args: argparse.Namespace, read_grid: Callable[[str], dict], errors: tup
             result = equivalence(table, args.a, args.b, args.margin, args.alpha, args.grid)
             text = format_equivalence(result)
         else:
-            result = reach_table(table, args.target, args.arms, args.ratio_to, args.bootstrap, args.seed, args.grid,
-                                 tools)
+            result = reach_table(table, args.target, args.arms, args.ratio_to, args.bootstrap, args.seed, args.grid)
             text = format_reach(result)
         if args.json:
             try:

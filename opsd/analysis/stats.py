@@ -297,8 +297,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m opsd.analysis
     if args.command in ("equivalence", "reach"):
         from opsd.analysis import evidence
 
-        return evidence.main(args, grid_table, (InputError, TokensError),
-                             evidence.StatsTools(load_run, check_comparable, _problem_weights))  # reach's readers
+        return evidence.main(args, grid_table, (InputError, TokensError))
     try:
         if args.bootstrap < MIN_BOOTSTRAP:
             raise InputError(f"--bootstrap must be at least {MIN_BOOTSTRAP}, got {args.bootstrap}")

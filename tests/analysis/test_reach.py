@@ -53,11 +53,8 @@ def hand_crossing(per_step, counts, target, origin=BASE):
     return None
 
 
-TOOLS = evidence.StatsTools(run_stats.load_run, run_stats.check_comparable, run_stats._problem_weights)
-
-
 def reach(grid, target, **kwargs):
-    return evidence.reach_table(run_stats.grid_table(grid), target=target, grid_dir=grid, tools=TOOLS, **kwargs)
+    return evidence.reach_table(run_stats.grid_table(grid), target=target, grid_dir=grid, **kwargs)
 
 
 def row(text, arm):
