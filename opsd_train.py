@@ -324,6 +324,8 @@ def run_identity(script_args: ScriptArguments, config, dataset, world_size: int 
                         epsilon=config.epsilon, epsilon_high=config.epsilon_high)
         if config.grpo_beta:  # only when on: runs from before the KL keep their identity
             identity["grpo_beta"] = config.grpo_beta
+            # A KL run from before the option (uncorrected k3) is another objective: not resumed under the default.
+            identity["grpo_use_bias_correction_kl"] = config.grpo_use_bias_correction_kl
     identity.update({
         "seed": config.seed,
         "global_batch": per_device * accumulation * world,

@@ -19,8 +19,9 @@ loss (per-entry clip, which TRL's fused divergence cannot express).
 The same step runs the baselines: each arm (`ARMS`, chosen once from `loss_type`) rolls a
 generation batch out into its typed batch (opsd.batches) and names the second forward. OPSD
 as above (its off-policy steps, GKD's `lmbda`, take the reference solution as the completion);
-SFT always the reference solution; GRPO samples each prompt `num_generations` times, rewards and
-no teacher (with `grpo_beta`, the KL's reference: its own prompt, the adapter disabled).
+SFT always the reference solution, and the teacher's forward only with `sft_teacher_diagnostics`;
+GRPO samples each prompt `num_generations` times, rewards and no teacher (with `grpo_beta`, the
+KL's reference: its own prompt, the adapter disabled).
 
 This file is the trainer; its parts live in the method library: the config
 (opsd.train_config), the objective (opsd.objective), the batches (opsd.batches), each role's
@@ -145,10 +146,20 @@ class OPSDArm(Arm):
 
 class SFTArm(OPSDArm):
     """SFT, the supervised baseline: the reference solution is always the completion (nothing
-    sampled); the teacher's forward feeds only the KL diagnostics."""
+    sampled). The teacher's forward would feed only the KL diagnostics: it runs only with
+    `sft_teacher_diagnostics`."""
+
+    def __init__(self, trainer: OPSDTrainer):
+        super().__init__(trainer)
+        self.diagnostics = bool(trainer.args.sft_teacher_diagnostics)
+        self.second_role = "teacher (diagnostics only)" if self.diagnostics else \
+            "no teacher (SFT; --sft_teacher_diagnostics runs it)"
 
     def completions(self, rows: list[dict], student_ids: list[list[int]]):
         return *self.trainer._reference_completions(rows), None
+
+    def second_prompts(self, batch: DistillBatch) -> list[list[int]] | None:
+        return batch.teacher_prompt_ids if self.diagnostics else None
 
 
 class GRPOArm(Arm):
@@ -242,7 +253,7 @@ class OPSDTrainer(DistillationTrainer):
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         resolve_engine_defaults(args, sharded, zero_stage)  # the engine is chosen in accelerate's config
         self.collator = OPSDCollator.from_config(self._tokenizer, args)  # each role's prompts and padding
-        self.objective_settings = objective_settings(args)
+        self.objective_settings = objective_settings(args, self.eos_token_ids)
         self.objective = build_objective(self.objective_settings)
         self.arm = ARMS[args.loss_type](self)  # the one place the trainer reads the loss type
         self.sampling = SamplingSettings(
@@ -408,8 +419,9 @@ class OPSDTrainer(DistillationTrainer):
         """Log the run's cumulative forward and backward tokens (all processes) after this
         generation batch: the student's forward and backward over prompt + completion of each
         row, and the arm's second forward over its prompts + the same completions (the
-        teacher's for OPSD and SFT, which reads it for its KL diagnostics; GRPO's reference
-        over the student's prompts when its KL is on, `grpo_beta`).
+        teacher's for OPSD, and for SFT with `sft_teacher_diagnostics`, which reads it for its
+        KL diagnostics only; GRPO's reference over the student's prompts when its KL is on,
+        `grpo_beta`).
         Real tokens only: padding and the rollouts' own forwards are not counted (the rollouts
         are `tokens/sampled`)."""
         if not self.model.training:
@@ -453,7 +465,8 @@ class OPSDTrainer(DistillationTrainer):
         loss, stats = self._forward_redirection(model, unwrapped, self._opsd_loss, unwrapped, inputs)
         mode = self._mode
         names = list(stats)
-        values = self.accelerator.gather(torch.stack([stats[k].float() for k in names]).unsqueeze(0)).mean(0)
+        # nanmean: a stat of no rows is NaN on its process (OPSD's EOS log-probs where no completion ended)
+        values = self.accelerator.gather(torch.stack([stats[k].float() for k in names]).unsqueeze(0)).nanmean(0)
         self._pending_stats[mode].append((names, values))
         self._unchecked_losses.append(loss.detach())
         # Once per optimizer step, in its last micro-batch and before that one's backward, so no
@@ -505,7 +518,7 @@ class OPSDTrainer(DistillationTrainer):
         if len(results) == 1:
             return results[0]
         losses, stats = zip(*results, strict=True)
-        return torch.stack(losses).mean(), {k: torch.stack([s[k] for s in stats]).mean() for k in stats[0]}
+        return torch.stack(losses).mean(), {k: torch.stack([s[k] for s in stats]).nanmean() for k in stats[0]}
 
     def grouped_scoring_forwards(self, unwrapped, batch: RolloutBatch, rows: int | None = None
                                  ) -> list[ScoringForwards]:

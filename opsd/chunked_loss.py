@@ -29,6 +29,7 @@ from opsd.grpo import grpo_stat_keys, rows_grpo
 from opsd.loss import (
     DIVERGENCE_STAT_KEYS,
     NLL_STAT_KEYS,
+    NLL_STUDENT_STAT_KEYS,
     TINKER_STAT_KEYS,
     DivergenceConfig,
     compute_dtype,
@@ -178,13 +179,14 @@ class TinkerObjective:
 
 
 class NLLObjective:
-    """SFT cross-entropy per token (`rows_nll`), for `_ChunkedLoss`."""
+    """SFT cross-entropy per token (`rows_nll`), for `_ChunkedLoss`; without a teacher
+    (`with_teacher` False) the student's stats only."""
 
-    stat_keys = NLL_STAT_KEYS
     fixed_chunks = False
 
-    def __init__(self, target_ids: torch.Tensor):
+    def __init__(self, target_ids: torch.Tensor, with_teacher: bool = True):
         self.target_ids = target_ids
+        self.stat_keys = NLL_STAT_KEYS if with_teacher else NLL_STUDENT_STAT_KEYS
 
     def per_token(self, student_logits, teacher_logits, rows: slice, with_stats: bool = True):
         return rows_nll(student_logits, teacher_logits, self.target_ids[rows], with_stats=with_stats)
@@ -389,17 +391,19 @@ def chunked_tinker_loss(
 
 def chunked_nll_loss(
     student_hidden: torch.Tensor,
-    teacher_hidden: torch.Tensor,
+    teacher_hidden: torch.Tensor | None,
     lm_head_weight: torch.Tensor,
     target_ids: torch.Tensor,
     *,
     chunk_size: int = 1024,
     lm_head_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`opsd.loss.nll_loss` on hidden states, chunked; target_ids [N] are the reference tokens."""
+    """`opsd.loss.nll_loss` on hidden states, chunked; target_ids [N] are the reference tokens;
+    teacher_hidden None: no teacher projection, the student's stats only."""
     if target_ids.shape != student_hidden.shape[:1]:
         raise ValueError(f"target_ids {tuple(target_ids.shape)} is not [{student_hidden.shape[0]}]")
-    return _apply(NLLObjective(target_ids), student_hidden, teacher_hidden, lm_head_weight, lm_head_bias, chunk_size)
+    objective = NLLObjective(target_ids, with_teacher=teacher_hidden is not None)
+    return _apply(objective, student_hidden, teacher_hidden, lm_head_weight, lm_head_bias, chunk_size)
 
 
 def chunked_grpo_loss(
@@ -415,6 +419,7 @@ def chunked_grpo_loss(
     old_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     beta: float = 0.0,
+    bias_correction_kl: bool = True,
     chunk_size: int = 1024,
     lm_head_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -437,6 +442,6 @@ def chunked_grpo_loss(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     objective = GRPOObjective(
         completion_ids, advantages, weights, old_logp=old_logp, ref_logp=ref_logp, temperature=temperature,
-        epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta,
+        epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, bias_correction_kl=bias_correction_kl,
     )  # fmt: skip
     return _apply(objective, student_hidden, None, lm_head_weight, lm_head_bias, chunk_size)

@@ -14,15 +14,23 @@ r - mean by 1e-4, which can leave values of order 1e-4 instead of 0).
 Per-token loss (`rows_grpo`), for the sampled token y_t at logits s_t:
     logp_t  = log softmax(s_t / T)[y_t]                      (TRL divides logits by T)
     ratio_t = exp(logp_t - logp_old_t)
-    l_t     = -min(ratio_t A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) A_t) + beta k3_t
+    l_t     = -min(ratio_t A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) A_t) + beta kl_t
     k3_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     (only with beta > 0)
+    kl_t    = ratio_t k3_t   (bias_correction_kl, TRL 1.16's default `use_bias_correction_kl`)
+    kl_t    = k3_t           (bias_correction_kl False)
 Without `old_logp` the update is on policy (one optimizer step per generation batch, as in
 our trainer): logp_old = logp detached, so ratio = 1 in value and nothing is clipped, but
-the gradient is A_t d logp_t. With old_logp = logp the importance sampling level
+the gradient is A_t d logp_t. The bias correction multiplies the KL by that differentiable
+ratio (TRL `_compute_loss`: `per_token_kl = per_token_kl * coef_1`, the ratio before any
+clip), so on policy its value is k3's and its gradient d(ratio k3) = (logp - ref) d logp (the
+unbiased reverse-KL gradient), not k3's own (1 - exp(ref - logp)) d logp; TRL logs the
+corrected kl_t, as `rows_grpo` does. With old_logp = logp the importance sampling level
 "sequence" (GSPO) equals "token" in value and gradient for every loss type here, so only
-the token level is implemented. Not implemented (TRL options left at their defaults):
-`delta` (two-sided clip), `use_bias_correction_kl`, vLLM importance-sampling correction,
-entropy masks and bonus, loss types cispo / sapo / vespo / luspo.
+the token level is implemented. Not implemented, and refused when asked for
+(opsd.train_config): `delta` (two-sided clip), `num_iterations` > 1, `steps_per_generation`
+other than one generation per optimizer step, importance sampling level "sequence",
+`mask_truncated_completions`; not implemented either: vLLM importance-sampling correction
+(GRPO with vLLM is refused), entropy masks and bonus, loss types cispo / sapo / vespo / luspo.
 
 Reduction: every loss type is sum_t w_t l_t over the real completion tokens, with weights
 known before the forward (`token_weights`, TRL `_compute_loss`, `if self.loss_type ...`):
@@ -194,6 +202,7 @@ def rows_grpo(
     old_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     beta: float = 0.0,
+    bias_correction_kl: bool = True,
     with_stats: bool = True,
 ) -> tuple[torch.Tensor, PerTokenStats]:
     """Weighted per-token GRPO loss w_n l_n [N] (module docstring) and per-token stats.
@@ -201,8 +210,10 @@ def rows_grpo(
     Inputs are rows of the real completion tokens: logits [N, V], sampled ids, advantages
     (each token carries its sequence's), weights (`token_weights` at those tokens), and
     optionally old / reference log-probs [N] (detached here). Summing the result gives the
-    loss. Stats (detached, keys GRPO_STAT_KEYS, + "kl" with beta > 0) are per-token values
-    whose token mean is the logged number.
+    loss. `bias_correction_kl` (TRL's `use_bias_correction_kl`, default True as TRL's) multiplies
+    the KL by the importance ratio (module docstring). Stats (detached, keys GRPO_STAT_KEYS, + "kl"
+    with beta > 0, the corrected KL as TRL logs it) are per-token values whose token mean is the
+    logged number.
     """
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
     dtype = compute_dtype(student_logits)
@@ -218,6 +229,8 @@ def rows_grpo(
             raise ValueError("beta > 0 needs ref_logp, the reference model's log-probs of the sampled tokens")
         delta = ref_logp.detach().to(dtype) - logp
         kl = torch.exp(delta) - delta - 1
+        if bias_correction_kl:  # TRL: per_token_kl * coef_1, the ratio with its gradient
+            kl = kl * ratio
         per_token = per_token + beta * kl
     per_token = per_token * weights.detach().to(dtype)
     if not with_stats:
@@ -270,6 +283,7 @@ def grpo_loss(
     old_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     beta: float = 0.0,
+    bias_correction_kl: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss on full logits [B, C, V] (the reference for `chunked_grpo_loss`).
 
@@ -291,7 +305,7 @@ def grpo_loss(
         logits[keep], completion_ids[keep], per_token_advantages(advantages, mask)[keep], weights[keep],
         temperature=temperature, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
         old_logp=None if old_logp is None else old_logp[keep],
-        ref_logp=None if ref_logp is None else ref_logp[keep], beta=beta,
+        ref_logp=None if ref_logp is None else ref_logp[keep], beta=beta, bias_correction_kl=bias_correction_kl,
     )  # fmt: skip
     num_tokens = per_token.shape[0]
     return per_token.sum(), reduce_stats({k: v.sum() for k, v in stats.items()}, num_tokens)

@@ -61,6 +61,7 @@ DIVERGENCE_STAT_KEYS = (
 )
 TINKER_STAT_KEYS = ("true_kl", "advantage_mean", "student_entropy", "teacher_entropy")
 NLL_STAT_KEYS = ("true_kl", "nll", "student_entropy", "teacher_entropy")
+NLL_STUDENT_STAT_KEYS = ("nll", "student_entropy")  # SFT without the teacher's forward: no teacher, no KL
 
 PerTokenStats = dict[str, torch.Tensor]
 
@@ -286,7 +287,7 @@ def rows_tinker(
 
 def rows_nll(
     student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
+    teacher_logits: torch.Tensor | None,
     target_ids: torch.Tensor,
     *,
     with_stats: bool = True,
@@ -294,16 +295,19 @@ def rows_nll(
     """Supervised fine-tuning per token: -log p_S(y_n) at temperature 1 (the SFT
     baseline, `loss_type=sft`, on the reference solution's tokens y_n).
 
-    The teacher only feeds the diagnostics (true KL, entropies), so an SFT run
-    logs the same divergence an OPSD run minimises. Inputs: logits rows [N, V],
-    target_ids [N]. Returns (per-token loss [N], stats).
+    The teacher only feeds the diagnostics (true KL, teacher entropy: NLL_STAT_KEYS), so an
+    SFT run with them logs the same divergence an OPSD run minimises; teacher_logits None
+    (no teacher forward) gives the student's stats only (NLL_STUDENT_STAT_KEYS). Inputs:
+    logits rows [N, V], target_ids [N]. Returns (per-token loss [N], stats).
     """
-    dtype = compute_dtype(student_logits, teacher_logits)
+    dtype = compute_dtype(*(t for t in (student_logits, teacher_logits) if t is not None))
     student_logp = tempered_log_probs(student_logits, 1.0, dtype)
     per_token = -student_logp.gather(-1, target_ids.long().unsqueeze(-1)).squeeze(-1)
     if not with_stats:
         return per_token, {}
     with torch.no_grad():
+        if teacher_logits is None:
+            return per_token, {"nll": per_token.detach(), "student_entropy": _entropy(student_logp)}
         stats = _role_stats(student_logp, tempered_log_probs(teacher_logits.detach(), 1.0, dtype))
         stats["nll"] = per_token.detach()
     return per_token, {key: stats[key] for key in NLL_STAT_KEYS}
@@ -398,13 +402,17 @@ def tinker_loss(
 
 def nll_loss(
     student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
+    teacher_logits: torch.Tensor | None,
     completion_ids: torch.Tensor,
     mask: torch.Tensor,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SFT loss: mean over masked tokens of -log p_S(y_n), y_n = completion_ids [B, C]
-    (stats keys NLL_STAT_KEYS)."""
-    student_rows, teacher_rows, keep = _masked_rows(student_logits, teacher_logits, mask)
+    (stats keys NLL_STAT_KEYS; NLL_STUDENT_STAT_KEYS with teacher_logits None)."""
+    if teacher_logits is None:  # no teacher: the student's own rows
+        student_rows, _, keep = _masked_rows(student_logits, student_logits, mask)
+        teacher_rows = None
+    else:
+        student_rows, teacher_rows, keep = _masked_rows(student_logits, teacher_logits, mask)
     if completion_ids.shape != mask.shape:
         raise ValueError(f"completion_ids {tuple(completion_ids.shape)} does not match mask {tuple(mask.shape)}")
     per_token, stats = rows_nll(student_rows, teacher_rows, completion_ids[keep])

@@ -53,6 +53,7 @@ class GRPOSettings:
     epsilon_high: float | None
     max_completion_length: int  # dr_grpo's normaliser
     beta: float = 0.0  # TRL's GRPO beta: the k3 KL to the reference (the adapter disabled); 0 = no reference forward
+    bias_correction_kl: bool = True  # TRL's use_bias_correction_kl: the KL times the importance ratio (opsd.grpo)
 
 
 @dataclass(frozen=True)
@@ -65,16 +66,21 @@ class ObjectiveSettings:
     chunk_size: int
     compile: bool  # torch.compile the chunked divergence's per-chunk math
     grpo: GRPOSettings | None = None
+    sft_teacher_diagnostics: bool = False  # SFT: run the teacher's forward for the true-KL diagnostics
+    eos_token_ids: tuple[int, ...] = ()  # OPSD: log both roles' log-prob of the sampled EOS (`eos_log_probs`)
 
     @property
     def uses_teacher(self) -> bool:
-        """Whether the trainer runs the second (no-grad) forward: the teacher's, or for GRPO
-        with a KL the reference's (the student's prompt, the adapter disabled)."""
-        return self.objective != "grpo" or bool(self.grpo.beta)
+        """Whether the trainer runs the second (no-grad) forward: the teacher's (SFT only for its
+        diagnostics), or for GRPO with a KL the reference's (the student's prompt, the adapter disabled)."""
+        if self.objective == "grpo":
+            return bool(self.grpo.beta)
+        return self.objective != "sft" or self.sft_teacher_diagnostics
 
 
-def objective_settings(args) -> ObjectiveSettings:
-    """The objective's settings from a resolved OPSDConfig (opsd.train_config)."""
+def objective_settings(args, eos_token_ids=()) -> ObjectiveSettings:
+    """The objective's settings from a resolved OPSDConfig (opsd.train_config); `eos_token_ids`
+    (the tokenizer's) turn on OPSD's EOS diagnostics."""
     if args.loss_type in ("sft", "grpo"):
         objective = args.loss_type
     else:
@@ -84,19 +90,26 @@ def objective_settings(args) -> ObjectiveSettings:
     grpo = None
     if objective == "grpo":
         grpo = GRPOSettings(loss_type=args.grpo_loss_type, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
-                            max_completion_length=args.max_completion_length, beta=args.grpo_beta)
+                            max_completion_length=args.max_completion_length, beta=args.grpo_beta,
+                            bias_correction_kl=args.grpo_use_bias_correction_kl)
     return ObjectiveSettings(objective=objective, implementation=args.loss_implementation, divergence=divergence,
-                             chunk_size=args.loss_chunk_size, compile=bool(args.compile_loss), grpo=grpo)
+                             chunk_size=args.loss_chunk_size, compile=bool(args.compile_loss), grpo=grpo,
+                             sft_teacher_diagnostics=bool(args.sft_teacher_diagnostics),
+                             eos_token_ids=tuple(eos_token_ids))
 
 
 def build_objective(settings: ObjectiveSettings) -> Objective:
-    """The objective `settings` describe (see the module docstring)."""
-    return BUILDERS[settings.objective, settings.implementation](settings)
+    """The objective `settings` describe (see the module docstring); OPSD's (divergence, tinker)
+    with its EOS diagnostics when `eos_token_ids` are given."""
+    objective = BUILDERS[settings.objective, settings.implementation](settings)
+    if settings.objective in ("divergence", "tinker") and settings.eos_token_ids:
+        objective = with_eos_log_probs(objective, settings)
+    return objective
 
 
-def _tokens(*values: torch.Tensor, batch: ScoringBatch) -> list[torch.Tensor]:
-    """Each [B, C, ...] -> [N, ...]: the real completion tokens only."""
-    return [select_completion_tokens(v, batch) for v in values]
+def _tokens(*values: torch.Tensor | None, batch: ScoringBatch) -> list[torch.Tensor | None]:
+    """Each [B, C, ...] -> [N, ...]: the real completion tokens only (None stays None: no teacher)."""
+    return [None if v is None else select_completion_tokens(v, batch) for v in values]
 
 
 def _whole(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -126,7 +139,9 @@ def chunked_tinker(s: ObjectiveSettings) -> Objective:
 
 
 def chunked_sft(s: ObjectiveSettings) -> Objective:
-    def objective(student, teacher, batch, head, rewards=None):  # cross-entropy on the reference solution
+    # Cross-entropy on the reference solution; the teacher (None unless sft_teacher_diagnostics) feeds
+    # only the true-KL diagnostics.
+    def objective(student, teacher, batch, head, rewards=None):
         student, teacher, ids = _tokens(student, teacher, batch.completion_ids, batch=batch)
         return chunked_nll_loss(student, teacher, _whole(head.weight), ids, chunk_size=s.chunk_size,
                                 lm_head_bias=_whole(head.bias))
@@ -150,7 +165,8 @@ def logits_tinker(s: ObjectiveSettings) -> Objective:
 
 def logits_sft(s: ObjectiveSettings) -> Objective:
     def objective(student, teacher, batch, head, rewards=None):
-        return nll_loss(head(student), head(teacher), batch.completion_ids, batch.completion_mask.bool())
+        return nll_loss(head(student), None if teacher is None else head(teacher), batch.completion_ids,
+                        batch.completion_mask.bool())
     return objective
 
 
@@ -186,6 +202,7 @@ def chunked_grpo(s: ObjectiveSettings) -> Objective:
         return chunked_grpo_loss(student, _whole(head.weight), ids, advantages, weights,
                                  temperature=s.divergence.temperature, epsilon_low=g.epsilon_low,
                                  epsilon_high=g.epsilon_high, ref_logp=ref_logp, beta=g.beta,
+                                 bias_correction_kl=g.bias_correction_kl,
                                  chunk_size=s.chunk_size, lm_head_bias=_whole(head.bias))
     return objective
 
@@ -202,8 +219,55 @@ def logits_grpo(s: ObjectiveSettings) -> Objective:
         return grpo_loss(head(student), batch.completion_ids, mask, rewards.advantages,
                          loss_type=g.loss_type, temperature=s.divergence.temperature, epsilon_low=g.epsilon_low,
                          epsilon_high=g.epsilon_high, max_completion_length=g.max_completion_length,
-                         num_items=rewards.num_items, ref_logp=ref_logp, beta=g.beta)
+                         num_items=rewards.num_items, ref_logp=ref_logp, beta=g.beta,
+                         bias_correction_kl=g.bias_correction_kl)
     return objective
+
+
+# OPSD's EOS diagnostics (docs/OUTPUTS.md, "The teacher's length preference"): at each completion
+# that the student ended with EOS, both roles' log-probability of that EOS token, from the hidden
+# states the step already has: one [B, H] x [H, V] product per role, B rows against the loss's N.
+
+EOS_STAT_KEYS = ("teacher_eos_logp", "student_eos_logp")
+
+
+@torch.no_grad()
+def eos_log_probs(student: torch.Tensor, teacher: torch.Tensor, completion_ids: torch.Tensor,
+                  completion_mask: torch.Tensor, project: Callable[[torch.Tensor], torch.Tensor],
+                  eos_token_ids: tuple[int, ...], temperature: float) -> dict[str, torch.Tensor]:
+    """Means over the rows whose last real completion token is an EOS (the student stopped there)
+    of log softmax(project(h) / T)[that token], h each role's hidden state [B, C, H] at that
+    position; NaN when no row ended with EOS (left out when the step is logged). Device ops only:
+    nothing waits for the GPU."""
+    mask = completion_mask.long()
+    last = (mask.sum(1) - 1).clamp(min=0)  # completions are left-aligned in [B, C]
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    token = completion_ids[rows, last]
+    ended = mask.sum(1) > 0
+    # Compared with each id as a Python number: a tensor of the ids made here would be a blocking copy.
+    ended = ended & torch.stack([token == eos for eos in eos_token_ids]).any(0)
+    out = {}
+    for key, hidden in zip(EOS_STAT_KEYS, (teacher, student), strict=True):
+        logits = project(hidden[rows, last].detach())
+        logp = torch.log_softmax(logits.to(compute_dtype(logits)) / temperature, -1)
+        logp = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+        out[key] = (logp * ended).sum() / ended.sum()  # 0 / 0 = NaN without an EOS-ended row
+    return out
+
+
+def with_eos_log_probs(objective: Objective, s: ObjectiveSettings) -> Objective:
+    """`objective` whose stats also hold `eos_log_probs` (EOS_STAT_KEYS), at the loss's temperature."""
+    def project(head):
+        if s.implementation == "logits":  # ZeRO-3: calling the head gathers its partitioned weight
+            return head
+        return lambda h: torch.nn.functional.linear(h, _whole(head.weight), _whole(head.bias))
+
+    def with_eos(student, teacher, batch, head, rewards=None):
+        loss, stats = objective(student, teacher, batch, head, rewards)
+        eos = eos_log_probs(student, teacher, batch.completion_ids, batch.completion_mask, project(head),
+                            s.eos_token_ids, s.divergence.temperature)
+        return loss, {**stats, **eos}
+    return with_eos
 
 
 BUILDERS: dict[tuple[str, str], Callable[[ObjectiveSettings], Objective]] = {

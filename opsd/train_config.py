@@ -107,9 +107,16 @@ class OPSDConfig(DistillationConfig):
     grpo_beta: float = field(
         default=0.0,
         metadata={"help": "GRPO's KL coefficient (TRL's GRPOConfig.beta, default 0): adds beta x the k3 estimate "
-                          "exp(ref - logp) - (ref - logp) - 1 per token, ref the log-prob under the reference, the "
-                          "base weights with the adapter disabled (one more no-grad forward a micro-batch). --beta "
-                          "is the OPSD divergence's weight, not this."})
+                          "exp(ref - logp) - (ref - logp) - 1 per token (times the importance ratio: "
+                          "grpo_use_bias_correction_kl), ref the log-prob under the reference, the base weights with "
+                          "the adapter disabled (one more no-grad forward a micro-batch). --beta is the OPSD "
+                          "divergence's weight, not this."})
+    grpo_use_bias_correction_kl: bool = field(
+        default=True,
+        metadata={"help": "GRPO's KL term times the importance ratio exp(logp - logp_old) (TRL 1.16's "
+                          "use_bias_correction_kl, default true): on policy its value stays k3's and its gradient per "
+                          "token becomes (logp - ref) d logp, the unbiased reverse-KL gradient; false: k3's own "
+                          "gradient (1 - exp(ref - logp)) d logp. Acts only with grpo_beta > 0."})
     # TRL's names, kept so that a TRL command line is refused in one line, not silently ignored.
     epsilon: float = field(
         default=GRPO_EPSILON,
@@ -117,6 +124,27 @@ class OPSDConfig(DistillationConfig):
                           "per generation batch the ratio is 1 and the clip cannot act, so other values are refused."})
     epsilon_high: float | None = field(
         default=None, metadata={"help": "GRPO's upper clip bound (TRL's, DAPO's clip-higher); refused, as epsilon."})
+    # TRL GRPOConfig's knobs for several updates per generation batch and its variants, at TRL's
+    # defaults: the trainer makes one optimizer step per generation batch, so other values are refused.
+    num_iterations: int = field(
+        default=1, metadata={"help": "TRL's updates per generation batch; only 1 (one optimizer step per batch)."})
+    steps_per_generation: int | None = field(
+        default=None,
+        metadata={"help": "TRL's micro-batches per generation batch; only unset or gradient_accumulation_steps (one "
+                          "generation batch per optimizer step)."})
+    importance_sampling_level: str = field(
+        default="token", metadata={"help": "TRL's importance ratio per token or per sequence (GSPO); only token."})
+    delta: float | None = field(
+        default=None, metadata={"help": "TRL's two-sided clip of the importance ratio; only unset (the ratio is 1)."})
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata={"help": "TRL: leave truncated completions out of the loss; only false (they are trained on, rewarded "
+                          "as the evaluation grades them)."})
+    sft_teacher_diagnostics: bool = field(
+        default=False,
+        metadata={"help": "loss_type sft: also run the teacher's no-grad forward each micro-batch, for the true-KL "
+                          "and teacher-entropy diagnostics (opsd/true_kl, opsd/teacher_entropy); off, SFT runs the "
+                          "student alone and its tokens/forward count only the student's forward."})
     max_prompt_length: int | None = field(default=None, metadata={"help": "Student prompt limit (warns only)."})
     max_teacher_prompt_length: int | None = field(
         default=None, metadata={"help": "Teacher prompt limit; the privileged context is truncated to fit."}
@@ -251,6 +279,7 @@ class OPSDConfig(DistillationConfig):
             raise ValueError("fixed_teacher and use_ema_teacher are mutually exclusive")
         if self.reason_first and self.teacher_context == "none":
             raise ValueError("reason_first needs a reference to analyse; teacher_context=none has none")
+        check_honoured(self)
         if self.loss_type == "grpo":
             self.check_grpo()
         rows = self.token_mean_rows
@@ -289,6 +318,69 @@ class OPSDConfig(DistillationConfig):
             raise ValueError("loss_type=grpo with use_vllm: TRL's vllm_importance_sampling_correction (on by default "
                              "in TRL 1.16: vLLM's sampling log-probs differ from the trainer's) is not implemented; "
                              "sample GRPO with the own engine (use_vllm false)")
+
+
+def _sampled_by_own_engine(args) -> str | None:
+    """Which rollouts the project's own engine samples (None: none): the student's without vLLM,
+    reason_first's analyses always."""
+    if not args.use_vllm:
+        return "the rollouts (use_vllm false)"
+    return "reason_first's analyses" if args.reason_first else None
+
+
+# Inherited sampling settings the project's own rollout engine (opsd.rollout.TransformersBackend) does
+# not implement: name -> the values that leave sampling as it is. TRL passes each to vLLM.
+OWN_ENGINE_IGNORES = {
+    "min_p": (None, 0.0),
+    "repetition_penalty": (1.0,),
+    "generation_kwargs": (None, {}),
+    "vllm_structured_outputs_regex": (None,),
+}
+# Settings the trainer never reads, whatever the engine (only their default is accepted): name -> why.
+NEVER_HONOURED = {
+    "cache_implementation": "TRL's cache of transformers generate() in TRL's own rollout, which this trainer "
+                            "replaces; the own engine's is rollout_cache_implementation",
+    "num_iterations": "one optimizer step per generation batch (TRL's default 1); several updates per batch are "
+                      "not implemented",
+    "importance_sampling_level": "only token is implemented; with one update per generation batch the ratio is 1 "
+                                 "and GSPO's sequence level gives the token level's loss and gradient",
+    "delta": "TRL's two-sided clip of the importance ratio, which is 1 with one update per generation batch; not "
+             "implemented",
+    "mask_truncated_completions": "truncated completions are trained on (rewarded as the evaluation grades them); "
+                                  "masking them out of the loss is not implemented",
+}
+# GRPO's own settings, which the other loss types do not read (only their default is accepted there).
+GRPO_ONLY = ("grpo_loss_type", "scale_rewards", "grpo_beta", "grpo_use_bias_correction_kl", "epsilon", "epsilon_high")
+
+
+def check_honoured(args) -> None:
+    """Refuse (ValueError, one line naming the setting) every setting at a value that the run's
+    engines would silently ignore (docs/RESEARCH.md, "Settings that are refused")."""
+    defaults = {f.name: f.default for f in dataclasses.fields(args)}
+    for name, why in NEVER_HONOURED.items():
+        if getattr(args, name) != defaults[name]:
+            raise ValueError(f"{name}={getattr(args, name)!r}: {why}")
+    steps = args.steps_per_generation
+    if steps not in (None, args.gradient_accumulation_steps):
+        raise ValueError(f"steps_per_generation={steps}: a generation batch is one optimizer step's "
+                         f"gradient_accumulation_steps ({args.gradient_accumulation_steps}) micro-batches; other "
+                         "values are not implemented (leave it unset)")
+    sampled = _sampled_by_own_engine(args)
+    for name, neutral in OWN_ENGINE_IGNORES.items():
+        if sampled and getattr(args, name) not in neutral:
+            raise ValueError(f"{name}={getattr(args, name)!r}: {sampled} are sampled by the project's own rollout "
+                             f"engine, which does not implement {name} (vLLM does: --use_vllm true without "
+                             "reason_first, not for loss_type grpo)")
+    if args.sft_teacher_diagnostics and args.loss_type != "sft":
+        raise ValueError(f"sft_teacher_diagnostics: an SFT setting, which loss_type {args.loss_type} does not read")
+    if args.loss_type == "sft" and args.reason_first and not args.sft_teacher_diagnostics:
+        raise ValueError("reason_first with loss_type sft: the teacher's analyses feed only the teacher's forward, "
+                         "which SFT runs only with sft_teacher_diagnostics")
+    if args.loss_type != "grpo":
+        for name in GRPO_ONLY:
+            if getattr(args, name) != defaults[name]:
+                raise ValueError(f"{name}={getattr(args, name)!r}: a GRPO setting, which loss_type {args.loss_type} "
+                                 f"does not read (leave it at {defaults[name]!r})")
 
 
 # A shim for transformers 5.17 (vLLM 0.26's range): newer transformers (5.24) declare and read

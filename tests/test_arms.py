@@ -60,10 +60,12 @@ def test_each_arm_names_its_second_forward():
     reference, which scores the student's own prompts with the adapter disabled."""
     distill = DistillBatch([[1, 2]], [[3]], teacher_prompt_ids=[[1, 2, 9]])
     grpo = GRPOBatch([[1, 2]], [[3]], advantages=torch.tensor([0.5]), num_items=torch.tensor(1.0))
-    for arm in (OPSDArm(_stand_in()), SFTArm(_stand_in())):
+    for arm in (OPSDArm(_stand_in()), SFTArm(_stand_in(sft_teacher_diagnostics=True))):
         assert arm.second_prompts(distill) == [[1, 2, 9]] and arm.second_weights(None) == "teacher"
-        assert arm.rewards(distill, "cpu") is None and arm.second_role == "teacher"
+        assert arm.rewards(distill, "cpu") is None and arm.second_role.startswith("teacher")
         assert arm.train_sampler([]) is None  # DistillationTrainer's: each prompt once
+    sft = SFTArm(_stand_in(sft_teacher_diagnostics=False))  # SFT's default: the student alone
+    assert sft.second_prompts(distill) is None and sft.second_role.startswith("no teacher")
     plain, with_kl = GRPOArm(_stand_in(grpo_beta=0.0)), GRPOArm(_stand_in(grpo_beta=0.1))
     assert plain.second_prompts(grpo) is None and plain.second_role == "no teacher (GRPO)"
     assert with_kl.second_prompts(grpo) is grpo.student_prompt_ids

@@ -3,6 +3,7 @@ generation batch, rewards from the evaluation's grader, group-normalised advanta
 clipped loss (opsd.grpo, checked against float64 references and TRL in tests/opsd/test_grpo.py),
 sampled tokens counted; bad settings are one line, exit 2."""
 import json
+import math
 
 import pytest
 import torch
@@ -115,11 +116,24 @@ def test_rewards_come_from_the_grader_and_an_ungradable_row_is_an_error():
     (["--epsilon", "0.3"], "epsilon=0.3, epsilon_high=None: the clip cannot act with one update per generation"),
     (["--epsilon_high", "0.28"], "epsilon=0.2, epsilon_high=0.28: the clip cannot act"),
     (["--use_vllm", "true"], "loss_type=grpo with use_vllm: TRL's vllm_importance_sampling_correction"),
+    # TRL GRPOConfig's knobs for several updates per generation batch and its variants (opsd.train_config)
+    (["--num_iterations", "2"], "num_iterations=2: one optimizer step per generation batch (TRL's default 1)"),
+    (["--steps_per_generation", "2"], "steps_per_generation=2: a generation batch is one optimizer step's "
+                                      "gradient_accumulation_steps (1) micro-batches"),
+    (["--importance_sampling_level", "sequence"], "importance_sampling_level='sequence': only token is implemented"),
+    (["--delta", "4"], "delta=4.0: TRL's two-sided clip of the importance ratio"),
+    (["--mask_truncated_completions", "true"], "mask_truncated_completions=True: truncated completions are trained"),
 ])
 def test_bad_grpo_settings_are_one_line_and_exit_2(tmp_path, capsys, extra, message):
     assert opsd_train.main(grpo_argv(tmp_path / "run", 1, *extra)) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and message in err[0], err
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def test_steps_per_generation_equal_to_the_accumulation_is_what_the_trainer_does(tmp_path):
+    _, config, _ = opsd_train.parse(grpo_argv(tmp_path, 1, "--steps_per_generation", "1"), env={})
+    assert config.steps_per_generation == config.gradient_accumulation_steps == 1
 
 
 def test_a_dataset_without_reference_answers_is_refused_before_the_model_loads(tmp_path, capsys):
@@ -143,13 +157,28 @@ def _trl_compute_loss():
     return module.trl_compute_loss
 
 
+def lora_grads(model) -> dict[str, torch.Tensor]:
+    """The adapters' gradients, taken out (and cleared) for the next backward."""
+    grads = {}
+    for name, p in model.named_parameters():
+        if "lora_" in name and p.grad is not None:
+            grads[name] = p.grad.detach().clone()
+            p.grad = None
+    return grads
+
+
 @pytest.mark.parametrize("implementation", ["chunked", "logits"])
-def test_grpo_beta_is_trls_kl_to_the_model_with_the_adapter_disabled(tmp_path, implementation):
-    """--grpo_beta: the trainer's loss on a hand-made micro-batch equals TRL's own _compute_loss
-    (beta, the k3 KL) fed the policy's logits and, as ref_per_token_logps, the log-probs of a
-    plain forward of each row with peft's adapter disabled; the reference forward is counted."""
-    trainer = make_trainer(tmp_path, "--grpo_loss_type", "grpo", "--grpo_beta", "0.2",
-                           "--loss_implementation", implementation)
+@pytest.mark.parametrize("flag", [[], ["--grpo_use_bias_correction_kl", "false"]], ids=["default", "no-correction"])
+def test_grpo_beta_is_trls_kl_to_the_model_with_the_adapter_disabled(tmp_path, implementation, flag):
+    """A tiny GRPO trainer with --grpo_beta 0.04: its loss on a hand-made micro-batch, the adapters'
+    gradient and the logged KL equal TRL 1.16's own _compute_loss fed the policy's logits (with their
+    gradient) and, as ref_per_token_logps, the log-probs of a plain forward of each row with peft's
+    adapter disabled; by default with TRL's default use_bias_correction_kl (True), with the flag
+    false with TRL's False, and the two KL gradients differ. The reference forward is counted."""
+    correction = not flag
+    trainer = make_trainer(tmp_path, "--grpo_loss_type", "grpo", "--grpo_beta", "0.04",
+                           "--loss_implementation", implementation, *flag)
+    assert trainer.args.grpo_use_bias_correction_kl is correction
     model, temperature = trainer.model, trainer.args.temperature
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # an adapter away from zero: the policy is not the reference
@@ -162,28 +191,48 @@ def test_grpo_beta_is_trls_kl_to_the_model_with_the_adapter_disabled(tmp_path, i
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
     inputs = GRPOBatch(prompts, completions, advantages=advantages, num_items=torch.tensor(10.0))
     loss = trainer.compute_loss(model, inputs)
+    loss.backward()
+    ours = lora_grads(model)
+    trainer.log({})
+    logged_kl = trainer.state.log_history[-1]["opsd/kl"]
 
     def completion_logits():  # row by row, no padding: the logits that predict each completion token
-        out = torch.zeros(4, 4, model.config.vocab_size)
+        out = torch.zeros(4, 4, model.config.vocab_size, dtype=torch.float64)
         for b, (prompt, completion) in enumerate(zip(prompts, completions, strict=False)):
-            logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float()
+            logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].double()
             out[b, :len(completion)] = logits[len(prompt) - 1:len(prompt) - 1 + len(completion)]
         return out
 
-    with torch.no_grad():
-        policy = completion_logits()
-        with model.disable_adapter():
-            reference = completion_logits()
+    with torch.no_grad(), model.disable_adapter():
+        reference = completion_logits()
     ids = torch.tensor([c + [0] * (4 - len(c)) for c in completions])
     mask = torch.tensor([[1] * len(c) + [0] * (4 - len(c)) for c in completions])
     ref_logp = torch.log_softmax(reference / temperature, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-    trl_loss, metrics = _trl_compute_loss()(policy.double(), ids, mask, advantages.double(), loss_type="grpo",
-                                            temperature=temperature, ref=ref_logp.double(), beta=0.2)
-    assert metrics["kl"][-1] > 1e-4  # the KL term is not vanishing here
-    assert loss.item() == pytest.approx(trl_loss.item(), rel=1e-4, abs=1e-6)
-    no_kl, _ = _trl_compute_loss()(policy.double(), ids, mask, advantages.double(), loss_type="grpo",
+    trl = {}
+    for trl_correction in (True, False):
+        trl_loss, metrics = _trl_compute_loss()(completion_logits(), ids, mask, advantages.double(),
+                                                loss_type="grpo", temperature=temperature, ref=ref_logp, beta=0.04,
+                                                use_bias_correction_kl=trl_correction)
+        trl_loss.backward()
+        trl[trl_correction] = trl_loss.item(), lora_grads(model), metrics["kl"][-1]
+    trl_loss, trl_grads, trl_kl = trl[correction]
+    assert trl_kl > 1e-4  # the KL term is not vanishing here
+    assert loss.item() == pytest.approx(trl_loss, rel=1e-4, abs=1e-6)
+    assert logged_kl == pytest.approx(trl_kl, rel=1e-4)
+    assert ours.keys() == trl_grads.keys() and len(ours) > 0
+
+    def distance(a, b):  # relative to TRL's gradient, over all adapter parameters (float32 forwards)
+        return math.sqrt(sum((a[n].double() - b[n]).pow(2).sum().item() for n in a)
+                         / sum(b[n].pow(2).sum().item() for n in a))
+
+    assert distance(ours, trl_grads) < 1e-3
+    assert distance(ours, trl[not correction][1]) > 0.05  # the other variant's gradient is far off
+    # The two TRL variants differ in gradient, not in value (on policy the ratio is 1).
+    assert trl[True][0] == pytest.approx(trl[False][0], rel=1e-12)
+    assert max((trl[True][1][n] - trl[False][1][n]).abs().max().item() for n in ours) > 1e-5
+    no_kl, _ = _trl_compute_loss()(completion_logits().detach(), ids, mask, advantages.double(), loss_type="grpo",
                                    temperature=temperature)
-    assert abs(trl_loss.item() - no_kl.item()) > 1e-4  # ... and it moves the loss
+    assert abs(trl_loss - no_kl.item()) > 1e-4  # ... and the KL moves the loss
     assert trainer.objective_settings.uses_teacher  # the trainer ran the reference forward
 
 
@@ -192,5 +241,10 @@ def test_grpo_beta_is_in_the_run_identity_only_when_on(tmp_path):
     assert config.grpo_beta == 0.04
     script_args, plain, _ = opsd_train.parse(grpo_argv(tmp_path, 1), env={})
     assert plain.grpo_beta == 0.0
-    assert opsd_train.run_identity(script_args, config, dataset)["grpo_beta"] == 0.04
-    assert "grpo_beta" not in opsd_train.run_identity(script_args, plain, dataset)
+    identity = opsd_train.run_identity(script_args, config, dataset)
+    assert (identity["grpo_beta"], identity["grpo_use_bias_correction_kl"]) == (0.04, True)
+    plain_identity = opsd_train.run_identity(script_args, plain, dataset)
+    assert "grpo_beta" not in plain_identity and "grpo_use_bias_correction_kl" not in plain_identity
+    _, uncorrected, _ = opsd_train.parse(grpo_argv(tmp_path, 1, "--grpo_beta", "0.04",
+                                                   "--grpo_use_bias_correction_kl", "false"), env={})
+    assert opsd_train.run_identity(script_args, uncorrected, dataset)["grpo_use_bias_correction_kl"] is False

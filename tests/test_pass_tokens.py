@@ -28,7 +28,8 @@ def row_tokens(prompts, completions):
     return sum(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
 
 
-@pytest.mark.parametrize("extra, teacher", [((), True), (("--loss_type", "sft"), True),
+@pytest.mark.parametrize("extra, teacher", [((), True), (("--loss_type", "sft"), False),
+                                             (("--loss_type", "sft", "--sft_teacher_diagnostics", "true"), True),
                                              (("--loss_type", "grpo", "--num_generations", "2"), False),
                                              (("--loss_type", "grpo", "--num_generations", "2", "--grpo_beta", "0.1"),
                                               True)])  # GRPO's KL: the reference's forward of the student's rows

@@ -2,7 +2,7 @@
 
     python -m opsd.analysis.stats equivalence GRID_DIR --a ARM[@STEP] --b ARM[@STEP] --margin POINTS
                                          [--alpha A] [--json OUT]
-    python -m opsd.analysis.stats reach GRID_DIR (--target ACCURACY | --target-arm ARM) [--arms ARM ...]
+    python -m opsd.analysis.stats reach GRID_DIR --target ACCURACY [--arms ARM ...]
                                    [--ratio-to ARM] [--bootstrap N] [--seed S] [--json OUT]
 
 `equivalence`: are two arms the same within +-margin points? A difference test that fails to
@@ -14,22 +14,32 @@ is the same as the (1 - 2 alpha) Welch interval of B - A lying inside (-margin, 
 margin is the user's statement of "the same for our purposes" and is printed with the result;
 also printed is the smallest margin these runs could show (the larger end of that interval).
 
-`reach`: how many sampled tokens an arm needs to reach an accuracy X. Per seed, the accuracy
-of its swept checkpoints (sweep.json) against the run's cumulative `tokens/sampled` at each
-checkpoint, linearly interpolated; the first crossing of X is the seed's value. The grid's
-untrained arm (base, 0 tokens) is the curve's origin when there is one, so a seed already
-above X at its first checkpoint crosses between the origin and it; without one, such a seed's
-value is its first checkpoint's tokens (an upper bound, flagged). A seed that never reaches X
-has no value ("not reached"). The arm's estimate is the mean over seeds when all reach X;
-its interval is a percentile bootstrap over seeds, a resample with a seed that did not reach
-X counting as not reached (so the upper end can be "not reached" while the estimate is
-finite). With 3 seeds the bootstrap has 10 distinct means: a coarse interval, narrower than
-the truth (the run-to-run spread of 3 runs is resampled as if it were the population's).
-`--ratio-to ARM` divides each arm's value by that arm's, resampled independently per arm.
-`--target-arm ARM` takes X = that arm's mean accuracy at its last point.
+`reach`: how many sampled tokens an arm needs to reach an accuracy X, given in advance
+(`--target`, required: a target read off an arm's own results, e.g. its mean, moves with them,
+and a seed below its own arm's mean would never reach it). Per seed, the accuracy of its swept
+checkpoints (sweep.json) against the run's cumulative `tokens/sampled` at each checkpoint,
+linearly interpolated; the first crossing of X is the seed's value. The grid's untrained arm
+(base, 0 tokens) is the curve's origin when there is one (a target it already reaches is
+refused), so a seed already above X at its first checkpoint crosses between the origin and it;
+without one, such a seed's value is its first checkpoint's tokens (an upper bound, flagged). A
+seed that never reaches X has no value ("not reached"). The arm's estimate is the mean over
+seeds when all reach X. Its spread: with one seed none; with 2-4 seeds the seeds' range, min to
+max, labelled "seed range" and never called an interval (n seeds' min-max holds the median of
+their distribution, the mean of a symmetric one, with probability 1 - 2^(1 - n): 50% with 2
+seeds, 75% with 3, 88% with 4); from 5 seeds a 95% percentile interval of a
+hierarchical bootstrap: each resample draws the problems (one draw shared by every arm and the
+origin, opsd.analysis.stats's draw), recomputes every checkpoint's accuracy on them from the
+evaluation reports' per-problem counts, then draws the seeds, each drawn seed's crossing
+recomputed; a resample with a drawn seed that does not reach X is not reached (so the upper
+end can be "not reached" while the estimate is finite). `--ratio-to ARM` divides each arm's
+value by that arm's, labelled "not reached", "0 (the reference arm not reached)" or "neither
+reached" where a mean is missing; its interval (both arms with 5+ seeds) is that of the ratio
+of resampled means, paired by problem.
 
 Inputs are what opsd.research.grid writes (ARM/seed-N/{run/metrics.jsonl, sweep.json, eval.json},
-read by opsd.analysis.stats.grid_table, which passes the table in). Bad input is one `error: ...` line, exit 2.
+read by opsd.analysis.stats.grid_table, which passes the table in; for an arm of 5+ seeds also the
+reports of its swept checkpoints, ARM/seed-N/eval/, and base/eval.json, read by
+opsd.analysis.reports). Bad input is one `error: ...` line, exit 2.
 """
 from __future__ import annotations
 
@@ -38,14 +48,24 @@ import json
 import math
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+# The evaluation reports' reader and the problems' bootstrap draw that `compare` uses (one import each).
+from opsd.analysis.reports import check_comparable, load_run
+from opsd.analysis.significance import _problem_weights
 from opsd.analysis.tokens import format_tokens
 
 COMMANDS = ("equivalence", "reach")
 NOT_REACHED = "not reached"
+NEITHER_REACHED = "neither reached"  # a ratio of two arms that both miss the target
+NOT_DEFINED = "not defined"  # a ratio to an arm that reaches the target at 0 tokens
+# The spread of an arm's tokens to reach: its kinds. Fewer than MIN_SEEDS_FOR_INTERVAL seeds give their
+# range only, never called an interval: n seeds' min-max holds their median with probability 1 - 2^(1 - n).
+ONE_SEED, SEED_RANGE, INTERVAL = "one seed", "seed range", "95% interval"
+MIN_SEEDS_FOR_INTERVAL = 5
 
 
 class EvidenceError(Exception):
@@ -104,11 +124,18 @@ def first_crossing(tokens: Sequence[float], accuracy: Sequence[float], target: f
     return None
 
 
-def bootstrap_means(values: Sequence[float | None], n_resamples: int, rng: np.random.Generator) -> np.ndarray:
-    """Means of `n_resamples` resamples of the seeds with replacement; None (not reached) is inf."""
-    x = np.array([math.inf if v is None else v for v in values], dtype=float)
-    picks = x[rng.integers(0, x.size, size=(n_resamples, x.size))]
-    return picks.mean(axis=1)  # a resample holding inf stays inf (not reached)
+def first_crossings(tokens: np.ndarray, accuracy: np.ndarray, target: float) -> np.ndarray:
+    """`first_crossing` of many curves at once: tokens [..., C], accuracy [..., C] -> [...],
+    inf where a curve never reaches `target`."""
+    reached = accuracy >= target
+    first = reached.argmax(-1)[..., None]  # the first point at or above the target (0 when none)
+    before = np.maximum(first - 1, 0)
+    t1, a1 = np.take_along_axis(tokens, first, -1)[..., 0], np.take_along_axis(accuracy, first, -1)[..., 0]
+    t0, a0 = np.take_along_axis(tokens, before, -1)[..., 0], np.take_along_axis(accuracy, before, -1)[..., 0]
+    with np.errstate(divide="ignore", invalid="ignore"):  # at the first point t0 = t1: no interpolation
+        between = t0 + (target - a0) * (t1 - t0) / (a1 - a0)
+    crossing = np.where(first[..., 0] == 0, t1, between)
+    return np.where(reached.any(-1), crossing, math.inf)
 
 
 def percentile_interval(draws: np.ndarray, confidence: float = 0.95) -> list[float]:
@@ -121,12 +148,51 @@ def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+@dataclass(frozen=True)
+class ProblemCurves:
+    """One arm's per-problem accuracies for the hierarchical bootstrap: values [seed, point, problem]
+    (points in the order of its curves), and the untrained arm's [problem] (None without one)."""
+
+    values: np.ndarray
+    origin: np.ndarray | None
+
+
+def seed_spread(values: Sequence[float | None]) -> dict:
+    """The spread of 1-4 seeds' values: nothing for one seed, else their range (min to max; not
+    reached counts as beyond every number). Never called an interval: 2-4 runs cannot give one."""
+    if len(values) == 1:
+        return {"kind": ONE_SEED, "low": None, "high": None}
+    x = [math.inf if v is None else v for v in values]
+    return {"kind": SEED_RANGE, "low": _finite_or_none(min(x)), "high": _finite_or_none(max(x))}
+
+
+def resampled_reach(curves: dict[int, list[tuple[float, float]]], problems: ProblemCurves, target: float,
+                    problem_weights: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """[resample] The arm's mean tokens to reach `target` when the problems (`problem_weights`
+    [resample, problem], the draw all arms share) and the seeds (drawn here) are resampled: each
+    drawn seed's curve is recomputed on the drawn problems, the untrained arm's origin too; inf
+    where a drawn seed does not reach the target."""
+    seeds = list(curves)
+    tokens = np.array([[t for t, _ in curves[s]] for s in seeds], dtype=float)  # [seed, point], problems' order
+    num_problems = problem_weights.shape[1]
+    accuracy = np.einsum("scp,bp->bsc", problems.values, problem_weights) / num_problems
+    if problems.origin is not None:
+        origin = problem_weights @ problems.origin / num_problems  # [resample]
+        accuracy = np.concatenate([np.broadcast_to(origin[:, None, None], accuracy.shape[:2] + (1,)), accuracy], -1)
+        tokens = np.concatenate([np.zeros((len(seeds), 1)), tokens], -1)
+    crossing = first_crossings(np.broadcast_to(tokens, accuracy.shape), accuracy, target)  # [resample, seed]
+    picks = rng.multinomial(len(seeds), np.full(len(seeds), 1.0 / len(seeds)), size=len(problem_weights))
+    return (picks * np.where(picks > 0, crossing, 0.0)).sum(1) / len(seeds)  # a drawn seed at inf makes it inf
+
+
 def reach(per_seed: dict[int, list[tuple[float, float]]], target: float, origin: float | None,
-          n_resamples: int, rng: np.random.Generator) -> dict:
+          problems: ProblemCurves | None = None, problem_weights: np.ndarray | None = None,
+          rng: np.random.Generator | None = None) -> dict:
     """One arm: each seed's first crossing of `target` (curve of (tokens, accuracy) points,
-    `origin` the accuracy at 0 tokens or None), the mean over seeds and its bootstrap interval
-    (None with one seed). `draws` (the resampled means) is returned for ratios and popped
-    before output."""
+    `origin` the accuracy at 0 tokens or None), the mean over seeds and its spread: the seed range
+    with 2-4 seeds (`seed_spread`), a 95% hierarchical bootstrap interval over seeds and problems
+    from MIN_SEEDS_FOR_INTERVAL seeds (`resampled_reach`; needs `problems`, `problem_weights` and
+    `rng`). `draws` (the resampled means, None under 5 seeds) is for ratios, popped before output."""
     values, upper_bounds = {}, []
     for seed, points in per_seed.items():
         points = sorted(points)
@@ -138,23 +204,39 @@ def reach(per_seed: dict[int, list[tuple[float, float]]], target: float, origin:
             upper_bounds.append(seed)
     reached = [v for v in values.values() if v is not None]
     mean = sum(reached) / len(reached) if len(reached) == len(values) else None
-    draws = bootstrap_means(list(values.values()), n_resamples, rng) if len(values) > 1 else None
-    interval = None if draws is None else [_finite_or_none(v) for v in percentile_interval(draws)]
-    return {"per_seed": values, "reached": len(reached), "seeds": len(values), "mean": mean, "interval": interval,
+    draws = None
+    if len(values) >= MIN_SEEDS_FOR_INTERVAL:
+        draws = resampled_reach(per_seed, problems, target, problem_weights, rng)
+        low, high = percentile_interval(draws)
+        spread = {"kind": INTERVAL, "low": _finite_or_none(low), "high": _finite_or_none(high)}
+    else:
+        spread = seed_spread(list(values.values()))
+    return {"per_seed": values, "reached": len(reached), "seeds": len(values), "mean": mean, "spread": spread,
             "upper_bound_seeds": upper_bounds, "draws": draws}
 
 
 def ratio(b: dict, a: dict) -> dict:
-    """Arm b's tokens to reach over arm a's, with the interval of the ratio of resampled means
-    (independent resamples per arm; not reached is inf, so a ratio can be inf or undefined)."""
-    value = None if b["mean"] is None or a["mean"] is None or a["mean"] == 0 else b["mean"] / a["mean"]
-    interval = None
-    if b["draws"] is not None and a["draws"] is not None:
+    """Arm b's tokens to reach over arm a's, labelled where a mean is not reached, with the 95%
+    interval of the ratio of resampled means when both arms have an interval (the resamples share
+    their problem draw); "neither reached" in a resample leaves the ratio without an interval."""
+    if b["mean"] is not None and a["mean"] is not None:
+        value = b["mean"] / a["mean"] if a["mean"] > 0 else None
+        label = NOT_DEFINED if value is None else f"{value:.2f}"
+    else:
+        value = None
+        label = {(True, True): NEITHER_REACHED, (True, False): NOT_REACHED,
+                 (False, True): "0 (the reference arm not reached)"}[(b["mean"] is None, a["mean"] is None)]
+    interval, why = None, None
+    if b["draws"] is None or a["draws"] is None:
+        why = ONE_SEED if min(a["seeds"], b["seeds"]) == 1 else f"under {MIN_SEEDS_FOR_INTERVAL} seeds"
+    else:
         with np.errstate(divide="ignore", invalid="ignore"):
             draws = b["draws"] / a["draws"]
-        if not np.isnan(draws).any():
+        if np.isnan(draws).any():  # inf / inf or 0 / 0 in a resample
+            why = "neither reached in some resamples"
+        else:
             interval = [_finite_or_none(v) for v in percentile_interval(draws)]
-    return {"ratio": value, "interval": interval}
+    return {"ratio": value, "label": label, "interval": interval, "no_interval": why}
 
 
 # --------------------------------------------------------------------------
@@ -206,33 +288,70 @@ def seed_curves(arm: dict, name: str, grid_dir) -> dict[int, list[tuple[float, f
     return curves
 
 
-def reach_table(table: dict, target: float | None = None, target_arm: str | None = None,
-                arms: Sequence[str] | None = None, ratio_to: str | None = None,
+def _report(cell: Path, step: int) -> Path:
+    """The evaluation report of a cell's checkpoint at `step`, as grid_table read its accuracy: the
+    swept report (sweep.json's row: the file as recorded or, moved with the grid, the one of that name
+    in the cell's eval/), else the cell's eval.json (its last checkpoint)."""
+    if not (cell / "sweep.json").is_file():
+        return cell / "eval.json"
+    rows = json.loads((cell / "sweep.json").read_text(encoding="utf-8")).get("checkpoints", [])
+    recorded = Path(str(next(r for r in rows if r.get("step") == step).get("file", "")))  # grid_table checked
+    return recorded if recorded.is_file() else cell / "eval" / recorded.name
+
+
+def problem_curves(grid_dir, table: dict, names: Sequence[str]) -> dict[str, ProblemCurves]:
+    """Per-problem accuracies (points) of each named arm's seeds at its points, and of the
+    untrained arm, from the grid's evaluation reports (all of one problem set and settings:
+    opsd.analysis.stats.check_comparable), for the hierarchical bootstrap."""
+    grid = Path(grid_dir)
+    paths = {name: [[_report(grid / name / f"seed-{seed}", point["step"]) for point in table["arms"][name]["points"]]
+                    for seed in table["arms"][name]["seeds"]] for name in names}
+    untrained = [n for n, a in table["arms"].items() if not a["trained"]]
+    base = [grid / untrained[0] / "eval.json"] if len(untrained) == 1 else []
+    flat = [p for name in names for seed in paths[name] for p in seed] + base
+    runs = [load_run(p) for p in flat]
+    per_problem = 100.0 * check_comparable(runs) / runs[0].k  # [report, problem], problems in one order
+    out, at = {}, 0
+    for name in names:
+        seeds, points = len(paths[name]), len(paths[name][0])
+        values = per_problem[at:at + seeds * points].reshape(seeds, points, -1)
+        at += seeds * points
+        out[name] = ProblemCurves(values, per_problem[-1] if base else None)
+    return out
+
+
+def reach_table(table: dict, target: float | None, arms: Sequence[str] | None = None, ratio_to: str | None = None,
                 n_resamples: int = 10000, seed: int = 0, grid_dir="") -> dict:
-    """Tokens to reach the target accuracy, per trained arm of `table` (opsd.analysis.stats.grid_table
-    of `grid_dir`) that samples (module docstring)."""
-    if (target is None) == (target_arm is None):
-        raise EvidenceError("give one of --target ACCURACY and --target-arm ARM")
-    if target_arm is not None:
-        target = _arm(table, target_arm, grid_dir)["points"][-1]["accuracy"]
-    if not math.isfinite(target):
-        raise EvidenceError(f"--target must be a number, got {target}")
-    untrained = [a for a in table["arms"].values() if not a["trained"]]
-    origin = untrained[0]["points"][0]["accuracy"] if len(untrained) == 1 else None
+    """Tokens to reach the target accuracy, fixed in advance, per trained arm of `table`
+    (opsd.analysis.stats.grid_table of `grid_dir`) that samples (module docstring)."""
+    if target is None:
+        raise EvidenceError("--target ACCURACY is required: the accuracy to reach, in points, fixed before the "
+                            "results are read")
+    if not (math.isfinite(target) and 0 < target <= 100):
+        raise EvidenceError(f"--target must be an accuracy in points, above 0 and at most 100, got {target}")
+    untrained = [n for n, a in table["arms"].items() if not a["trained"]]
+    origin = table["arms"][untrained[0]]["points"][0]["accuracy"] if len(untrained) == 1 else None
+    if origin is not None and origin >= target:
+        raise EvidenceError(f"--target {target:g}: the untrained arm {untrained[0]} is already at {origin:.2f}; "
+                            "every arm reaches it at 0 tokens")
     names = list(arms) if arms else [n for n, a in table["arms"].items() if a["trained"]]
     if ratio_to is not None and ratio_to not in names:
         names.append(ratio_to)
-    rng = np.random.default_rng(seed)
-    results, skipped = {}, {}
+    curves, skipped = {}, {}
     for name in names:
         arm = _arm(table, name, grid_dir)
         if not arm["trained"]:
             raise EvidenceError(f"arm {name} is untrained: it samples no tokens")
-        curves = seed_curves(arm, name, grid_dir)
-        if all(t == 0 for points in curves.values() for t, _ in points):
+        curves[name] = seed_curves(arm, name, grid_dir)
+        if all(t == 0 for points in curves[name].values() for t, _ in points):
             skipped[name] = "samples no tokens (reference solutions only)"
-            continue
-        results[name] = reach(curves, target, origin, n_resamples, rng)
+            del curves[name]
+    many = [n for n, c in curves.items() if len(c) >= MIN_SEEDS_FOR_INTERVAL]
+    problems = problem_curves(grid_dir, table, many) if many else {}
+    rng = np.random.default_rng(seed)
+    # One draw of problems for every arm: ratios stay paired by problem.
+    weights = _problem_weights(rng, next(iter(problems.values())).values.shape[2], n_resamples) if many else None
+    results = {name: reach(c, target, origin, problems.get(name), weights, rng) for name, c in curves.items()}
     if ratio_to is not None:
         if ratio_to in skipped:
             raise EvidenceError(f"--ratio-to {ratio_to}: that arm samples no tokens")
@@ -241,9 +360,8 @@ def reach_table(table: dict, target: float | None = None, target_arm: str | None
                 result["ratio_to"] = ratio(result, results[ratio_to])
     for result in results.values():
         result.pop("draws")
-    return {"grid": table["grid"], "metric": table["metric"], "target": target, "target_arm": target_arm,
-            "origin": origin, "n_resamples": n_resamples, "seed": seed, "ratio_to": ratio_to,
-            "arms": results, "skipped": skipped}
+    return {"grid": table["grid"], "metric": table["metric"], "target": target, "origin": origin,
+            "n_resamples": n_resamples, "seed": seed, "ratio_to": ratio_to, "arms": results, "skipped": skipped}
 
 
 # --------------------------------------------------------------------------
@@ -281,36 +399,42 @@ def _tokens(value) -> str:
     return NOT_REACHED if value is None else format_tokens(value)
 
 
-def _interval(interval, fmt) -> str:
-    if interval is None:
-        return "- (one seed)"
-    low, high = interval
-    return f"[{fmt(low) if low is not None else NOT_REACHED}, {fmt(high) if high is not None else NOT_REACHED}]"
+def _spread(spread: dict) -> str:
+    """"- (one seed)", "seed range [a, b]" or "95% interval [a, b]"; not reached where an end is."""
+    if spread["kind"] == ONE_SEED:
+        return f"- ({ONE_SEED})"
+    return f"{spread['kind']} [{_tokens(spread['low'])}, {_tokens(spread['high'])}]"
+
+
+def _ratio_cells(q: dict | None) -> str:
+    if q is None:  # the reference arm itself
+        return " 1 | - |"
+    if q["interval"] is None:
+        return f" {q['label']} | - ({q['no_interval']}) |"
+    low, high = (NOT_REACHED if v is None else f"{v:.2f}" for v in q["interval"])
+    return f" {q['label']} | [{low}, {high}] |"
 
 
 def format_reach(r: dict) -> str:
-    target = f"{r['target']:.2f}" + (f" ({r['target_arm']}'s last point)" if r["target_arm"] else "")
     origin = (f"origin: the untrained arm, {r['origin']:.2f} at 0 tokens" if r["origin"] is not None
               else "no untrained arm: a seed above the target at its first checkpoint gets that checkpoint's "
                    "tokens (an upper bound, marked *)")
-    lines = [f"sampled tokens to reach {r['metric']} {target}, grid {r['grid']}", "",
+    lines = [f"sampled tokens to reach {r['metric']} {r['target']:.2f} (the target given), grid {r['grid']}", "",
              f"Per seed: accuracy linearly interpolated against cumulative sampled tokens, first crossing; {origin}. "
-             f"Interval: 95% percentile bootstrap over seeds ({r['n_resamples']} resamples, seed {r['seed']}; a "
-             "resample with a seed that did not reach the target is not reached).", ""]
-    header = "| arm | seeds reaching | per seed | mean | 95% interval |"
+             f"Spread over seeds: their range (min to max) with 2-{MIN_SEEDS_FOR_INTERVAL - 1} seeds, not an "
+             f"interval; from {MIN_SEEDS_FOR_INTERVAL} seeds a 95% percentile interval of a hierarchical bootstrap "
+             f"over seeds and problems ({r['n_resamples']} resamples, seed {r['seed']}; a resample with a seed that "
+             "does not reach the target is not reached).", ""]
+    header = "| arm | seeds reaching | per seed | mean | spread over seeds |"
     rule = "|---|---|---|---|---|"
     if r["ratio_to"]:
-        header, rule = header + f" / {r['ratio_to']} | 95% interval |", rule + "---|---|"
+        header, rule = header + f" / {r['ratio_to']} | its 95% interval |", rule + "---|---|"
     lines += [header, rule]
     for name, a in r["arms"].items():
         seeds = ", ".join(f"{_tokens(v)}{'*' if s in a['upper_bound_seeds'] else ''}" for s, v in a["per_seed"].items())
-        row = (f"| {name} | {a['reached']}/{a['seeds']} | {seeds} | {_tokens(a['mean'])} | "
-               f"{_interval(a['interval'], _tokens)} |")
+        row = f"| {name} | {a['reached']}/{a['seeds']} | {seeds} | {_tokens(a['mean'])} | {_spread(a['spread'])} |"
         if r["ratio_to"]:
-            q = a.get("ratio_to")
-            row += (" 1 | - |" if q is None else
-                    f" {'-' if q['ratio'] is None else format(q['ratio'], '.2f')} | "
-                    f"{_interval(q['interval'], lambda v: format(v, '.2f'))} |")
+            row += _ratio_cells(a.get("ratio_to"))
         lines.append(row)
     for name, why in r["skipped"].items():
         lines.append(f"| {name} | - | {why} | - | - |" + (" - | - |" if r["ratio_to"] else ""))
@@ -336,16 +460,20 @@ def add_commands(commands, default_bootstrap: int, min_bootstrap: int) -> None:
     eq.add_argument("--alpha", type=float, default=0.05, help="level of each one-sided test (default 0.05)")
     eq.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
     rc = commands.add_parser(
-        "reach", help="sampled tokens each arm needs to reach an accuracy, with a bootstrap interval over seeds",
+        "reach", help="sampled tokens each arm needs to reach an accuracy fixed in advance",
         description="Per arm of a opsd.research.grid folder with sweeps: each seed's accuracy linearly interpolated "
-                    "against its cumulative sampled tokens, first crossing of the target; mean over seeds and a "
-                    "percentile bootstrap interval over seeds ('not reached' where a seed never gets there).")
+                    "against its cumulative sampled tokens, first crossing of the target; mean over seeds, the "
+                    f"seeds' range with 2-{MIN_SEEDS_FOR_INTERVAL - 1} seeds, a 95% hierarchical bootstrap interval "
+                    f"over seeds and problems from {MIN_SEEDS_FOR_INTERVAL} ('not reached' where a seed never gets "
+                    "there).")
     rc.add_argument("grid", metavar="GRID_DIR", help="a opsd.research.grid folder (ARM/seed-N/...)")
-    target = rc.add_mutually_exclusive_group(required=True)
-    target.add_argument("--target", type=float, metavar="ACCURACY", help="the accuracy to reach, in points")
-    target.add_argument("--target-arm", metavar="ARM", help="the target is this arm's mean accuracy at its last point")
+    rc.add_argument("--target", type=float, metavar="ACCURACY",
+                    help="required: the accuracy to reach, in points, fixed before the results are read")
+    rc.add_argument("--target-arm", help=argparse.SUPPRESS)  # removed: answered with one line (main)
     rc.add_argument("--arms", nargs="+", metavar="ARM", help="arms to estimate (default: every trained arm)")
-    rc.add_argument("--ratio-to", metavar="ARM", help="also each arm's tokens over this arm's, with an interval")
+    rc.add_argument("--ratio-to", metavar="ARM",
+                    help=f"also each arm's tokens over this arm's (an interval when both have "
+                         f"{MIN_SEEDS_FOR_INTERVAL}+ seeds)")
     rc.add_argument("--bootstrap", type=int, default=default_bootstrap, metavar="N",
                     help=f"bootstrap resamples (default {default_bootstrap})")
     rc.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
@@ -355,8 +483,11 @@ def add_commands(commands, default_bootstrap: int, min_bootstrap: int) -> None:
 
 def main(args: argparse.Namespace, read_grid: Callable[[str], dict], errors: tuple[type[Exception], ...]) -> int:
     """Run an evidence subcommand parsed by opsd.analysis.stats; `read_grid` is its grid_table, which
-    raises `errors` on bad input. 0, or 2 with one `error:` line."""
+    raises `errors` on bad input (the reports' readers raise them too). 0, or 2 with one `error:` line."""
     try:
+        if args.command == "reach" and args.target_arm is not None:
+            raise EvidenceError(f"--target-arm {args.target_arm}: removed; a target read off an arm's own results "
+                                "moves with them. Give the accuracy you fixed in advance: --target ACCURACY")
         if args.command == "reach" and args.bootstrap < args.min_bootstrap:
             raise EvidenceError(f"--bootstrap must be at least {args.min_bootstrap}, got {args.bootstrap}")
         table = read_grid(args.grid)
@@ -364,8 +495,7 @@ def main(args: argparse.Namespace, read_grid: Callable[[str], dict], errors: tup
             result = equivalence(table, args.a, args.b, args.margin, args.alpha, args.grid)
             text = format_equivalence(result)
         else:
-            result = reach_table(table, args.target, args.target_arm, args.arms, args.ratio_to,
-                                 args.bootstrap, args.seed, args.grid)
+            result = reach_table(table, args.target, args.arms, args.ratio_to, args.bootstrap, args.seed, args.grid)
             text = format_reach(result)
         if args.json:
             try:

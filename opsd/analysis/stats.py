@@ -8,7 +8,7 @@
     python -m opsd.analysis.stats tokens GRID_DIR [--json OUT] [--plot FILE.png]
     python -m opsd.analysis.stats equivalence GRID_DIR --a ARM[@STEP] --b ARM[@STEP] --margin POINTS
         (opsd.analysis.evidence)
-    python -m opsd.analysis.stats reach GRID_DIR (--target X | --target-arm ARM) [--ratio-to ARM]
+    python -m opsd.analysis.stats reach GRID_DIR --target X [--ratio-to ARM]
         (opsd.analysis.evidence)
 
 `tokens` puts a grid's arms (a opsd.research.grid folder) on the sampled-tokens axis

@@ -7,6 +7,7 @@ in `_compute_loss`, the `coef_1` / `coef_2` clip and the `if self.loss_type == .
 reductions) and call no helper of the module under test.
 """
 import dataclasses
+import inspect
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -69,8 +70,9 @@ def make_mask(lengths=LENGTHS, width=C):
 
 
 def ref_loss(logits, ids, mask, adv, *, loss_type, temperature=1.0, eps_low=0.2, eps_high=None, max_len=MAX_LEN,
-             num_items=None, old=None, ref=None, beta=0.0):
-    """TRL `_compute_loss` for one process and no accumulation, in float64 on [B, C]."""
+             num_items=None, old=None, ref=None, beta=0.0, bias_correction=True):
+    """TRL `_compute_loss` for one process and no accumulation, in float64 on [B, C]; `bias_correction`
+    is TRL's `use_bias_correction_kl` (default True): the KL times coef_1, the differentiable ratio."""
     eps_high = eps_low if eps_high is None else eps_high
     logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     old = logp.detach() if old is None else old
@@ -79,7 +81,8 @@ def ref_loss(logits, ids, mask, adv, *, loss_type, temperature=1.0, eps_low=0.2,
     a = adv.unsqueeze(1)
     per_token = -torch.min(coef_1 * a, coef_2 * a)
     if beta:
-        per_token = per_token + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        per_token = per_token + beta * (kl * coef_1 if bias_correction else kl)
     if loss_type == "grpo":
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     if loss_type == "bnpo":
@@ -215,6 +218,8 @@ LOSS_OPTIONS = [
     {"off_policy": True, "eps_low": 0.2, "eps_high": 0.28},  # the two-sided clip fires
     {"off_policy": True, "temperature": 1.3, "beta": 0.04},
     {"beta": 0.1},
+    {"beta": 0.1, "bias_correction": False},  # TRL's use_bias_correction_kl False: k3 alone
+    {"off_policy": True, "beta": 0.04, "bias_correction": False},
 ]
 
 
@@ -229,11 +234,11 @@ def loss_inputs(opts, logits, ids, gen):
     old = logp + 0.3 * torch.randn(logp.shape, generator=gen, dtype=F64) if opts.get("off_policy") else None
     ref = logp + 0.5 * torch.randn(logp.shape, generator=gen, dtype=F64) if opts.get("beta") else None
     eps_low, eps_high = opts.get("eps_low", 0.2), opts.get("eps_high")
-    beta = opts.get("beta", 0.0)
+    beta, correction = opts.get("beta", 0.0), opts.get("bias_correction", True)
     reference = {"temperature": temperature, "eps_low": eps_low, "eps_high": eps_high, "old": old, "ref": ref,
-                 "beta": beta}
+                 "beta": beta, "bias_correction": correction}
     ours = {"temperature": temperature, "epsilon_low": eps_low, "epsilon_high": eps_high, "old_logp": old,
-            "ref_logp": ref, "beta": beta}
+            "ref_logp": ref, "beta": beta, "bias_correction_kl": correction}
     return reference, ours
 
 
@@ -273,7 +278,7 @@ def test_loss_and_gradient_match_reference(loss_type, opts):
     assert stats["advantage_mean"].item() == pytest.approx(a[keep].mean().item(), rel=1e-12)
     if opts.get("beta"):
         delta = reference["ref"] - logp
-        kl = torch.exp(delta) - delta - 1
+        kl = (torch.exp(delta) - delta - 1) * (ratio if reference["bias_correction"] else 1)  # TRL logs it corrected
         assert stats["kl"].item() == pytest.approx(kl[keep].mean().item(), rel=1e-12)
 
 
@@ -355,9 +360,10 @@ class _OneProcess:
 
 def trl_compute_loss(logits, ids, mask, adv, *, loss_type, temperature, level="token", grad_accum=1,
                      steps_per_generation=1, num_processes=1, num_items_in_batch=None, old=None, ref=None, beta=0.0,
-                     eps_low=0.2, eps_high=None):
+                     eps_low=0.2, eps_high=None, use_bias_correction_kl=True):
     """TRL 1.16 `GRPOTrainer._compute_loss` on a stand-in `self`: the model's log-probs and
-    entropies are ours (log_softmax(logits / T) at the sampled token, as TRL's fused head)."""
+    entropies are ours (log_softmax(logits / T) at the sampled token, as TRL's fused head).
+    `use_bias_correction_kl` defaults to TRL 1.16 GRPOConfig's default, True."""
     grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
     full = torch.log_softmax(logits / temperature, -1)
     logp = full.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
@@ -366,7 +372,8 @@ def trl_compute_loss(logits, ids, mask, adv, *, loss_type, temperature, level="t
         _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logp, entropy, None),
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level, beta=beta,
         loss_type=loss_type, epsilon_low=eps_low, epsilon_high=eps_low if eps_high is None else eps_high,
-        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=steps_per_generation),
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=use_bias_correction_kl,
+                             steps_per_generation=steps_per_generation),
         use_vllm=False, vllm_importance_sampling_correction=False, model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=grad_accum, max_completion_length=MAX_LEN,
         accelerator=_OneProcess(num_processes), _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
@@ -398,6 +405,7 @@ def test_equals_trl_compute_loss(loss_type, opts):
         logits, ids, mask, adv, loss_type=loss_type, temperature=reference["temperature"], grad_accum=3,
         steps_per_generation=3, num_processes=2, num_items_in_batch=120, old=reference["old"], ref=reference["ref"],
         beta=reference["beta"], eps_low=reference["eps_low"], eps_high=reference["eps_high"],
+        use_bias_correction_kl=reference["bias_correction"],
     )  # fmt: skip
     loss, stats = grpo_loss(logits, ids, mask, adv, loss_type=loss_type, max_completion_length=MAX_LEN,
                             num_items=120 / (2 * 3), **ours)
@@ -422,6 +430,31 @@ def test_on_policy_sequence_level_equals_token_level(loss_type):
     torch.testing.assert_close(loss, sequence, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(torch.autograd.grad(loss, logits)[0], torch.autograd.grad(sequence, logits)[0],
                                rtol=1e-10, atol=1e-14)
+
+
+def test_trl_default_is_the_bias_corrected_kl():
+    """The default of TRL 1.16 (GRPOConfig.use_bias_correction_kl) is what grpo_loss defaults to."""
+    grpo_config = pytest.importorskip("trl").GRPOConfig
+    defaults = {f.name: f.default for f in dataclasses.fields(grpo_config)}
+    assert defaults["use_bias_correction_kl"] is True
+    assert inspect.signature(grpo_loss).parameters["bias_correction_kl"].default is True
+    assert inspect.signature(chunked_grpo_loss).parameters["bias_correction_kl"].default is True
+
+
+@pytest.mark.parametrize("correction, coefficient", [(True, 1.0), (False, 1 - math.exp(-1))])
+def test_on_policy_kl_gradient_per_token(correction, coefficient):
+    """Issue 59's numbers: at logp = -1 and ref = -2 the KL's gradient is c * d logp with
+    c = logp - ref = 1.00 when bias-corrected (TRL's default), 1 - exp(ref - logp) = 0.63 without."""
+    logits = torch.tensor([[[0.0, math.log(math.e - 1)]]], dtype=F64, requires_grad=True)  # p(token 0) = 1/e
+    ids, mask = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=F64)
+    logp = torch.log_softmax(logits, -1)[0, 0, 0]
+    assert logp.item() == pytest.approx(-1.0, abs=1e-15)
+    loss, stats = grpo_loss(logits, ids, mask, torch.zeros(1, dtype=F64), loss_type="bnpo", beta=0.5,
+                            ref_logp=torch.full((1, 1), -2.0, dtype=F64), bias_correction_kl=correction)
+    assert stats["kl"].item() == pytest.approx(math.exp(-1), rel=1e-12)  # k3 at ref - logp = -1 (ratio 1 in value)
+    (grad,) = torch.autograd.grad(loss, logits)
+    (grad_logp,) = torch.autograd.grad(logp, logits)
+    torch.testing.assert_close(grad, 0.5 * coefficient * grad_logp, rtol=1e-12, atol=1e-15)
 
 
 # --------------------------------------------------------------------------- chunked
