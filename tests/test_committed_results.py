@@ -40,3 +40,20 @@ def test_the_data_size_results_are_remade_from_the_cells(tmp_path):
         for arm in table["arms"].values():
             arm.pop("wall_time", None)
     assert remade == committed
+
+
+def test_the_token_splits_against_opsd_are_welch_on_the_committed_run_means():
+    """grids/results/grpo_tuned_token_splits.md's "Against OPSD" rows (issue 59 item 4): Welch's t on the
+    run means its JSON holds, and the TOST p it quotes for the 4x-token arm."""
+    from opsd.analysis.evidence import tost
+    from opsd.analysis.significance import welch_t
+
+    table = json.loads((REPO / "grids" / "results" / "grpo_tuned_token_splits.json").read_text())
+    page = (REPO / "grids" / "results" / "grpo_tuned_token_splits.md").read_text(encoding="utf-8")
+    opsd = table["arms"]["opsd"]["per_run"]
+    for name, arm in table["arms"].items():
+        if name not in ("base", "opsd"):
+            w = welch_t(opsd, arm["per_run"])
+            assert (f"| {name} | {arm['mean']:.2f} | {w['diff']:+.2f} | [{w['ci'][0]:+.2f}, {w['ci'][1]:+.2f}] | "
+                    f"{w['p']:.3g} |") in page
+    assert f"p = {tost(opsd, table['arms']['grpo_g8_p16']['per_run'], 3.0)['p']:.2f})" in page
