@@ -32,6 +32,8 @@ CURVE_PANELS = (
     ("entropy", "entropy per token (nats)", (LABEL_TO_KEY["H_student"], LABEL_TO_KEY["H_teacher"])),
     ("completion length (tokens)", "tokens", ("completions/mean_length", "completions/max_length")),
     ("truncated completions", "share that hit the length cap", ("completions/truncated_ratio",)),
+    # OPSD only (opsd.objective.EOS_STAT_KEYS): each role's log-prob of the EOS the student sampled
+    ("ending here (EOS log-prob)", "log-prob of the sampled EOS", ("opsd/teacher_eos_logp", "opsd/student_eos_logp")),
     # GRPO runs only (the keys of opsd.grpo.reward_stats): is there signal in the groups?
     ("GRPO reward", "mean reward (share correct)", ("grpo/reward_mean",)),
     ("GRPO completions without signal", "share in zero-std groups", ("grpo/frac_reward_zero_std",)),
@@ -53,6 +55,7 @@ HEALTHY = {
     "entropy": "healthy: student's level or falling; a climb = collapse",
     "completion length (tokens)": "healthy: level; a steady fall = drift to short answers",
     "truncated completions": "healthy: near 0; a rise = answers run past the cap",
+    "ending here (EOS log-prob)": "teacher above student: it pulls answers shorter; a widening gap = length drift",
     "GRPO reward": "healthy: rises",
     "GRPO completions without signal": "healthy: well below 1 (groups that teach)",
     "learning rate": "the recipe's schedule (recipe.env: cosine)",

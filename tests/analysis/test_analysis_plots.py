@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 OPSD_KEYS = [key for _, key in KL_LINE_FIELDS if key != "opsd/nll"]  # nll: the SFT loss only
 OTHER_KEYS = ["loss", "learning_rate", "grad_norm", "completions/mean_length", "completions/max_length",
-              "completions/truncated_ratio"]
+              "completions/truncated_ratio", "opsd/teacher_eos_logp", "opsd/student_eos_logp"]
 GRPO_KEYS = ["grpo/reward_mean", "grpo/frac_reward_zero_std"]  # a GRPO run's panels (opsd.grpo.reward_stats)
 
 

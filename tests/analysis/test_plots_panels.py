@@ -165,3 +165,14 @@ def test_several_seeds_have_dots_and_a_band_in_the_title(tmp_path, figures):
                           "highest seed")
     dots = [list(line.get_xdata()) for line in figures[-1].axes[0].get_lines() if line.get_marker() == "o"]
     assert dots == [[50.0, 54.0, 58.0]]
+
+
+def test_the_teachers_length_preference_is_a_panel_of_opsd_runs(tmp_path):
+    """Issue 58 item 3: OPSD's EOS log-probs of both roles (opsd.objective.EOS_STAT_KEYS) share one panel."""
+    from opsd.objective import EOS_STAT_KEYS
+
+    eos = tuple(f"opsd/{key}" for key in EOS_STAT_KEYS)
+    run = write_metrics(tmp_path / "run", {"loss": falling(0.25), eos[0]: falling(-0.5), eos[1]: falling(-2.0)})
+    panels, left_out = plot_curves.run_panels(plot_curves.read_metrics(run))
+    assert [(p.title, p.keys) for p in panels] == [("loss", ("loss",)), ("ending here (EOS log-prob)", eos)]
+    assert left_out == [] and plot_curves.HEALTHY["ending here (EOS log-prob)"].startswith("teacher above student")
