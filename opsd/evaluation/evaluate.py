@@ -268,6 +268,9 @@ def apply_run_defaults(args: argparse.Namespace) -> str | None:
 
 
 def check_checkpoint(path: Path) -> None:
+    if path.is_file():  # the words dev_eval.sh uses for the same mistake
+        raise InputError(f"{path} is a file, not a checkpoint folder (holding adapter_config.json) or a run folder "
+                         "(holding checkpoint-N folders)")
     if not path.is_dir():
         raise InputError(f"checkpoint folder not found: {path}")
     if not (path / "adapter_config.json").is_file():

@@ -498,3 +498,13 @@ def test_a_vllm_outside_the_supported_range_is_one_line_before_loading(monkeypat
     assert status == 2 and len(err) == 1
     assert err[0].startswith("error: vLLM 0.40.0 is outside the supported range 0.22.0-0.31.0")
     assert not (tmp_path / "out").exists()
+
+
+def test_opsd_eval_names_a_file_given_as_a_checkpoint(tmp_path, capsys):
+    """`opsd eval FILE` says the path is a file (as dev_eval.sh does), not that no folder was found."""
+    given = tmp_path / "adapter_model.safetensors"
+    given.write_bytes(b"")
+    status, out, err = in_process(capsys, str(given), "--output-dir", str(tmp_path / "out"))
+    assert status == 2 and out == ""
+    assert err.strip().splitlines() == [f"error: {given} is a file, not a checkpoint folder (holding "
+                                        "adapter_config.json) or a run folder (holding checkpoint-N folders)"]
