@@ -5,6 +5,7 @@ opsd/research/grid.py runs the cells here or on a SLURM cluster (opsd/research/s
 """
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -330,22 +331,106 @@ def _read_cell_json(cell: Cell) -> dict | None:
 # What counts as code for a cell's version: the tracked files a run executes or reads as settings
 # (not the docs: editing a note while a grid runs changes no result).
 CODE_FILES = ("*.py", "*.sh", "*.env", "*.json", "*.yaml", "*.toml", "*.txt", "*.ini")
+# Where a grid keeps its code snapshots, in its --out: a hidden folder, so that no scan of the
+# package tree (a grid written under the checkout's outputs/, then the suite) finds its copy of opsd/.
+SNAPSHOT_DIR = ".code"
+OLD_SNAPSHOT_DIR = "code"  # the folder before; a grid folder that holds the version there reuses it
+SNAPSHOT_SKIPS = ("tests/", "docs/", "grids/results/")  # what no cell runs or reads
+# Never part of a copy's files, whatever its .gitignore says (a virtual environment, a grid's snapshots).
+WALK_SKIPS = (".git", ".venv", "venv", SNAPSHOT_DIR)
+
+
+def own_checkout(repo: Path = REPO) -> bool:
+    """Whether `repo` is the top level of a git checkout of its own: not a copy without git (an
+    unpacked `git archive`), and not a copy inside another repository (a monorepo, a home folder
+    kept in git), whose commit and files are not this code's."""
+    try:
+        top = subprocess.run(["git", "-C", str(repo), "rev-parse", "--show-toplevel"], capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return top.returncode == 0 and Path(top.stdout.strip()).resolve() == Path(repo).resolve()
+
+
+def repository_files(repo: Path = REPO, untracked: bool = False) -> list[str]:
+    """The checkout's files (paths relative to `repo`, sorted): in its own git checkout the tracked
+    ones (`untracked`: and the untracked ones git does not ignore); in a copy, every file but those
+    its .gitignore names and WALK_SKIPS, and no grid folder (one holding a snapshot). Never what a
+    run wrote under outputs/ or runs/. An installed package (REPO is then site-packages, without the
+    repository's pyproject.toml) has none: its grids run it where it is, unversioned."""
+    if not own_checkout(repo):
+        return _walk_files(Path(repo)) if (Path(repo) / "pyproject.toml").is_file() else []
+    extra = ["--others", "--exclude-standard"] if untracked else []
+    listed = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", *extra], capture_output=True,
+                            timeout=60, check=True).stdout.decode()
+    return sorted({name for name in listed.split("\0") if name and (Path(repo) / name).is_file()})
+
+
+def _walk_files(repo: Path) -> list[str]:
+    patterns = _ignore_patterns(repo)
+    found = []
+    for folder, dirs, names in os.walk(repo):
+        base = Path(folder).relative_to(repo)
+        dirs[:] = [d for d in dirs if d not in WALK_SKIPS and not _ignored(base / d, True, patterns)
+                   and not (Path(folder) / d / SNAPSHOT_DIR).is_dir()]
+        found += [(base / n).as_posix() for n in names
+                  if not _ignored(base / n, False, patterns) and (Path(folder) / n).is_file()]
+    return sorted(found)
+
+
+def _ignore_patterns(repo: Path) -> list[str]:
+    """The top-level .gitignore's patterns (the repository's one; negations are not read)."""
+    try:
+        lines = (repo / ".gitignore").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    return [line.strip() for line in lines if line.strip() and not line.startswith(("#", "!"))]
+
+
+def _ignored(path: Path, is_dir: bool, patterns: list[str]) -> bool:
+    """git's rule for one pattern: `name/` only folders; a pattern with a `/` from the top, else any depth."""
+    for pattern in patterns:
+        if pattern.endswith("/") and not is_dir:
+            continue
+        pattern = pattern.rstrip("/")
+        if fnmatch.fnmatchcase(path.as_posix() if "/" in pattern else path.name, pattern.lstrip("/")):
+            return True
+    return False
+
+
+def snapshot_files(repo: Path = REPO) -> list[str]:
+    """What a snapshot copies: the checkout's files (`repository_files`) but tests, docs and pictures."""
+    return [name for name in repository_files(repo)
+            if not name.startswith(SNAPSHOT_SKIPS) and not name.endswith((".md", ".png"))]
 
 
 def code_version(repo: Path = REPO) -> str | None:
     """The checkout's version: its commit, with `+dirty-<hash>` when tracked code files (CODE_FILES)
-    differ from it (the hash of the difference: the same edits give the same version); None
-    outside a git checkout. Untracked files are not part of it."""
+    differ from it (the hash of the difference: the same edits give the same version; untracked
+    files are not part of it). A copy that is not its own git checkout (`own_checkout`):
+    `content-<hash>` of the code files its snapshot holds, paths and bytes. None: no code there."""
+    if not own_checkout(repo):
+        return _content_version(repo)
     try:
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, timeout=60)
-        if head.returncode != 0:
-            return None
+        if head.returncode != 0:  # a repository without a commit yet
+            return _content_version(repo)
         diff = subprocess.run(["git", "-C", str(repo), "diff", "HEAD", "--binary", "--", *CODE_FILES],
                               capture_output=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
-        return None
+        return _content_version(repo)
     commit = head.stdout.decode().strip()[:12]
     return f"{commit}+dirty-{hashlib.sha256(diff).hexdigest()[:12]}" if diff else commit
+
+
+def _content_version(repo: Path) -> str | None:
+    digest = hashlib.sha256()
+    names = [n for n in snapshot_files(repo) if any(fnmatch.fnmatchcase(Path(n).name, p) for p in CODE_FILES)]
+    for name in names:
+        data = (Path(repo) / name).read_bytes()
+        digest.update(f"{name}\0{len(data)}\0".encode())
+        digest.update(data)
+    return f"content-{digest.hexdigest()[:12]}" if names else None
 
 
 def check_cell_code(cell: Cell, code: str | None, allow_change: bool = False) -> None:
@@ -361,31 +446,26 @@ def check_cell_code(cell: Cell, code: str | None, allow_change: bool = False) ->
                         "two; re-run with --allow-code-change to resume it anyway, or delete its folder to restart it")
 
 
-SNAPSHOT_SKIPS = ("tests/", "docs/", "grids/results/")  # what no cell runs or reads
-
-
 def snapshot_code(out: Path, repo: Path = REPO) -> tuple[str | None, Path]:
-    """The code a grid's cells run: a copy of the checkout's tracked files as they are now (uncommitted
-    edits included; tests, docs and pictures left out) in `out`/code/<version>/, made once per
-    version. A cell's training and evaluation run from it (their working folder; the snapshot's
-    packages come before the installed ones on the import path), so that editing or pulling the
-    checkout while a grid runs, or while its jobs wait in a SLURM queue, changes none of its cells.
-    Returns (version, folder); outside a git checkout (None, the checkout itself)."""
+    """The code a grid's cells run: a copy of the checkout's files (`snapshot_files`: tracked ones as
+    they are now, uncommitted edits included; tests, docs and pictures left out) at their
+    repository paths in `out`/.code/<version>/ (SNAPSHOT_DIR), made once per version; a grid
+    folder that holds the version in its old place, `out`/code/<version>/, keeps using it. A cell's
+    training and evaluation run from it (their working folder; the snapshot's packages come before
+    the installed ones on the import path), so that editing or pulling the checkout while a grid
+    runs, or while its jobs wait in a SLURM queue, changes none of its cells. Returns (version,
+    folder); (None, the checkout itself) where there is no code to copy."""
     version = code_version(repo)
     if version is None:
         return None, repo
-    folder = out / "code" / version
-    if folder.is_dir():
-        return version, folder
-    listed = subprocess.run(["git", "-C", str(repo), "ls-files", "-z"], capture_output=True, timeout=60)
+    for place in (SNAPSHOT_DIR, OLD_SNAPSHOT_DIR):
+        if (out / place / version).is_dir():  # made whole (renamed into place), so complete
+            return version, out / place / version
     tmp = Path(tempfile.mkdtemp(dir=out, prefix=".code-"))
-    for name in listed.stdout.decode().split("\0"):
-        source = repo / name
-        if (not name or name.startswith(SNAPSHOT_SKIPS) or name.endswith((".md", ".png"))
-                or not source.is_file()):  # a tracked file deleted in the working tree is not there
-            continue
+    for name in snapshot_files(repo):
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source, tmp / name)
+        shutil.copy2(Path(repo) / name, tmp / name)
+    folder = out / SNAPSHOT_DIR / version
     folder.parent.mkdir(exist_ok=True)
     os.replace(tmp, folder)
     return version, folder

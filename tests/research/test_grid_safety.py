@@ -158,7 +158,7 @@ def test_the_cells_run_a_snapshot_of_the_code_made_once_per_version(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     version, folder = grid_cell.snapshot_code(out, repo)
-    assert folder == out / "code" / version
+    assert folder == out / ".code" / version  # hidden: no scan of the package tree takes it for opsd/
     assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == [
         "configs/ddp.yaml", "opsd_train.py"]  # tests, docs and notes left out
     assert grid_cell.snapshot_code(out, repo) == (version, folder)  # the same version: the same copy
@@ -175,6 +175,19 @@ def test_the_cells_run_a_snapshot_of_the_code_made_once_per_version(tmp_path):
 
 
 def _repo(tmp_path) -> Path:
+
+def test_a_grid_folder_keeps_using_its_snapshot_in_the_old_place(tmp_path):
+    """Grid folders made before the snapshot moved to .code/ hold it in code/<version>/ (SLURM jobs
+    queued with that path): a re-run of the same version uses it instead of copying again."""
+    repo = _repo(tmp_path)
+    out = tmp_path / "out"
+    (out / "code").mkdir(parents=True)
+    version = grid_cell.code_version(repo)
+    (out / "code" / version).mkdir()
+    assert grid_cell.snapshot_code(out, repo) == (version, out / "code" / version)
+    assert not (out / ".code").exists()
+
+
     repo = tmp_path / "repo"
     (repo / "configs").mkdir(parents=True)
     (repo / "tests").mkdir()
