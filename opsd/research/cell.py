@@ -471,17 +471,75 @@ def snapshot_code(out: Path, repo: Path = REPO) -> tuple[str | None, Path]:
     return version, folder
 
 
+def _query_gpus(gpus: tuple[str, ...] | None, fields: str) -> list[list[str]] | None:
+    """nvidia-smi's `fields` (comma-separated) of each of `gpus` (None: every GPU it lists), one list
+    a GPU; None when it cannot say (no nvidia-smi, no driver, an unknown id)."""
+    command = ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
+    try:
+        found = subprocess.run(command + (["-i", ",".join(gpus)] if gpus else []), capture_output=True, text=True,
+                               timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [[value.strip() for value in line.split(",")] for line in found.stdout.splitlines() if line.strip()]
+    return rows if found.returncode == 0 and rows and all(len(r) == fields.count(",") + 1 for r in rows) else None
+
+
 def gpu_names(gpus: tuple[str, ...] | None) -> str:
     """What a cell's devices are, for its provenance: the GPUs' names from nvidia-smi, or 'CPU'."""
     if gpus == ():
         return "CPU"
-    command = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"] + (["-i", ",".join(gpus)] if gpus else [])
+    rows = _query_gpus(gpus, "name")
+    return ", ".join(row[0] for row in rows) if rows else ("unknown" if gpus else "CPU")
+
+
+# What a card must hold beside the evaluation's paged KV pool (the check before a GPU cell trains): the
+# model's weights (Qwen3-1.7B in bf16: 3.2 GiB), the engine's buffers and CUDA's own memory. A margin,
+# not a measurement: the engine checks the real need when the evaluation starts (MAX_MEMORY_SHARE).
+EVAL_POOL_MARGIN_GIB = 6.0
+
+
+def eval_pool_gib(grid: Grid, environ=os.environ) -> float | None:
+    """The paged KV pool a GPU cell's evaluation takes, in GiB: --paged-cache-gib of the grid's
+    eval_flags, else its OPSD_EVAL_PAGED_GIB (`eval_environment`); None when the evaluation on a GPU
+    runs another engine (the tiny preset's generate(), vLLM: `--backend vllm`, or `auto` where vLLM
+    is installed) or the variable is not a number (the evaluation says so itself)."""
+    from opsd.evaluation import evaluate
+    from opsd.rollout.vllm_backend import vllm_available
+
+    args = evaluate.parse_args(["base", *(["--preset", grid.preset] if grid.preset else []), *grid.eval_flags])
+    if args.backend == "vllm" or args.backend == "auto" and vllm_available():
+        return None
+    engine = args.engine if args.engine != "auto" else (
+        evaluate.TINY_ENGINE if args.preset == evaluate.TINY else evaluate.ENGINE_AUTO["cuda"])
+    if engine != "paged":
+        return None
     try:
-        names = subprocess.run(command, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown" if gpus else "CPU"
-    listed = [line.strip() for line in names.stdout.splitlines() if line.strip()]
-    return ", ".join(listed) if names.returncode == 0 and listed else ("unknown" if gpus else "CPU")
+        return args.paged_cache_gib or float(eval_environment(environ)["OPSD_EVAL_PAGED_GIB"])
+    except ValueError:
+        return None
+
+
+def eval_pool_problem(grid: Grid, gpus: tuple[str, ...] | None, environ=os.environ) -> str | None:
+    """One line when a GPU the cell got cannot hold its evaluation's paged KV pool (`eval_pool_gib`)
+    and EVAL_POOL_MARGIN_GIB within the share of its memory the engine may take (MAX_MEMORY_SHARE),
+    said before the cell trains: the evaluation would fail after the training's hours. None when
+    it fits, for CPU cells and other engines, and where nvidia-smi cannot say."""
+    if gpus == () or (pool := eval_pool_gib(grid, environ)) is None:
+        return None
+    from opsd.rollout.paged_decode import MAX_MEMORY_SHARE
+
+    for index, name, mib in _query_gpus(gpus, "index,name,memory.total") or []:
+        try:
+            usable = MAX_MEMORY_SHARE * float(mib) / 1024
+        except ValueError:  # "[N/A]"
+            continue
+        if pool + EVAL_POOL_MARGIN_GIB > usable:
+            most = max(1, int(usable - EVAL_POOL_MARGIN_GIB))
+            return (f"GPU {index} ({name}, {float(mib) / 1024:.1f} GiB) cannot hold the evaluation's paged KV pool of "
+                    f"{pool:g} GiB and {EVAL_POOL_MARGIN_GIB:g} GiB for the model ({MAX_MEMORY_SHARE:.0%} of it is "
+                    f"usable); run the grid with OPSD_EVAL_PAGED_GIB={most} (or less; every cell alike: the samples "
+                    "depend on it) or evaluate with vLLM (eval_flags [\"--backend\", \"vllm\"])")
+    return None
 
 
 def devices_label(gpus: tuple[str, ...] | None) -> str:
@@ -538,6 +596,8 @@ def run_cell(grid: Grid, cell: Cell, log, gpus: tuple[str, ...] | None = None, p
         return "skipped"
     if not (code_dir / "opsd_train.py").is_file():
         return f"failed: the grid's code snapshot {code_dir} is gone; re-run the grid to make it again"
+    if problem := eval_pool_problem(grid, gpus):  # before the training's hours, not after them
+        return f"failed: {problem}"
     cell.folder.mkdir(parents=True, exist_ok=True)
     try:
         with RunLock(str(cell.folder)):

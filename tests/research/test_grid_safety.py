@@ -174,7 +174,6 @@ def test_the_cells_run_a_snapshot_of_the_code_made_once_per_version(tmp_path):
     assert outcome == f"failed: the grid's code snapshot {tmp_path / 'gone'} is gone; re-run the grid to make it again"
 
 
-def _repo(tmp_path) -> Path:
 
 def test_a_grid_folder_keeps_using_its_snapshot_in_the_old_place(tmp_path):
     """Grid folders made before the snapshot moved to .code/ hold it in code/<version>/ (SLURM jobs
@@ -188,6 +187,7 @@ def test_a_grid_folder_keeps_using_its_snapshot_in_the_old_place(tmp_path):
     assert not (out / ".code").exists()
 
 
+def _repo(tmp_path) -> Path:
     repo = tmp_path / "repo"
     (repo / "configs").mkdir(parents=True)
     (repo / "tests").mkdir()
@@ -328,3 +328,63 @@ def test_status_names_the_process_running_a_cell_here(tmp_path):
     assert state == "running" and rest.startswith(f"on {socket.gethostname()} (PID {holder.pid}); train 1/4"), rest
     rows = {name: state for name, state, _ in slurm_grid.cell_states(tmp_path / "out")}
     assert rows[cell.name] == "not finished"  # its runner is gone
+
+
+def _fake_nvidia_smi(tmp_path, monkeypatch, mib: int, name: str = "NVIDIA A100-SXM4-40GB") -> None:
+    """nvidia-smi on PATH answering the queries of opsd.research.cell for every GPU id it is given."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "nvidia-smi").write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        ids=0; query=""
+        while [ $# -gt 0 ]; do
+          case "$1" in -i) ids="$2"; shift ;; --query-gpu=*) query="${{1#--query-gpu=}}" ;; esac; shift
+        done
+        for id in ${{ids//,/ }}; do
+          case "$query" in
+            name) echo "{name}" ;;
+            index,name,memory.total) echo "$id, {name}, {mib}" ;;
+            *) exit 6 ;;
+          esac
+        done
+    """))
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+
+
+def _paged_grid(tmp_path, **spec):
+    """A grid of the real model (no tiny preset): its GPU cells evaluate with the paged engine."""
+    grid_file = tmp_path / "paged.json"
+    grid_file.write_text(json.dumps({"seeds": [0], "arms": {"entry": {}}, **spec}))
+    grid = opsd.research.grid.load_grid(str(grid_file))
+    return grid, opsd.research.grid.cells(grid, tmp_path / "out")
+
+
+def test_a_gpu_cell_whose_card_cannot_hold_the_evaluations_pool_fails_before_training(tmp_path, monkeypatch):
+    """The grid fixes the paged engine's KV pool at 32 GiB: on a 40 GB card the evaluation failed after
+    the training's hours. The cell now fails first, with one line saying what to set."""
+    monkeypatch.delenv("OPSD_EVAL_PAGED_GIB", raising=False)
+    _fake_nvidia_smi(tmp_path, monkeypatch, mib=40960)
+    grid, (cell,) = _paged_grid(tmp_path)
+    outcome = grid_cell.run_cell(grid, cell, lambda message: None, gpus=("3",))
+    assert outcome == ("failed: GPU 3 (NVIDIA A100-SXM4-40GB, 40.0 GiB) cannot hold the evaluation's paged KV pool "
+                       "of 32 GiB and 6 GiB for the model (90% of it is usable); run the grid with "
+                       "OPSD_EVAL_PAGED_GIB=30 (or less; every cell alike: the samples depend on it) or evaluate "
+                       'with vLLM (eval_flags ["--backend", "vllm"])')
+    assert not cell.folder.exists()  # nothing trained, nothing written
+    # 0.9 x 40 GiB = 36 GiB holds a pool of 30 GiB and the margin; under SLURM (gpus None) every GPU listed.
+    monkeypatch.setenv("OPSD_EVAL_PAGED_GIB", "30")
+    assert grid_cell.eval_pool_problem(grid, None) is None
+    monkeypatch.setenv("OPSD_EVAL_PAGED_GIB", "31")
+    assert grid_cell.eval_pool_problem(grid, None).startswith("GPU 0 (NVIDIA A100-SXM4-40GB, 40.0 GiB) cannot hold")
+    monkeypatch.delenv("OPSD_EVAL_PAGED_GIB")
+    assert grid_cell.eval_pool_problem(grid, ()) is None  # a CPU cell
+    big, _ = _paged_grid(tmp_path, eval_flags=["--paged-cache-gib", "8"])  # the grid's own pool fits
+    assert grid_cell.eval_pool_gib(big) == 8.0 and grid_cell.eval_pool_problem(big, ("3",)) is None
+    # Engines without the pool: vLLM, another transformers engine, the tiny preset's generate().
+    for spec in ({"eval_flags": ["--backend", "vllm"]}, {"eval_flags": ["--engine", "dynamic"]}, {"preset": "tiny"}):
+        other, _ = _paged_grid(tmp_path, **spec)
+        assert grid_cell.eval_pool_gib(other) is None and grid_cell.eval_pool_problem(other, ("3",)) is None
+    _fake_nvidia_smi(tmp_path, monkeypatch, mib=81559, name="NVIDIA H100 80GB HBM3")  # an 80 GB card holds it
+    assert grid_cell.eval_pool_problem(grid, ("3",)) is None
+
