@@ -3,6 +3,7 @@ the cell lock, an atomic takeover of a stale lock, the cell's identity (process 
 variables) and code version, free ports, progress lines, and one cell's crash kept to that cell.
 Each of these failed before its fix (2026-12-05); none trains a model."""
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -388,3 +389,117 @@ def test_a_gpu_cell_whose_card_cannot_hold_the_evaluations_pool_fails_before_tra
     _fake_nvidia_smi(tmp_path, monkeypatch, mib=81559, name="NVIDIA H100 80GB HBM3")  # an 80 GB card holds it
     assert grid_cell.eval_pool_problem(grid, ("3",)) is None
 
+
+def _no_flock(monkeypatch):
+    """fcntl.flock as on Lustre mounted without -o flock."""
+    import errno
+    import fcntl
+
+    def flock(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+
+
+def test_a_filesystem_without_file_locks_is_one_line_naming_it(tmp_path, monkeypatch):
+    from opsd.run_folder import RunFolderError, RunLock, filesystem_of
+
+    _no_flock(monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    where = filesystem_of(str(out))
+    with pytest.raises(opsd.research.grid.GridError) as refused:
+        opsd.research.grid.GridLock(out)
+    assert str(refused.value) == (
+        f"cannot lock {out / '.grid.lock'}: Function not implemented on its filesystem ({where}); put --out on a "
+        "filesystem with working file locks (a local disk, Lustre mounted with -o flock, NFS with its lock service)")
+    # The cell lock flocks its folder to take over a stale lock: the same line, not a traceback.
+    folder = tmp_path / "cell"
+    folder.mkdir()
+    (folder / ".lock").write_text(f"999999999 {socket.gethostname()} -\n")  # stale: no such process
+    with pytest.raises(RunFolderError, match="^" + re.escape(f"cannot lock {folder}: Function not implemented on its "
+                                                             f"filesystem ({where}); put the folder on a filesystem")):
+        RunLock(str(folder)).acquire()
+
+
+def test_a_grid_on_a_filesystem_without_file_locks_stops_with_one_line(tmp_path):
+    grid_file, _, _ = _grid(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    patched = tmp_path / "sitecustomize.py"  # the grid process's fcntl.flock fails as on such a filesystem
+    patched.write_text("import errno, fcntl\n"
+                       "def flock(fd, operation):\n    raise OSError(errno.ENOSYS, 'Function not implemented')\n"
+                       "fcntl.flock = flock\n")
+    line = _only_error_line(run_grid(grid_file, out, env={"PYTHONPATH": str(tmp_path)}))
+    assert line.startswith(f"error: cannot lock {out / '.grid.lock'}: Function not implemented on its filesystem (")
+    assert line.endswith("; put --out on a filesystem with working file locks (a local disk, Lustre mounted with "
+                         "-o flock, NFS with its lock service)")
+
+
+def test_the_filesystem_of_a_path_is_its_longest_mount_point(tmp_path):
+    from opsd.run_folder import filesystem_of
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text("overlay / overlay rw 0 0\n10.0.0.1@tcp:/scratch /scratch lustre rw,localflock 0 0\n"
+                      "server:/home/my\\040lab /home/my\\040lab nfs4 rw 0 0\n")
+    assert filesystem_of("/scratch/me/grid", str(mounts)) == "lustre at /scratch"
+    assert filesystem_of("/scratch2/grid", str(mounts)) == "overlay at /"
+    assert filesystem_of("/home/my lab/grid", str(mounts)) == "nfs4 at /home/my lab"
+    assert filesystem_of("/x", str(tmp_path / "none")) == "type unknown"
+
+
+def test_a_grid_removes_its_lock_file_when_it_ends_and_a_leftover_file_stops_no_one(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    with opsd.research.grid.GridLock(out):
+        assert (out / ".grid.lock").is_file()
+    assert not (out / ".grid.lock").exists()  # ended normally
+    with pytest.raises(ValueError), opsd.research.grid.GridLock(out):
+        raise ValueError("the grid failed")
+    assert not (out / ".grid.lock").exists()  # ended on an error
+    (out / ".grid.lock").write_text("PID 1 on a-node-killed-long-ago\n")  # a killed grid's file: no flock on it
+    with opsd.research.grid.GridLock(out):
+        assert (out / ".grid.lock").read_text() == f"PID {__import__('os').getpid()} on {socket.gethostname()}\n"
+    # A grid run leaves none either, here one whose cells all fail at once (its snapshot has no code).
+    grid_file, _, _ = _grid(tmp_path)
+    (out / grid_cell.SNAPSHOT_DIR / grid_cell.code_version()).mkdir(parents=True)
+    run = run_grid(grid_file, out, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 1 and "is gone; re-run the grid" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+    assert not (out / ".grid.lock").exists()
+
+
+def test_a_grid_that_locked_the_file_an_ending_grid_removed_takes_the_new_one(tmp_path, monkeypatch):
+    """A grid that opened `.grid.lock` just before the running grid ended (removed it, dropped its
+    flock) holds the flock of a removed file: it must not run beside the next grid, which locks a
+    new file at the path. It checks that the file it locked is the one at the path, and tries again."""
+    import fcntl
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir()
+    real_flock, others = fcntl.flock, []
+
+    def flock(fd, operation):  # between this grid's open and its flock: the old grid ends, a new one starts
+        if not others:
+            os.unlink(out / ".grid.lock")
+            others.append(subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+                import time
+                from pathlib import Path
+                from opsd.research.grid import GridLock
+                with GridLock(Path({str(out)!r})):
+                    print("held", flush=True)
+                    time.sleep(60)
+            """)], stdout=subprocess.PIPE, text=True, cwd=REPO))
+            assert others[0].stdout.readline().strip() == "held"
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    (out / ".grid.lock").write_text("")  # the ending grid's file, opened by this grid
+    try:
+        with pytest.raises(opsd.research.grid.GridError) as refused:
+            opsd.research.grid.GridLock(out)
+    finally:
+        for other in others:
+            other.kill()
+            other.wait()
+    assert str(refused.value).startswith(f"another grid is running into {out} (PID {others[0].pid} on ")
