@@ -556,22 +556,44 @@ def _ignore_usr2() -> None:
 # Progress: what a running step's log says
 # --------------------------------------------------------------------------
 
-_PROGRESS = re.compile(r"(\d+)/(\d+) \[(\d[\d:]*)<([\d:?]+)")
+_PROGRESS = re.compile(r"(\d+)/(\d+) \[(\d[\d:]*)<")
 
 
 def log_progress(path: Path) -> str | None:
-    """The last progress bar of a training or evaluation log ('k/N, ETA m:ss'), None before the first."""
+    """The last progress bar of a training or evaluation log ('k/N, about m:ss left'), None before the
+    first. The time left is the rate of the steps after the bar's first one (which carries the
+    loading and compiling: tqdm's own estimate, an average that starts from it, was about 5x too long
+    at first), so it is said from the second step of the bar on. Only the log's last run counts (a
+    resumed step appends to its log after a `$ command` line)."""
     try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
-            tail = f.read().decode("utf-8", errors="replace")
+        text = Path(path).read_bytes().decode("utf-8", errors="replace")
     except OSError:
         return None
-    found = _PROGRESS.findall(tail)
-    if not found:
+    bars = [(int(done), int(total), _seconds(elapsed)) for done, total, elapsed in
+            _PROGRESS.findall(text[text.rfind("\n$ ") + 1:])]
+    if not bars:
         return None
-    done, total, _elapsed, left = found[-1]
-    return f"{done}/{total}" + (f", about {left} left" if "?" not in left else "")
+    done, total, elapsed = bars[-1]
+    series = [bars[-1]]  # the last bar's own run: the same total, counting up
+    for bar in reversed(bars[:-1]):
+        if bar[1] != total or bar[0] > series[0][0] or bar[2] > series[0][2]:
+            break
+        series.insert(0, bar)
+    measured = next((bar for bar in series if bar[0] > series[0][0]), None)  # the end of its first step
+    if measured is None or done <= measured[0]:
+        return f"{done}/{total}"
+    from tqdm import tqdm
+
+    left = (total - done) * (elapsed - measured[2]) / (done - measured[0])
+    return f"{done}/{total}, about {tqdm.format_interval(left)} left"
+
+
+def _seconds(clock: str) -> int:
+    """tqdm's elapsed time ('01:02', '1:02:03') in seconds."""
+    seconds = 0
+    for part in clock.split(":"):
+        seconds = 60 * seconds + int(part)
+    return seconds
 
 
 PROGRESS_EVERY_S = 30.0  # how often a running cell's progress line is printed (when it changed)

@@ -503,3 +503,38 @@ def test_a_grid_that_locked_the_file_an_ending_grid_removed_takes_the_new_one(tm
             other.kill()
             other.wait()
     assert str(refused.value).startswith(f"another grid is running into {out} (PID {others[0].pid} on ")
+
+
+def _tqdm_log(path: Path, steps: list[float], total: int = 100, start: int = 0) -> None:
+    """What the trainer's tqdm bar writes to a cell's log (it runs tqdm itself, on a fake clock):
+    each step's seconds in `steps`, the first one with the loading and compiling."""
+    import io
+
+    from tqdm import tqdm
+
+    now, text = [0.0], io.StringIO()
+    bar = tqdm(total=total, initial=start, file=text, mininterval=0, miniters=1, ascii=True)
+    bar._time = lambda: now[0]
+    bar.start_t = bar.last_print_t = 0.0
+    for seconds in steps:
+        now[0] += seconds
+        bar.update(1)
+    with open(path, "a") as f:
+        f.write(text.getvalue())
+
+
+def test_the_time_left_is_the_step_rate_after_the_first_step(tmp_path):
+    """tqdm's own estimate starts from the first step, which carries the loading and compiling: at
+    step 3 of 100 (50 s, then 2 s a step) it said 20:35, about 6x the 03:14 left."""
+    log = tmp_path / "train.log"
+    log.write_text("$ python opsd_train.py ...\n")
+    _tqdm_log(log, [50.0])
+    assert grid_cell.log_progress(log) == "1/100"  # one step: nothing measured yet
+    _tqdm_log(log, [50.0, 2.0, 2.0])
+    assert "3/100 [00:54<20:35" in log.read_text()  # what tqdm says
+    assert grid_cell.log_progress(log) == "3/100, about 03:14 left"  # 97 steps x 2 s
+    # A resumed run appends to the log after its command line: only its own steps count.
+    with open(log, "a") as f:
+        f.write("\n$ python opsd_train.py ...\n[OPSD] resuming from checkpoint-50\n")
+    _tqdm_log(log, [40.0, 3.0, 3.0, 3.0], start=50)
+    assert grid_cell.log_progress(log) == "54/100, about 02:18 left"  # 46 x 3 s
