@@ -59,7 +59,7 @@ def test_a_copy_inside_another_repository_has_its_own_files_and_a_content_versio
     assert version.startswith("content-") and len(version) == len("content-") + 12 and commit[:12] not in version
     # What runs write, caches and environments are not the copy's files, nor part of its version.
     for junk in ("outputs/g/entry/seed-0/cell.json", "runs/x/config.json", "opsd/__pycache__/cell.cpython.pyc",
-                 ".cache/opsd/tiny.json", ".venv/lib/site.py", "opsd_x.egg-info/PKG-INFO",
+                 ".cache/opsd/tiny.json", ".venv/lib/site.py", "built.egg-info/PKG-INFO",
                  "my-grid/.code/content-0/opsd/__init__.py", "my-grid/entry/seed-0/cell.json"):
         (copy / junk).parent.mkdir(parents=True, exist_ok=True)
         (copy / junk).write_text("{}\n")
