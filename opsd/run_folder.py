@@ -309,11 +309,9 @@ class RunLock:
     def _takeover_guard(self):
         """An exclusive flock on the run folder itself (no file of its own to leave behind; the kernel
         drops it when its holder ends, however it ends), held while a stale lock is replaced."""
-        import fcntl
-
         fd = os.open(os.path.dirname(self.path), os.O_RDONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            flock(fd, os.path.dirname(self.path))
             yield
         finally:
             os.close(fd)
@@ -360,6 +358,44 @@ class RunLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+def flock(fd, path: str, wait: bool = True) -> None:
+    """An exclusive fcntl.flock on `fd` (the file or folder `path`); without `wait`, BlockingIOError
+    when another process holds it. A filesystem that refuses file locks (Lustre mounted without
+    `-o flock`: ENOSYS; NFS without its lock service: ENOLCK) is a RunFolderError of one line,
+    naming the filesystem and what to do."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        raise
+    except OSError as exc:
+        raise RunFolderError(
+            f"cannot lock {path}: {exc.strerror or exc} on its filesystem ({filesystem_of(path)}); put the folder "
+            "on a filesystem with working file locks (a local disk, Lustre mounted with -o flock, NFS with its "
+            "lock service)") from None
+
+
+def filesystem_of(path: str, mounts: str = "/proc/mounts") -> str:
+    """'lustre at /scratch': the type and mount point of the filesystem holding `path` (the
+    longest mount point above it in `mounts`), or 'type unknown'."""
+    path = os.path.realpath(path)
+    best = None
+    try:
+        with open(mounts, encoding="utf-8") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1])  # \040: a space
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and (best is None or len(point) >= len(best[0])):
+                    best = (point, fields[2])
+    except OSError:
+        pass
+    return f"{best[1]} at {best[0]}" if best else "type unknown"
 
 
 def remove_if_empty(path: str) -> None:

@@ -9,7 +9,7 @@ import re
 import tokenize
 from pathlib import Path
 
-from test_imports import ROOT, project_modules
+from test_imports import ROOT, project_modules, tree_files
 
 SKIPPED_FOLDERS = {"__pycache__", "build", "dist"}  # and hidden folders but .ci (.git, .cache, scratch)
 FIELD = re.compile(r"\{[^{}]*\}")  # an f-string's replacement field is code, not prose
@@ -28,7 +28,8 @@ PATH = re.compile(rf"(?<![\w./-])((?:{_FOLDER})/[\w./-]*\.(?:{_SUFFIX}))(?![\w*{
 
 
 def files(suffix: str) -> list[Path]:
-    return sorted(path for path in ROOT.rglob(f"*{suffix}")
+    """The repository's own files of that suffix (tests/test_imports.py's tree_files: not a run's outputs)."""
+    return sorted(path for path in tree_files() if path.name.endswith(suffix)
                   if path != Path(__file__).resolve() and not any(
                       part in SKIPPED_FOLDERS or part.endswith(".egg-info") or (part.startswith(".") and part != ".ci")
                       for part in path.relative_to(ROOT).parts))

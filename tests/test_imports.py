@@ -2,22 +2,38 @@
 functions included): shared helpers live in leaf modules (opsd.model_utils, opsd.sampling,
 opsd.answers, opsd.jsonl), not in one of the modules that use them."""
 import ast
+import functools
 from pathlib import Path
+
+from opsd.research.cell import repository_files
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@functools.cache
+def tree_files() -> tuple[Path, ...]:
+    """The repository's files: tracked and untracked-not-ignored ones in a git checkout, the files its
+    .gitignore does not name in a copy (opsd.research.cell.repository_files). Never what a run
+    wrote: a grid's code snapshot under outputs/ holds a copy of opsd/."""
+    return tuple(ROOT / name for name in repository_files(ROOT, untracked=True))
+
+
+def python_files(folder: Path) -> list[Path]:
+    """The .py files directly in `folder` (the checkout's own)."""
+    return [path for path in tree_files() if path.parent == folder and path.suffix == ".py"]
+
+
 def packages() -> list[Path]:
     """Every package folder of the project (a folder with __init__.py; sub-packages too)."""
-    return sorted(init.parent for init in ROOT.rglob("__init__.py")
-                  if not {"tests", "bench", ".git", ".cache", "build"} & set(init.relative_to(ROOT).parts))
+    return sorted(init.parent for init in tree_files()
+                  if init.name == "__init__.py" and not {"tests", "bench"} & set(init.relative_to(ROOT).parts))
 
 
 def project_modules() -> dict[str, Path]:
-    modules = {path.stem: path for path in ROOT.glob("*.py")}
+    modules = {path.stem: path for path in python_files(ROOT)}
     for folder in packages():
         package = ".".join(folder.relative_to(ROOT).parts)
-        for path in folder.glob("*.py"):
+        for path in python_files(folder):
             name = package if path.stem == "__init__" else f"{package}.{path.stem}"
             modules[name] = path
     return modules
@@ -109,7 +125,7 @@ def layer_of(name: str) -> int:
 
 
 def test_only_the_research_fork_files_stay_at_the_root():
-    assert {path.stem for path in ROOT.glob("*.py")} == ROOT_FILES
+    assert {path.stem for path in python_files(ROOT)} == ROOT_FILES
     assert {".".join(p.relative_to(ROOT).parts) for p in packages()} == {
         "opsd", *(f"opsd.{name}" for name in SUBPACKAGES), "opsd.rollout.kernels"}
 

@@ -5,6 +5,7 @@ opsd/research/grid.py runs the cells here or on a SLURM cluster (opsd/research/s
 """
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -361,22 +362,106 @@ def _read_cell_json(cell: Cell) -> dict | None:
 # What counts as code for a cell's version: the tracked files a run executes or reads as settings
 # (not the docs: editing a note while a grid runs changes no result).
 CODE_FILES = ("*.py", "*.sh", "*.env", "*.json", "*.yaml", "*.toml", "*.txt", "*.ini")
+# Where a grid keeps its code snapshots, in its --out: a hidden folder, so that no scan of the
+# package tree (a grid written under the checkout's outputs/, then the suite) finds its copy of opsd/.
+SNAPSHOT_DIR = ".code"
+OLD_SNAPSHOT_DIR = "code"  # the folder before; a grid folder that holds the version there reuses it
+SNAPSHOT_SKIPS = ("tests/", "docs/", "grids/results/")  # what no cell runs or reads
+# Never part of a copy's files, whatever its .gitignore says (a virtual environment, a grid's snapshots).
+WALK_SKIPS = (".git", ".venv", "venv", SNAPSHOT_DIR)
+
+
+def own_checkout(repo: Path = REPO) -> bool:
+    """Whether `repo` is the top level of a git checkout of its own: not a copy without git (an
+    unpacked `git archive`), and not a copy inside another repository (a monorepo, a home folder
+    kept in git), whose commit and files are not this code's."""
+    try:
+        top = subprocess.run(["git", "-C", str(repo), "rev-parse", "--show-toplevel"], capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return top.returncode == 0 and Path(top.stdout.strip()).resolve() == Path(repo).resolve()
+
+
+def repository_files(repo: Path = REPO, untracked: bool = False) -> list[str]:
+    """The checkout's files (paths relative to `repo`, sorted): in its own git checkout the tracked
+    ones (`untracked`: and the untracked ones git does not ignore); in a copy, every file but those
+    its .gitignore names and WALK_SKIPS, and no grid folder (one holding a snapshot). Never what a
+    run wrote under outputs/ or runs/. An installed package (REPO is then site-packages, without the
+    repository's pyproject.toml) has none: its grids run it where it is, unversioned."""
+    if not own_checkout(repo):
+        return _walk_files(Path(repo)) if (Path(repo) / "pyproject.toml").is_file() else []
+    extra = ["--others", "--exclude-standard"] if untracked else []
+    listed = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", *extra], capture_output=True,
+                            timeout=60, check=True).stdout.decode()
+    return sorted({name for name in listed.split("\0") if name and (Path(repo) / name).is_file()})
+
+
+def _walk_files(repo: Path) -> list[str]:
+    patterns = _ignore_patterns(repo)
+    found = []
+    for folder, dirs, names in os.walk(repo):
+        base = Path(folder).relative_to(repo)
+        dirs[:] = [d for d in dirs if d not in WALK_SKIPS and not _ignored(base / d, True, patterns)
+                   and not (Path(folder) / d / SNAPSHOT_DIR).is_dir()]
+        found += [(base / n).as_posix() for n in names
+                  if not _ignored(base / n, False, patterns) and (Path(folder) / n).is_file()]
+    return sorted(found)
+
+
+def _ignore_patterns(repo: Path) -> list[str]:
+    """The top-level .gitignore's patterns (the repository's one; negations are not read)."""
+    try:
+        lines = (repo / ".gitignore").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    return [line.strip() for line in lines if line.strip() and not line.startswith(("#", "!"))]
+
+
+def _ignored(path: Path, is_dir: bool, patterns: list[str]) -> bool:
+    """git's rule for one pattern: `name/` only folders; a pattern with a `/` from the top, else any depth."""
+    for pattern in patterns:
+        if pattern.endswith("/") and not is_dir:
+            continue
+        pattern = pattern.rstrip("/")
+        if fnmatch.fnmatchcase(path.as_posix() if "/" in pattern else path.name, pattern.lstrip("/")):
+            return True
+    return False
+
+
+def snapshot_files(repo: Path = REPO) -> list[str]:
+    """What a snapshot copies: the checkout's files (`repository_files`) but tests, docs and pictures."""
+    return [name for name in repository_files(repo)
+            if not name.startswith(SNAPSHOT_SKIPS) and not name.endswith((".md", ".png"))]
 
 
 def code_version(repo: Path = REPO) -> str | None:
     """The checkout's version: its commit, with `+dirty-<hash>` when tracked code files (CODE_FILES)
-    differ from it (the hash of the difference: the same edits give the same version); None
-    outside a git checkout. Untracked files are not part of it."""
+    differ from it (the hash of the difference: the same edits give the same version; untracked
+    files are not part of it). A copy that is not its own git checkout (`own_checkout`):
+    `content-<hash>` of the code files its snapshot holds, paths and bytes. None: no code there."""
+    if not own_checkout(repo):
+        return _content_version(repo)
     try:
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, timeout=60)
-        if head.returncode != 0:
-            return None
+        if head.returncode != 0:  # a repository without a commit yet
+            return _content_version(repo)
         diff = subprocess.run(["git", "-C", str(repo), "diff", "HEAD", "--binary", "--", *CODE_FILES],
                               capture_output=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
-        return None
+        return _content_version(repo)
     commit = head.stdout.decode().strip()[:12]
     return f"{commit}+dirty-{hashlib.sha256(diff).hexdigest()[:12]}" if diff else commit
+
+
+def _content_version(repo: Path) -> str | None:
+    digest = hashlib.sha256()
+    names = [n for n in snapshot_files(repo) if any(fnmatch.fnmatchcase(Path(n).name, p) for p in CODE_FILES)]
+    for name in names:
+        data = (Path(repo) / name).read_bytes()
+        digest.update(f"{name}\0{len(data)}\0".encode())
+        digest.update(data)
+    return f"content-{digest.hexdigest()[:12]}" if names else None
 
 
 def check_cell_code(cell: Cell, code: str | None, allow_change: bool = False) -> None:
@@ -392,47 +477,100 @@ def check_cell_code(cell: Cell, code: str | None, allow_change: bool = False) ->
                         "two; re-run with --allow-code-change to resume it anyway, or delete its folder to restart it")
 
 
-SNAPSHOT_SKIPS = ("tests/", "docs/", "grids/results/")  # what no cell runs or reads
-
-
 def snapshot_code(out: Path, repo: Path = REPO) -> tuple[str | None, Path]:
-    """The code a grid's cells run: a copy of the checkout's tracked files as they are now (uncommitted
-    edits included; tests, docs and pictures left out) in `out`/code/<version>/, made once per
-    version. A cell's training and evaluation run from it (their working folder; the snapshot's
-    packages come before the installed ones on the import path), so that editing or pulling the
-    checkout while a grid runs, or while its jobs wait in a SLURM queue, changes none of its cells.
-    Returns (version, folder); outside a git checkout (None, the checkout itself)."""
+    """The code a grid's cells run: a copy of the checkout's files (`snapshot_files`: tracked ones as
+    they are now, uncommitted edits included; tests, docs and pictures left out) at their
+    repository paths in `out`/.code/<version>/ (SNAPSHOT_DIR), made once per version; a grid
+    folder that holds the version in its old place, `out`/code/<version>/, keeps using it. A cell's
+    training and evaluation run from it (their working folder; the snapshot's packages come before
+    the installed ones on the import path), so that editing or pulling the checkout while a grid
+    runs, or while its jobs wait in a SLURM queue, changes none of its cells. Returns (version,
+    folder); (None, the checkout itself) where there is no code to copy."""
     version = code_version(repo)
     if version is None:
         return None, repo
-    folder = out / "code" / version
-    if folder.is_dir():
-        return version, folder
-    listed = subprocess.run(["git", "-C", str(repo), "ls-files", "-z"], capture_output=True, timeout=60)
+    for place in (SNAPSHOT_DIR, OLD_SNAPSHOT_DIR):
+        if (out / place / version).is_dir():  # made whole (renamed into place), so complete
+            return version, out / place / version
     tmp = Path(tempfile.mkdtemp(dir=out, prefix=".code-"))
-    for name in listed.stdout.decode().split("\0"):
-        source = repo / name
-        if (not name or name.startswith(SNAPSHOT_SKIPS) or name.endswith((".md", ".png"))
-                or not source.is_file()):  # a tracked file deleted in the working tree is not there
-            continue
+    for name in snapshot_files(repo):
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source, tmp / name)
+        shutil.copy2(Path(repo) / name, tmp / name)
+    folder = out / SNAPSHOT_DIR / version
     folder.parent.mkdir(exist_ok=True)
     os.replace(tmp, folder)
     return version, folder
+
+
+def _query_gpus(gpus: tuple[str, ...] | None, fields: str) -> list[list[str]] | None:
+    """nvidia-smi's `fields` (comma-separated) of each of `gpus` (None: every GPU it lists), one list
+    a GPU; None when it cannot say (no nvidia-smi, no driver, an unknown id)."""
+    command = ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
+    try:
+        found = subprocess.run(command + (["-i", ",".join(gpus)] if gpus else []), capture_output=True, text=True,
+                               timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [[value.strip() for value in line.split(",")] for line in found.stdout.splitlines() if line.strip()]
+    return rows if found.returncode == 0 and rows and all(len(r) == fields.count(",") + 1 for r in rows) else None
 
 
 def gpu_names(gpus: tuple[str, ...] | None) -> str:
     """What a cell's devices are, for its provenance: the GPUs' names from nvidia-smi, or 'CPU'."""
     if gpus == ():
         return "CPU"
-    command = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"] + (["-i", ",".join(gpus)] if gpus else [])
+    rows = _query_gpus(gpus, "name")
+    return ", ".join(row[0] for row in rows) if rows else ("unknown" if gpus else "CPU")
+
+
+# What a card must hold beside the evaluation's paged KV pool (the check before a GPU cell trains): the
+# model's weights (Qwen3-1.7B in bf16: 3.2 GiB), the engine's buffers and CUDA's own memory. A margin,
+# not a measurement: the engine checks the real need when the evaluation starts (MAX_MEMORY_SHARE).
+EVAL_POOL_MARGIN_GIB = 6.0
+
+
+def eval_pool_gib(grid: Grid, environ=os.environ) -> float | None:
+    """The paged KV pool a GPU cell's evaluation takes, in GiB: --paged-cache-gib of the grid's
+    eval_flags, else its OPSD_EVAL_PAGED_GIB (`eval_environment`); None when the evaluation on a GPU
+    runs another engine (the tiny preset's generate(), vLLM: `--backend vllm`, or `auto` where vLLM
+    is installed) or the variable is not a number (the evaluation says so itself)."""
+    from opsd.evaluation import evaluate
+    from opsd.rollout.vllm_backend import vllm_available
+
+    args = evaluate.parse_args(["base", *(["--preset", grid.preset] if grid.preset else []), *grid.eval_flags])
+    if args.backend == "vllm" or args.backend == "auto" and vllm_available():
+        return None
+    engine = args.engine if args.engine != "auto" else (
+        evaluate.TINY_ENGINE if args.preset == evaluate.TINY else evaluate.ENGINE_AUTO["cuda"])
+    if engine != "paged":
+        return None
     try:
-        names = subprocess.run(command, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown" if gpus else "CPU"
-    listed = [line.strip() for line in names.stdout.splitlines() if line.strip()]
-    return ", ".join(listed) if names.returncode == 0 and listed else ("unknown" if gpus else "CPU")
+        return args.paged_cache_gib or float(eval_environment(environ)["OPSD_EVAL_PAGED_GIB"])
+    except ValueError:
+        return None
+
+
+def eval_pool_problem(grid: Grid, gpus: tuple[str, ...] | None, environ=os.environ) -> str | None:
+    """One line when a GPU the cell got cannot hold its evaluation's paged KV pool (`eval_pool_gib`)
+    and EVAL_POOL_MARGIN_GIB within the share of its memory the engine may take (MAX_MEMORY_SHARE),
+    said before the cell trains: the evaluation would fail after the training's hours. None when
+    it fits, for CPU cells and other engines, and where nvidia-smi cannot say."""
+    if gpus == () or (pool := eval_pool_gib(grid, environ)) is None:
+        return None
+    from opsd.rollout.paged_decode import MAX_MEMORY_SHARE
+
+    for index, name, mib in _query_gpus(gpus, "index,name,memory.total") or []:
+        try:
+            usable = MAX_MEMORY_SHARE * float(mib) / 1024
+        except ValueError:  # "[N/A]"
+            continue
+        if pool + EVAL_POOL_MARGIN_GIB > usable:
+            most = max(1, int(usable - EVAL_POOL_MARGIN_GIB))
+            return (f"GPU {index} ({name}, {float(mib) / 1024:.1f} GiB) cannot hold the evaluation's paged KV pool of "
+                    f"{pool:g} GiB and {EVAL_POOL_MARGIN_GIB:g} GiB for the model ({MAX_MEMORY_SHARE:.0%} of it is "
+                    f"usable); run the grid with OPSD_EVAL_PAGED_GIB={most} (or less; every cell alike: the samples "
+                    "depend on it) or evaluate with vLLM (eval_flags [\"--backend\", \"vllm\"])")
+    return None
 
 
 def devices_label(gpus: tuple[str, ...] | None) -> str:
@@ -449,22 +587,44 @@ def _ignore_usr2() -> None:
 # Progress: what a running step's log says
 # --------------------------------------------------------------------------
 
-_PROGRESS = re.compile(r"(\d+)/(\d+) \[(\d[\d:]*)<([\d:?]+)")
+_PROGRESS = re.compile(r"(\d+)/(\d+) \[(\d[\d:]*)<")
 
 
 def log_progress(path: Path) -> str | None:
-    """The last progress bar of a training or evaluation log ('k/N, ETA m:ss'), None before the first."""
+    """The last progress bar of a training or evaluation log ('k/N, about m:ss left'), None before the
+    first. The time left is the rate of the steps after the bar's first one (which carries the
+    loading and compiling: tqdm's own estimate, an average that starts from it, was about 5x too long
+    at first), so it is said from the second step of the bar on. Only the log's last run counts (a
+    resumed step appends to its log after a `$ command` line)."""
     try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
-            tail = f.read().decode("utf-8", errors="replace")
+        text = Path(path).read_bytes().decode("utf-8", errors="replace")
     except OSError:
         return None
-    found = _PROGRESS.findall(tail)
-    if not found:
+    bars = [(int(done), int(total), _seconds(elapsed)) for done, total, elapsed in
+            _PROGRESS.findall(text[text.rfind("\n$ ") + 1:])]
+    if not bars:
         return None
-    done, total, _elapsed, left = found[-1]
-    return f"{done}/{total}" + (f", about {left} left" if "?" not in left else "")
+    done, total, elapsed = bars[-1]
+    series = [bars[-1]]  # the last bar's own run: the same total, counting up
+    for bar in reversed(bars[:-1]):
+        if bar[1] != total or bar[0] > series[0][0] or bar[2] > series[0][2]:
+            break
+        series.insert(0, bar)
+    measured = next((bar for bar in series if bar[0] > series[0][0]), None)  # the end of its first step
+    if measured is None or done <= measured[0]:
+        return f"{done}/{total}"
+    from tqdm import tqdm
+
+    left = (total - done) * (elapsed - measured[2]) / (done - measured[0])
+    return f"{done}/{total}, about {tqdm.format_interval(left)} left"
+
+
+def _seconds(clock: str) -> int:
+    """tqdm's elapsed time ('01:02', '1:02:03') in seconds."""
+    seconds = 0
+    for part in clock.split(":"):
+        seconds = 60 * seconds + int(part)
+    return seconds
 
 
 PROGRESS_EVERY_S = 30.0  # how often a running cell's progress line is printed (when it changed)
@@ -489,6 +649,8 @@ def run_cell(grid: Grid, cell: Cell, log, gpus: tuple[str, ...] | None = None, p
         return "skipped"
     if not (code_dir / "opsd_train.py").is_file():
         return f"failed: the grid's code snapshot {code_dir} is gone; re-run the grid to make it again"
+    if problem := eval_pool_problem(grid, gpus):  # before the training's hours, not after them
+        return f"failed: {problem}"
     cell.folder.mkdir(parents=True, exist_ok=True)
     try:
         with RunLock(str(cell.folder)):

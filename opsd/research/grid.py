@@ -91,7 +91,7 @@ from opsd.research.cell import (  # noqa: F401  (re-exported: the grid module is
 )
 from opsd.research.slurm_grid import COMMANDS, _job_cancelled, run_on_slurm  # noqa: F401
 from opsd.research.slurm_grid import command as folder_command
-from opsd.run_folder import write_text_atomic
+from opsd.run_folder import RunFolderError, flock, write_text_atomic
 
 # --------------------------------------------------------------------------
 # Results
@@ -585,24 +585,35 @@ def _run_grid(grid: Grid, all_cells: list[Cell], out: Path, args, code: str | No
 
 class GridLock:
     """`.grid.lock` in the grid folder, held (flock) by the one grid process that runs or waits for
-    its cells: a second `opsd.research.grid` on the same --out is refused with one line. The kernel drops
-    the lock when its process ends, however it ends, so a killed grid leaves no stale lock."""
+    its cells: a second `opsd.research.grid` on the same --out is refused with one line. The flock,
+    not the file, is the lock: the kernel drops it when its process ends, however it ends, so a
+    killed grid's leftover file stops no one; a grid that ends (normally or on an error) removes the
+    file. A filesystem without file locks is one line (opsd.run_folder.flock)."""
 
     def __init__(self, out: Path):
-        import fcntl
         import os
         import socket
 
         self.path = out / ".grid.lock"
-        self._file = open(self.path, "a+", encoding="utf-8")
-        try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._file.seek(0)
-            holder = self._file.read().strip() or "another process"
+        while True:
+            self._file = open(self.path, "a+", encoding="utf-8")
+            try:
+                flock(self._file, str(self.path), wait=False)
+            except BlockingIOError:
+                self._file.seek(0)
+                holder = self._file.read().strip() or "another process"
+                self._file.close()
+                raise GridError(f"another grid is running into {out} ({holder}); wait for it to end, or use another "
+                                "--out (`python -m opsd.research.grid status` shows its cells)") from None
+            except RunFolderError as exc:
+                self._file.close()
+                raise GridError(str(exc).replace("put the folder", "put --out", 1)) from None
+            try:  # the file locked is still the one at the path: not one an ending grid removed meanwhile
+                if os.stat(self.path).st_ino == os.fstat(self._file.fileno()).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
             self._file.close()
-            raise GridError(f"another grid is running into {out} ({holder}); wait for it to end, or use another "
-                            "--out (`python -m opsd.research.grid status` shows its cells)") from None
         self._file.seek(0)
         self._file.truncate()
         self._file.write(f"PID {os.getpid()} on {socket.gethostname()}\n")
@@ -612,6 +623,7 @@ class GridLock:
         return self
 
     def __exit__(self, *exc):
+        self.path.unlink(missing_ok=True)  # while still locked: a grid starting now locks a new file
         self._file.close()  # closing drops the flock
 
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from opsd.research import executors
-from opsd.research.cell import Cell, Grid, GridError, cells, load_grid, run_cell
+from opsd.research.cell import SNAPSHOT_DIR, Cell, Grid, GridError, cells, load_grid, run_cell
 from opsd.run_folder import write_text_atomic
 
 JOBS_FILE = "slurm_jobs.json"  # cell -> its last job id: a re-run waits for queued ones
@@ -354,7 +354,7 @@ def _remove_fresh_folder(out: Path) -> None:
 
     for name in ("grid.json", ".grid.lock"):
         (out / name).unlink(missing_ok=True)
-    for folder in ("slurm", "code"):  # the job logs' folder; the code snapshot the jobs would have run
+    for folder in ("slurm", SNAPSHOT_DIR):  # the job logs' folder; the code snapshot the jobs would have run
         shutil.rmtree(out / folder, ignore_errors=True)
     try:
         out.rmdir()

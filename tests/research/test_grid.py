@@ -53,7 +53,7 @@ def test_two_arms_two_seeds_end_to_end_and_resume(local_grid):
     recorded = json.loads((out / "token" / "seed-0" / "cell.json").read_text())
     assert recorded["processes"] == 1 and recorded["env"] == {"OPSD_CLIP_MODE": "token"}
     assert recorded["variables"]["OPSD_EVAL_PAGED_GIB"] == opsd.research.grid.EVAL_PAGED_GIB
-    snapshot = out / "code" / recorded["provenance"]["code"]  # the code every cell ran: a copy made at the start
+    snapshot = out / ".code" / recorded["provenance"]["code"]  # the code every cell ran: a copy made at the start
     assert (snapshot / "opsd_train.py").is_file() and not (snapshot / "tests").exists()
     assert f" {snapshot / 'opsd_train.py'} " in (out / "token" / "seed-0" / "train.log").read_text()
     assert recorded["provenance"]["devices"] in ("unknown", "CPU")  # fake GPU ids: nvidia-smi names none

@@ -3,6 +3,7 @@ the cell lock, an atomic takeover of a stale lock, the cell's identity (process 
 variables) and code version, free ports, progress lines, and one cell's crash kept to that cell.
 Each of these failed before its fix (2026-12-05); none trains a model."""
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -158,7 +159,7 @@ def test_the_cells_run_a_snapshot_of_the_code_made_once_per_version(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     version, folder = grid_cell.snapshot_code(out, repo)
-    assert folder == out / "code" / version
+    assert folder == out / ".code" / version  # hidden: no scan of the package tree takes it for opsd/
     assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == [
         "configs/ddp.yaml", "opsd_train.py"]  # tests, docs and notes left out
     assert grid_cell.snapshot_code(out, repo) == (version, folder)  # the same version: the same copy
@@ -172,6 +173,19 @@ def test_the_cells_run_a_snapshot_of_the_code_made_once_per_version(tmp_path):
     _, grid, cells = _grid(tmp_path)
     outcome = grid_cell.run_cell(grid, cells[0], lambda message: None, gpus=(), code_dir=tmp_path / "gone")
     assert outcome == f"failed: the grid's code snapshot {tmp_path / 'gone'} is gone; re-run the grid to make it again"
+
+
+
+def test_a_grid_folder_keeps_using_its_snapshot_in_the_old_place(tmp_path):
+    """Grid folders made before the snapshot moved to .code/ hold it in code/<version>/ (SLURM jobs
+    queued with that path): a re-run of the same version uses it instead of copying again."""
+    repo = _repo(tmp_path)
+    out = tmp_path / "out"
+    (out / "code").mkdir(parents=True)
+    version = grid_cell.code_version(repo)
+    (out / "code" / version).mkdir()
+    assert grid_cell.snapshot_code(out, repo) == (version, out / "code" / version)
+    assert not (out / ".code").exists()
 
 
 def _repo(tmp_path) -> Path:
@@ -315,3 +329,212 @@ def test_status_names_the_process_running_a_cell_here(tmp_path):
     assert state == "running" and rest.startswith(f"on {socket.gethostname()} (PID {holder.pid}); train 1/4"), rest
     rows = {name: state for name, state, _ in slurm_grid.cell_states(tmp_path / "out")}
     assert rows[cell.name] == "not finished"  # its runner is gone
+
+
+def _fake_nvidia_smi(tmp_path, monkeypatch, mib: int, name: str = "NVIDIA A100-SXM4-40GB") -> None:
+    """nvidia-smi on PATH answering the queries of opsd.research.cell for every GPU id it is given."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "nvidia-smi").write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        ids=0; query=""
+        while [ $# -gt 0 ]; do
+          case "$1" in -i) ids="$2"; shift ;; --query-gpu=*) query="${{1#--query-gpu=}}" ;; esac; shift
+        done
+        for id in ${{ids//,/ }}; do
+          case "$query" in
+            name) echo "{name}" ;;
+            index,name,memory.total) echo "$id, {name}, {mib}" ;;
+            *) exit 6 ;;
+          esac
+        done
+    """))
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+
+
+def _paged_grid(tmp_path, **spec):
+    """A grid of the real model (no tiny preset): its GPU cells evaluate with the paged engine."""
+    grid_file = tmp_path / "paged.json"
+    grid_file.write_text(json.dumps({"seeds": [0], "arms": {"entry": {}}, **spec}))
+    grid = opsd.research.grid.load_grid(str(grid_file))
+    return grid, opsd.research.grid.cells(grid, tmp_path / "out")
+
+
+def test_a_gpu_cell_whose_card_cannot_hold_the_evaluations_pool_fails_before_training(tmp_path, monkeypatch):
+    """The grid fixes the paged engine's KV pool at 32 GiB: on a 40 GB card the evaluation failed after
+    the training's hours. The cell now fails first, with one line saying what to set."""
+    monkeypatch.delenv("OPSD_EVAL_PAGED_GIB", raising=False)
+    _fake_nvidia_smi(tmp_path, monkeypatch, mib=40960)
+    grid, (cell,) = _paged_grid(tmp_path)
+    outcome = grid_cell.run_cell(grid, cell, lambda message: None, gpus=("3",))
+    assert outcome == ("failed: GPU 3 (NVIDIA A100-SXM4-40GB, 40.0 GiB) cannot hold the evaluation's paged KV pool "
+                       "of 32 GiB and 6 GiB for the model (90% of it is usable); run the grid with "
+                       "OPSD_EVAL_PAGED_GIB=30 (or less; every cell alike: the samples depend on it) or evaluate "
+                       'with vLLM (eval_flags ["--backend", "vllm"])')
+    assert not cell.folder.exists()  # nothing trained, nothing written
+    # 0.9 x 40 GiB = 36 GiB holds a pool of 30 GiB and the margin; under SLURM (gpus None) every GPU listed.
+    monkeypatch.setenv("OPSD_EVAL_PAGED_GIB", "30")
+    assert grid_cell.eval_pool_problem(grid, None) is None
+    monkeypatch.setenv("OPSD_EVAL_PAGED_GIB", "31")
+    assert grid_cell.eval_pool_problem(grid, None).startswith("GPU 0 (NVIDIA A100-SXM4-40GB, 40.0 GiB) cannot hold")
+    monkeypatch.delenv("OPSD_EVAL_PAGED_GIB")
+    assert grid_cell.eval_pool_problem(grid, ()) is None  # a CPU cell
+    big, _ = _paged_grid(tmp_path, eval_flags=["--paged-cache-gib", "8"])  # the grid's own pool fits
+    assert grid_cell.eval_pool_gib(big) == 8.0 and grid_cell.eval_pool_problem(big, ("3",)) is None
+    # Engines without the pool: vLLM, another transformers engine, the tiny preset's generate().
+    for spec in ({"eval_flags": ["--backend", "vllm"]}, {"eval_flags": ["--engine", "dynamic"]}, {"preset": "tiny"}):
+        other, _ = _paged_grid(tmp_path, **spec)
+        assert grid_cell.eval_pool_gib(other) is None and grid_cell.eval_pool_problem(other, ("3",)) is None
+    _fake_nvidia_smi(tmp_path, monkeypatch, mib=81559, name="NVIDIA H100 80GB HBM3")  # an 80 GB card holds it
+    assert grid_cell.eval_pool_problem(grid, ("3",)) is None
+
+
+def _no_flock(monkeypatch):
+    """fcntl.flock as on Lustre mounted without -o flock."""
+    import errno
+    import fcntl
+
+    def flock(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+
+
+def test_a_filesystem_without_file_locks_is_one_line_naming_it(tmp_path, monkeypatch):
+    from opsd.run_folder import RunFolderError, RunLock, filesystem_of
+
+    _no_flock(monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    where = filesystem_of(str(out))
+    with pytest.raises(opsd.research.grid.GridError) as refused:
+        opsd.research.grid.GridLock(out)
+    assert str(refused.value) == (
+        f"cannot lock {out / '.grid.lock'}: Function not implemented on its filesystem ({where}); put --out on a "
+        "filesystem with working file locks (a local disk, Lustre mounted with -o flock, NFS with its lock service)")
+    # The cell lock flocks its folder to take over a stale lock: the same line, not a traceback.
+    folder = tmp_path / "cell"
+    folder.mkdir()
+    (folder / ".lock").write_text(f"999999999 {socket.gethostname()} -\n")  # stale: no such process
+    with pytest.raises(RunFolderError, match="^" + re.escape(f"cannot lock {folder}: Function not implemented on its "
+                                                             f"filesystem ({where}); put the folder on a filesystem")):
+        RunLock(str(folder)).acquire()
+
+
+def test_a_grid_on_a_filesystem_without_file_locks_stops_with_one_line(tmp_path):
+    grid_file, _, _ = _grid(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    patched = tmp_path / "sitecustomize.py"  # the grid process's fcntl.flock fails as on such a filesystem
+    patched.write_text("import errno, fcntl\n"
+                       "def flock(fd, operation):\n    raise OSError(errno.ENOSYS, 'Function not implemented')\n"
+                       "fcntl.flock = flock\n")
+    line = _only_error_line(run_grid(grid_file, out, env={"PYTHONPATH": str(tmp_path)}))
+    assert line.startswith(f"error: cannot lock {out / '.grid.lock'}: Function not implemented on its filesystem (")
+    assert line.endswith("; put --out on a filesystem with working file locks (a local disk, Lustre mounted with "
+                         "-o flock, NFS with its lock service)")
+
+
+def test_the_filesystem_of_a_path_is_its_longest_mount_point(tmp_path):
+    from opsd.run_folder import filesystem_of
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text("overlay / overlay rw 0 0\n10.0.0.1@tcp:/scratch /scratch lustre rw,localflock 0 0\n"
+                      "server:/home/my\\040lab /home/my\\040lab nfs4 rw 0 0\n")
+    assert filesystem_of("/scratch/me/grid", str(mounts)) == "lustre at /scratch"
+    assert filesystem_of("/scratch2/grid", str(mounts)) == "overlay at /"
+    assert filesystem_of("/home/my lab/grid", str(mounts)) == "nfs4 at /home/my lab"
+    assert filesystem_of("/x", str(tmp_path / "none")) == "type unknown"
+
+
+def test_a_grid_removes_its_lock_file_when_it_ends_and_a_leftover_file_stops_no_one(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    with opsd.research.grid.GridLock(out):
+        assert (out / ".grid.lock").is_file()
+    assert not (out / ".grid.lock").exists()  # ended normally
+    with pytest.raises(ValueError), opsd.research.grid.GridLock(out):
+        raise ValueError("the grid failed")
+    assert not (out / ".grid.lock").exists()  # ended on an error
+    (out / ".grid.lock").write_text("PID 1 on a-node-killed-long-ago\n")  # a killed grid's file: no flock on it
+    with opsd.research.grid.GridLock(out):
+        assert (out / ".grid.lock").read_text() == f"PID {__import__('os').getpid()} on {socket.gethostname()}\n"
+    # A grid run leaves none either, here one whose cells all fail at once (its snapshot has no code).
+    grid_file, _, _ = _grid(tmp_path)
+    (out / grid_cell.SNAPSHOT_DIR / grid_cell.code_version()).mkdir(parents=True)
+    run = run_grid(grid_file, out, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 1 and "is gone; re-run the grid" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+    assert not (out / ".grid.lock").exists()
+
+
+def test_a_grid_that_locked_the_file_an_ending_grid_removed_takes_the_new_one(tmp_path, monkeypatch):
+    """A grid that opened `.grid.lock` just before the running grid ended (removed it, dropped its
+    flock) holds the flock of a removed file: it must not run beside the next grid, which locks a
+    new file at the path. It checks that the file it locked is the one at the path, and tries again."""
+    import fcntl
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir()
+    real_flock, others = fcntl.flock, []
+
+    def flock(fd, operation):  # between this grid's open and its flock: the old grid ends, a new one starts
+        if not others:
+            os.unlink(out / ".grid.lock")
+            others.append(subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+                import time
+                from pathlib import Path
+                from opsd.research.grid import GridLock
+                with GridLock(Path({str(out)!r})):
+                    print("held", flush=True)
+                    time.sleep(60)
+            """)], stdout=subprocess.PIPE, text=True, cwd=REPO))
+            assert others[0].stdout.readline().strip() == "held"
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    (out / ".grid.lock").write_text("")  # the ending grid's file, opened by this grid
+    try:
+        with pytest.raises(opsd.research.grid.GridError) as refused:
+            opsd.research.grid.GridLock(out)
+    finally:
+        for other in others:
+            other.kill()
+            other.wait()
+    assert str(refused.value).startswith(f"another grid is running into {out} (PID {others[0].pid} on ")
+
+
+def _tqdm_log(path: Path, steps: list[float], total: int = 100, start: int = 0) -> None:
+    """What the trainer's tqdm bar writes to a cell's log (it runs tqdm itself, on a fake clock):
+    each step's seconds in `steps`, the first one with the loading and compiling."""
+    import io
+
+    from tqdm import tqdm
+
+    now, text = [0.0], io.StringIO()
+    bar = tqdm(total=total, initial=start, file=text, mininterval=0, miniters=1, ascii=True)
+    bar._time = lambda: now[0]
+    bar.start_t = bar.last_print_t = 0.0
+    for seconds in steps:
+        now[0] += seconds
+        bar.update(1)
+    with open(path, "a") as f:
+        f.write(text.getvalue())
+
+
+def test_the_time_left_is_the_step_rate_after_the_first_step(tmp_path):
+    """tqdm's own estimate starts from the first step, which carries the loading and compiling: at
+    step 3 of 100 (50 s, then 2 s a step) it said 20:35, about 6x the 03:14 left."""
+    log = tmp_path / "train.log"
+    log.write_text("$ python opsd_train.py ...\n")
+    _tqdm_log(log, [50.0])
+    assert grid_cell.log_progress(log) == "1/100"  # one step: nothing measured yet
+    _tqdm_log(log, [50.0, 2.0, 2.0])
+    assert "3/100 [00:54<20:35" in log.read_text()  # what tqdm says
+    assert grid_cell.log_progress(log) == "3/100, about 03:14 left"  # 97 steps x 2 s
+    # A resumed run appends to the log after its command line: only its own steps count.
+    with open(log, "a") as f:
+        f.write("\n$ python opsd_train.py ...\n[OPSD] resuming from checkpoint-50\n")
+    _tqdm_log(log, [40.0, 3.0, 3.0, 3.0], start=50)
+    assert grid_cell.log_progress(log) == "54/100, about 02:18 left"  # 46 x 3 s
