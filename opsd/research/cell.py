@@ -430,15 +430,17 @@ def _ignored(path: Path, is_dir: bool, patterns: list[str]) -> bool:
 
 
 def snapshot_files(repo: Path = REPO) -> list[str]:
-    """What a snapshot copies: the checkout's files (`repository_files`) but tests, docs and pictures."""
-    return [name for name in repository_files(repo)
+    """What a snapshot copies: the checkout's files (`repository_files`, untracked ones git does not
+    ignore included: a module written but not yet added runs in the cells) but tests, docs and pictures."""
+    return [name for name in repository_files(repo, untracked=True)
             if not name.startswith(SNAPSHOT_SKIPS) and not name.endswith((".md", ".png"))]
 
 
 def code_version(repo: Path = REPO) -> str | None:
-    """The checkout's version: its commit, with `+dirty-<hash>` when tracked code files (CODE_FILES)
-    differ from it (the hash of the difference: the same edits give the same version; untracked
-    files are not part of it). A copy that is not its own git checkout (`own_checkout`):
+    """The checkout's version: its commit, with `+dirty-<hash>` when its code files (CODE_FILES)
+    differ from it: tracked ones edited, or untracked ones git does not ignore (a new module not yet
+    added), which the snapshot copies too (the hash of the difference and of those files: the same
+    edits give the same version). A copy that is not its own git checkout (`own_checkout`):
     `content-<hash>` of the code files its snapshot holds, paths and bytes. None: no code there."""
     if not own_checkout(repo):
         return _content_version(repo)
@@ -448,10 +450,20 @@ def code_version(repo: Path = REPO) -> str | None:
             return _content_version(repo)
         diff = subprocess.run(["git", "-C", str(repo), "diff", "HEAD", "--binary", "--", *CODE_FILES],
                               capture_output=True, timeout=60).stdout
+        new = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--others", "--exclude-standard", "--",
+                              *CODE_FILES], capture_output=True, timeout=60).stdout.decode().split("\0")
     except (OSError, subprocess.SubprocessError):
         return _content_version(repo)
     commit = head.stdout.decode().strip()[:12]
-    return f"{commit}+dirty-{hashlib.sha256(diff).hexdigest()[:12]}" if diff else commit
+    new = sorted(name for name in new if name and (Path(repo) / name).is_file())
+    if not diff and not new:
+        return commit
+    digest = hashlib.sha256(diff)
+    for name in new:
+        data = (Path(repo) / name).read_bytes()
+        digest.update(f"{name}\0{len(data)}\0".encode())
+        digest.update(data)
+    return f"{commit}+dirty-{digest.hexdigest()[:12]}"
 
 
 def _content_version(repo: Path) -> str | None:

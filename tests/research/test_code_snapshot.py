@@ -142,3 +142,27 @@ def test_an_installed_package_is_no_repository_to_copy(tmp_path):
     (site / "torch" / "__init__.py").write_text("")
     assert grid_cell.repository_files(site) == [] and grid_cell.code_version(site) is None
     assert grid_cell.snapshot_code(tmp_path, site) == (None, site) and not (tmp_path / ".code").exists()
+
+
+def test_a_module_not_yet_added_to_git_is_in_the_snapshot_and_the_version(tmp_path):
+    """A new module in a checkout whose index does not list it (written, not `git add`-ed; or a copy whose
+    .git is older than its files) runs in the cells: the snapshot copies it, and the version changes with
+    its bytes. Before, the snapshot listed the index only and every cell failed importing it (2026-12-06)."""
+    repo = tmp_path / "repo"
+    (repo / "opsd").mkdir(parents=True)
+    (repo / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    (repo / "opsd" / "__init__.py").write_text("")
+    (repo / ".gitignore").write_text("outputs/\n")
+    commit = _git_repository(repo)[:12]
+    assert grid_cell.code_version(repo) == commit
+    (repo / "opsd" / "new_module.py").write_text("VALUE = 1\n")
+    (repo / "outputs").mkdir()
+    (repo / "outputs" / "ignored.py").write_text("")  # ignored: neither copied nor versioned
+    first = grid_cell.code_version(repo)
+    assert first.startswith(f"{commit}+dirty-")
+    (repo / "opsd" / "new_module.py").write_text("VALUE = 2\n")
+    assert grid_cell.code_version(repo) not in (first, commit)
+    (tmp_path / "grid").mkdir()
+    version, folder = grid_cell.snapshot_code(tmp_path / "grid", repo)
+    assert (folder / "opsd" / "new_module.py").read_text() == "VALUE = 2\n"
+    assert not (folder / "outputs").exists()
