@@ -86,14 +86,23 @@ SelectTypeParameters=CR_Core_Memory
 # A job that asks for no memory gets 4 GiB a CPU (not the whole node), so that cells share the node.
 DefMemPerCPU=4096
 ReturnToService=2
-JobRequeue=1
+# A site that does not requeue jobs unless they ask (--requeue): the grid's jobs must ask.
+JobRequeue=0
 KillWait=30
+# Real preemption: a job of the high partition requeues a job of the low one (its higher
+# PriorityTier); the debug partition, where the other tests run, is never preempted.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd.log
 SlurmctldPidFile=/run/slurmctld.pid
 SlurmdPidFile=/run/slurmd.pid
 NodeName=$host CPUs=$cpus RealMemory=$mem State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4 PriorityTier=2 PreemptMode=OFF
+PartitionName=low Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1
+PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
+# A partition whose time limit is below what a grid asks (--time): its jobs pend for PartitionTimeLimit.
+PartitionName=short Nodes=ALL MaxTime=1 State=UP PriorityTier=2 PreemptMode=OFF
 CONF
     saved=$(conf_value StateSaveLocation /var/spool/slurmctld)
     if [[ -s "$saved/clustername" && "$(cat "$saved/clustername")" != "$cluster" ]]; then
