@@ -666,8 +666,7 @@ def _wait(todo, out, args, log, jobs, outcomes, backlog, watch, submitter, tries
             marked = marks.get(name) == job  # `cancel`: whether or not squeue shows the job ended yet
             if state is not None and not state.ended and not marked:
                 if (stuck := never_starts(job, state)) is not None:  # held, or a limit that never clears
-                    outcomes[name] = stuck
-                    log(f"{name}: {stuck}")
+                    outcomes[name] = f"failed: {stuck}"  # the grid's last lines say it, one a cell
                     pending.discard(name)
                 elif state.state == "RUNNING":
                     _say_progress(cell, job, state, said, log)
