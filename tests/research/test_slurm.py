@@ -178,7 +178,8 @@ def test_a_grid_on_slurm_two_cells_a_node_gives_the_local_results_through_a_pree
     assert status == 0, log[-3000:]
     assert "submitted 4 cell(s) as job array" in log and "(2 cells a job, one node each)" in log, log
     assert "slurm: 4 of 4 cell(s) ended" in log
-    assert "entry/seed-1: job" in log and "resubmitting it once: it resumes from its last checkpoint" in log
+    assert "entry/seed-1: job" in log and "resubmitting it once, excluding node " in log
+    assert "submitted without excluding them" in log  # debug is a partition of one node
     assert "submitted 1 cell(s) as job" in log  # entry/seed-1 alone
     # while the grid waits, each running cell's progress: where it runs, its step, its log
     assert any(line.split("] ", 1)[-1].startswith(f"entry/seed-0: running on {socket.gethostname()} (job ")
@@ -502,7 +503,10 @@ def test_a_waiting_job_runs_the_snapshots_code_and_the_grid_file_it_was_submitte
     edited.write_text(edited.read_text().replace(call, call + "        print('EDITED CHECKOUT')\n", 1))
     (out / "grid.json").write_text(json.dumps({**grid, "budget": {**grid["budget"], "max_steps": 2}}))
     subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], check=True)
-    _wait_for(lambda: _squeue_state(job) in ("", "COMPLETED", "FAILED"), 120, f"job {job} to end")
+    try:
+        _wait_for(lambda: (out / "broken" / "seed-0" / "cell.json").is_file(), 300, "the job to start its cell")
+    finally:
+        subprocess.run(["scancel", job])
     logs = "".join(p.read_text() for p in (out / "slurm" / job).glob("*_log.*"))
     assert "EDITED CHECKOUT" not in logs, logs[-3000:]
     said = next(line for line in logs.splitlines() if line.startswith("broken/seed-0: the grid's code "))
@@ -563,11 +567,11 @@ def test_jobs_that_never_start_by_themselves_end_the_wait_with_what_to_do(tmp_pa
     for job in jobs[2:]:
         subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], check=True)
     for seed in (2, 3):
-        _wait_for(lambda s=seed: _runs(out, f"entry/seed-{s}"), 60, f"entry/seed-{seed} running")
+        _wait_for(lambda s=seed: _runs(out, f"entry/seed-{s}"), 300, f"entry/seed-{seed} running")
     subprocess.run(["scontrol", "requeuehold", jobs[2]], check=True)
     subprocess.run(["scontrol", "requeuehold", "state=SpecialExit", jobs[3]], check=True)
     try:
-        status, log = finished(fake_grid(four, tmp_path / "held", "true", *held, wait=False), 120)
+        status, log = finished(fake_grid(four, tmp_path / "held", "true", *held, wait=False), 300)
         shown = _status(out)
     finally:
         subprocess.run(["scancel", *jobs])
@@ -590,14 +594,15 @@ def test_a_preempted_job_is_requeued_on_a_cluster_that_requeues_only_when_asked(
     script = runs_then_done(2)
     waiting = fake_grid(ONE, tmp_path, script, "--partition", "low", "--sbatch", "gres=preemptee:1", wait=False)
     out = tmp_path / "out"
-    _wait_for(lambda: _runs(out, "entry/seed-0") == 1, 120, "the cell's first run")
+    _wait_for(lambda: _runs(out, "entry/seed-0") == 1, 300, "the cell's first run")
     job = _job_of(out, "entry/seed-0")
-    high = subprocess.run(["sbatch", "--parsable", "--partition=high", "--gres=preemptee:1", "--wrap", "sleep 1"],
+    high = subprocess.run(["sbatch", "--parsable", "--partition=high", "--gres=preemptee:1", "--output=/dev/null",
+                           "--wrap", "sleep 1"],
                           capture_output=True, text=True, check=True).stdout.strip()
     try:
-        _wait_for(lambda: _squeue_state(job) == "PENDING", 120, "the preempted job back in the queue")
+        _wait_for(lambda: _squeue_state(job) == "PENDING", 300, "the preempted job back in the queue")
         subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], check=True)  # SLURM waits ~2 min
-        status, log = finished(waiting, 120)
+        status, log = finished(waiting, 300)
     finally:
         subprocess.run(["scancel", high, job])
     assert status == 0, log
@@ -616,13 +621,13 @@ def test_a_cell_is_requeued_at_every_time_limit_while_it_moves(tmp_path):
     out = tmp_path / "out"
     try:
         for run in range(1, 5):
-            _wait_for(lambda r=run: _runs(out, "entry/seed-0") == r, 120, f"run {run}")
+            _wait_for(lambda r=run: _runs(out, "entry/seed-0") == r, 300, f"run {run}")
             job = _job_of(out, "entry/seed-0")
-            _wait_for(lambda j=job: _squeue_state(j) == "RUNNING", 60, "the job running")
+            _wait_for(lambda j=job: _squeue_state(j) == "RUNNING", 300, "the job running")
             subprocess.run(["scancel", "--signal=USR2", job], check=True)
-            _wait_for(lambda j=job: _squeue_state(j) == "PENDING", 60, "the requeue")
+            _wait_for(lambda j=job: _squeue_state(j) == "PENDING", 300, "the requeue")
             subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], check=True)
-        status, log = finished(waiting, 120)
+        status, log = finished(waiting, 300)
     finally:
         subprocess.run(["scancel", "--name", slurm_grid_job_name(out)])
     assert status == 0, log
@@ -654,9 +659,9 @@ exec {shutil.which("scontrol")} "$@"
     out = tmp_path / "out"
     try:
         for seed in (0, 1):
-            _wait_for(lambda s=seed: _runs(out, f"entry/seed-{s}") == 1, 120, f"entry/seed-{seed} running")
+            _wait_for(lambda s=seed: _runs(out, f"entry/seed-{s}") == 1, 300, f"entry/seed-{seed} running")
             subprocess.run(["scancel", "--signal=USR2", _job_of(out, f"entry/seed-{seed}")], check=True)
-        status, log = finished(waiting, 180)
+        status, log = finished(waiting, 300)
     finally:
         subprocess.run(["scancel", "--name", slurm_grid_job_name(out)])
     assert status == 0, log
@@ -680,14 +685,14 @@ def test_a_stale_lock_of_an_arrays_first_task_names_that_task_and_only_it_keeps_
     script = (f'if [ "$SLURM_JOB_ID" = "$SLURM_ARRAY_JOB_ID" ]; then {sys.executable} -c '
               f'"import os; from opsd.run_folder import RunLock; RunLock({str(folder)!r}).acquire(); os._exit(0)"; '
               "else sleep 60; fi")
-    array = subprocess.run(["sbatch", "--parsable", "--array=0-1", "--wrap", script], cwd=REPO, capture_output=True,
-                           text=True, check=True).stdout.strip()
+    array = subprocess.run(["sbatch", "--parsable", "--array=0-1", f"--output={tmp_path}/%A_%a.out", "--wrap", script],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
     try:
-        _wait_for(lambda: (folder / ".lock").is_file(), 60, "the task's lock")
+        _wait_for(lambda: (folder / ".lock").is_file(), 300, "the task's lock")
         pid, host, job = (folder / ".lock").read_text().split()
         assert job in (f"{array}_0", f"{array}_1"), job
         sibling = f"{array}_1" if job.endswith("_0") else f"{array}_0"
-        _wait_for(lambda: _squeue_state(job) == "" and _squeue_state(sibling) == "RUNNING", 60,
+        _wait_for(lambda: _squeue_state(job) == "" and _squeue_state(sibling) == "RUNNING", 300,
                   "the lock's task gone, its sibling running")
         (folder / ".lock").write_text(f"{pid} another-host {job}\n")  # a runner elsewhere: only squeue can tell
         RunLock(str(folder)).check()  # stale: no error
@@ -705,17 +710,17 @@ def test_a_resubmission_excludes_the_node_its_cell_failed_on_and_status_says_so(
     waiting = fake_grid(ONE, tmp_path, script, "--partition", "twonodes", wait=False)
     out = tmp_path / "out"
     try:
-        first = _wait_for(lambda: (out / "slurm_jobs.json").is_file() and _job_of(out, "entry/seed-0"), 60, "a job")
-        second = _wait_for(lambda: _job_of(out, "entry/seed-0") != first and _job_of(out, "entry/seed-0"), 120,
+        first = _wait_for(lambda: (out / "slurm_jobs.json").is_file() and _job_of(out, "entry/seed-0"), 300, "a job")
+        second = _wait_for(lambda: _job_of(out, "entry/seed-0") != first and _job_of(out, "entry/seed-0"), 300,
                            "the resubmission")
         assert _scontrol_job(second)["ExcNodeList"] == host
         shown = _wait_for(lambda: _status(out)["entry/seed-0"] if "ReqNodeNotAvail" in _status(out)["entry/seed-0"]
-                          else None, 60, "the resubmission pending for its node")
+                          else None, 120, "the resubmission pending for its node")
         assert shown.startswith(f"pending (job {second}, ReqNodeNotAvail") and \
                f"; resubmitted excluding node(s) {host}, where job(s) {first} failed)" in shown, shown
     finally:
         subprocess.run(["scancel", "--name", slurm_grid_job_name(out)])
-    status, log = finished(waiting, 60)
+    status, log = finished(waiting, 300)
     assert f"entry/seed-0: job {first} ended without results (" in log
     assert f"resubmitting it once, excluding node {host}: it resumes" in log, log
     assert f"excluding node(s) {host} where they failed: entry/seed-0 {second}" in log, log
