@@ -194,7 +194,9 @@ def test_a_grid_cells_stop_goes_to_its_ranks_so_the_launchers_grace_does_not_bou
     """SlurmCell.checkpoint's stop of a 2-process cell (before a requeue): the ranks get the SIGTERM
     themselves and the launcher none, so its grace, which torch 2.11 fixes at 30 s whatever
     TORCH_ELASTIC_SHUTDOWN_TIMEOUT says, does not bound the step and checkpoint. Here that grace is
-    1 s: told instead, the launcher would kill the ranks before their checkpoint."""
+    1 s: told instead, the launcher would kill the ranks before their checkpoint. (Once one rank
+    has exited after the checkpoint, the launcher stops the other with that grace: it may end a
+    rank still tearing down, which loses nothing.)"""
     from opsd.research import slurm_grid
 
     stopped = start(tmp_path / "run", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1")
@@ -207,7 +209,6 @@ def test_a_grid_cells_stop_goes_to_its_ranks_so_the_launchers_grace_does_not_bou
     slurm_grid._stop_for_requeue({"cell": stopped})
     log = "".join(seen) + stopped.communicate(timeout=300)[0]
     assert log.count("SIGTERM received: stopping after this step") == 2, log[-3000:]  # each rank, once
-    assert "SIGKILL" not in log and "exitcode  : -" not in log, log[-3000:]  # no rank killed
     checkpoints = [int(p.name.split("-")[1]) for p in (tmp_path / "run").glob("checkpoint-*")]
     assert len(checkpoints) == 1 and 2 <= checkpoints[0] <= STEPS, log[-3000:]
     assert f"stopped by SIGTERM at step {checkpoints[0]}; checkpoint " in log
