@@ -419,13 +419,16 @@ def lora_config(script_args: ScriptArguments):
 
 
 class _StopRequest:
-    """SIGTERM / SIGINT (preemption, a time limit, Ctrl-C) ask the run to stop at the next step
-    boundary with a checkpoint. A repeated SIGTERM is the same request: a cluster's TERM reaches
+    """SIGTERM / SIGINT / SIGUSR1 (preemption, a time limit, Ctrl-C) ask the run to stop at the next
+    step boundary with a checkpoint. A repeated SIGTERM is the same request: a cluster's TERM reaches
     every process of a job step and accelerate's launcher forwards one more to each rank, which
-    must not kill a rank mid-checkpoint. After a Ctrl-C the handlers are the previous ones again, so
-    a second Ctrl-C stops at once (under the launcher, which turns the second into a SIGTERM, too)."""
+    must not kill a rank mid-checkpoint. SIGUSR1 is the ranks' own: train_capped.sh starts the
+    launcher with it ignored, so a cluster's USR1 (slurm/train_capped.sbatch) stops the ranks while
+    the launcher, never told, does not start its grace (30 s on torch 2.11, then SIGKILL). After a
+    Ctrl-C the handlers are the previous ones again, so a second Ctrl-C stops at once (under the
+    launcher, which turns the second into a SIGTERM, too)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
     def __init__(self):
         self.signum: int | None = None

@@ -33,10 +33,13 @@
 # Everything is validated before accelerate starts: a bad input is one `error:` line, exit 2; so is
 # an OPSD_* variable that is none of these (`python -m opsd.config variables` lists them all).
 # A run folder that already holds checkpoint-N of the same configuration resumes from the newest
-# one; a folder of another configuration is refused. SIGTERM / Ctrl-C stop at a step boundary
-# with a checkpoint (exit 143 / 130; a repeated SIGTERM is the same request, a second Ctrl-C stops
-# at once); re-running resumes. With several processes the launcher gives them
-# TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default here 150) for that step and checkpoint.
+# one; a folder of another configuration is refused. SIGTERM / SIGUSR1 / Ctrl-C stop at a step
+# boundary with a checkpoint (exit 143 / 138 / 130; a repeated SIGTERM is the same request, a second
+# Ctrl-C stops at once); re-running resumes. With several processes, SIGUSR1 to the ranks (a
+# cluster's --signal=USR1@N reaches them all; the launcher ignores it) gives them all the time the
+# step and checkpoint take; a SIGTERM to the launcher gives them 30 s on torch 2.11 (the GPU stack's
+# pin, which ignores TORCH_ELASTIC_SHUTDOWN_TIMEOUT), TORCH_ELASTIC_SHUTDOWN_TIMEOUT (here 150 s) on
+# torch 2.13, then the launcher kills them.
 set -euo pipefail
 repo="$(cd "$(dirname "$(realpath -- "${BASH_SOURCE[0]}")")" && pwd)"
 
@@ -153,9 +156,12 @@ if (( server_mode || (${#gpus[@]} > 0 && nproc < ${#gpus[@]}) )); then
 fi
 
 # The launcher's grace for its processes once told to stop (SIGTERM, Ctrl-C): they finish the step
-# and write a checkpoint, and it SIGKILLs them after this many seconds. torch's 30 s can be less than
-# a real step and save; keep it below a cluster's signal lead (slurm/train_capped.sbatch: 180 s).
+# and write a checkpoint, and it SIGKILLs them after this many seconds. torch 2.13 reads it; torch
+# 2.11 (requirements-gpu.txt) does not and kills them after 30 s (measured: TERM to the launcher of
+# two gloo ranks, 150 set, ranks killed 29.5 s later). So a cluster's stop goes to the ranks as
+# SIGUSR1, which the launcher (and this script) ignores: it never starts that countdown.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-150}"
+trap '' USR1  # inherited by the launcher (exec); the ranks install their own handler (opsd_train.py)
 if ! [[ "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT" =~ ^[0-9]+$ ]]; then
   echo "error: TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be whole seconds, got '$TORCH_ELASTIC_SHUTDOWN_TIMEOUT'" >&2
   exit 2

@@ -3,7 +3,10 @@
 #   bash .ci/slurm.sh up     # install slurm-wlm + munge if missing, start munged, slurmctld, slurmd
 #   bash .ci/slurm.sh down   # stop, by PID, the daemons `up` started, and wait until they are gone
 # The node offers this machine's CPUs and memory (less 1 GiB); accounting is off; jobs are bound to
-# the CPUs they were given (TaskPlugin below). A slurm.conf this script did not write is kept as it
+# the CPUs they were given (TaskPlugin below). What a lab's cluster does that the SLURM tests need:
+# JobRequeue=0 (jobs requeue only when they ask), a low and a high partition with real preemption
+# (preempt/partition_prio, PreemptMode=REQUEUE) over a node resource (`preemptee`), a partition whose
+# MaxTime (1 min) is below what grids ask, and a partition with a second node that never comes up. A slurm.conf this script did not write is kept as it
 # is (its cluster is used); one it wrote is rewritten. The daemons start with their state cleared
 # (-c: a throwaway cluster), and a state folder left by a cluster of another name is emptied first
 # (slurmctld would exit on `CLUSTER NAME MISMATCH`). When a daemon does not come up, its log's
@@ -86,15 +89,36 @@ SelectTypeParameters=CR_Core_Memory
 # A job that asks for no memory gets 4 GiB a CPU (not the whole node), so that cells share the node.
 DefMemPerCPU=4096
 ReturnToService=2
-JobRequeue=1
+# A site that does not requeue jobs unless they ask (--requeue): the grid's jobs must ask.
+JobRequeue=0
 KillWait=30
+# Real preemption: a job of the high partition requeues a job of the low one (its higher
+# PriorityTier); the debug partition, where the other tests run, is never preempted.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+# A node resource the preemption test's two jobs ask for (--gres=preemptee:1), so that they contend
+# for it and not for CPUs or memory, which the other SLURM tests hold at the same time (licences
+# are not freed by a preemption). No GPUs: asking for one is refused, as on a CPU cluster.
+GresTypes=preemptee
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd.log
 SlurmctldPidFile=/run/slurmctld.pid
 SlurmdPidFile=/run/slurmd.pid
-NodeName=$host CPUs=$cpus RealMemory=$mem State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+NodeName=$host CPUs=$cpus RealMemory=$mem Gres=preemptee:1 State=UNKNOWN
+# A node that never comes up (partition twonodes below).
+NodeName=ghost NodeAddr=127.0.0.2 CPUs=$cpus RealMemory=$mem State=FUTURE
+PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4 PriorityTier=2 PreemptMode=OFF
+PartitionName=low Nodes=$host MaxTime=INFINITE State=UP PriorityTier=1
+PartitionName=high Nodes=$host MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
+# A partition whose time limit is below what a grid asks (--time): its jobs pend for PartitionTimeLimit.
+PartitionName=short Nodes=$host MaxTime=1 State=UP PriorityTier=2 PreemptMode=OFF
+# This node and one that never comes up: a job that excludes this host (a resubmission excluding the
+# node its cell failed on) is accepted and pends, as on a cluster of several nodes. In the partitions
+# above, of this node alone, sbatch refuses such a job.
+PartitionName=twonodes Nodes=$host,ghost MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 CONF
+    echo "$marker
+NodeName=$host Name=preemptee Count=1" > "$(dirname "$conf")/gres.conf"
     saved=$(conf_value StateSaveLocation /var/spool/slurmctld)
     if [[ -s "$saved/clustername" && "$(cat "$saved/clustername")" != "$cluster" ]]; then
       echo "[slurm] $saved holds the state of cluster $(cat "$saved/clustername"): cleared"

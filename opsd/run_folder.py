@@ -242,6 +242,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def slurm_job_id(environ=os.environ) -> str | None:
+    """This process's SLURM job as squeue names it: an array task's own id (`812_0`, from
+    SLURM_ARRAY_JOB_ID and SLURM_ARRAY_TASK_ID), else SLURM_JOB_ID; None outside SLURM. An array's
+    first task has SLURM_JOB_ID = the array's id, which `squeue --jobs` answers for every task."""
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return environ.get("SLURM_JOB_ID") or None
+
+
 def _slurm_job_running(job: str) -> bool | None:
     """Whether SLURM still holds job `job` (pending, running, requeued); None where `squeue`
     cannot tell (no SLURM here, or it fails)."""
@@ -258,7 +268,8 @@ def _slurm_job_running(job: str) -> bool | None:
 
 
 class RunLock:
-    """`.lock` in the run folder, holding `PID HOST [SLURM_JOB_ID]` of the training process.
+    """`.lock` in the run folder, holding `PID HOST [SLURM job]` of the training process (an array
+    task's own id, `812_0`: `slurm_job_id`).
 
     Created with O_EXCL, so of two runs started at once exactly one gets it. A lock is
     stale, and taken over, when its process is gone: same host and PID not alive, or, for a
@@ -279,7 +290,7 @@ class RunLock:
         # fails if the lock exists, and a lock file is never seen half-written.
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".lock.", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            f.write(f"{os.getpid()} {socket.gethostname()} {os.environ.get('SLURM_JOB_ID', '-')}\n")
+            f.write(f"{os.getpid()} {socket.gethostname()} {slurm_job_id() or '-'}\n")
         try:
             for _ in range(2):
                 try:
@@ -322,7 +333,7 @@ class RunLock:
         if owner is None or owner[0] == os.getpid() and owner[1] == socket.gethostname():
             return
         pid, host, job = owner
-        if job != "-" and job == os.environ.get("SLURM_JOB_ID"):
+        if job != "-" and job == slurm_job_id():
             return  # this SLURM job's own lock
         if host == socket.gethostname():
             live = _pid_alive(pid)

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_scripts import fake_gpu_host  # noqa: F401  (a fixture)
+from test_scripts import launch as launch_capped
 
 from opsd_train import _StopRequest
 
@@ -51,6 +53,29 @@ def test_a_repeated_sigterm_is_one_request_and_a_second_ctrl_c_stops_at_once(cap
     assert capfd.readouterr().out.splitlines() == [f"[OPSD] SIGTERM {stopping} (a second Ctrl-C stops at once)",
                                                    f"[OPSD] SIGINT {stopping} (Ctrl-C again stops at once)",
                                                    f"[OPSD] SIGINT {stopping} (Ctrl-C again stops at once)"]
+
+
+def test_sigusr1_the_ranks_own_stop_signal_is_a_request_as_sigterm_is():
+    """SIGUSR1 (slurm/train_capped.sbatch's --signal, which the launcher ignores) asks for the same
+    stop; without a handler it would end the process."""
+    code = ("import os, signal\nfrom opsd_train import _StopRequest\n"
+            "with _StopRequest() as stop:\n    os.kill(os.getpid(), signal.SIGUSR1)\nprint(stop.signum)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done
+    assert done.stdout.splitlines() == [
+        "[OPSD] SIGUSR1 received: stopping after this step with a checkpoint (a second Ctrl-C stops at once)",
+        str(int(signal.SIGUSR1))]
+
+
+def test_train_capped_starts_the_launcher_with_sigusr1_ignored(fake_gpu_host):  # noqa: F811
+    """A SLURM signal reaches every process of the step: the launcher must not die of SIGUSR1 (its
+    default action) nor pass it on as a TERM; the ranks take it as their stop request."""
+    accelerate = Path(fake_gpu_host["PATH"].split(":")[0]) / "accelerate"
+    accelerate.write_text('#!/usr/bin/env bash\nmask=$(awk \'/^SigIgn/ {print $2}\' /proc/$$/status)\n'
+                          'echo "launch usr1-ignored=$(( 0x$mask >> 9 & 1 )) $*"\n')
+    result, line = launch_capped(fake_gpu_host, FAKE_GPUS="2")
+    assert result.returncode == 0, result.stderr
+    assert line.startswith("launch usr1-ignored=1 "), line
 
 
 def test_a_stop_request_with_stdout_gone_is_still_one(monkeypatch):
@@ -107,8 +132,8 @@ def launch(out: Path) -> list[str]:
             "--report_to", "none", "--max_completion_length", "8"]
 
 
-def start(out: Path) -> subprocess.Popen:
-    return subprocess.Popen(launch(out), cwd=ROOT, env={**os.environ, **CPU_RANKS}, text=True,
+def start(out: Path, **env) -> subprocess.Popen:
+    return subprocess.Popen(launch(out), cwd=ROOT, env={**os.environ, **CPU_RANKS, **env}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -162,3 +187,28 @@ def test_sigterm_to_every_process_and_the_launcher_checkpoints_and_resumes_exact
     weights = [load_file(tmp_path / name / "adapter_model.safetensors") for name in ("reference", "run")]
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
+
+
+@pytest.mark.slow
+def test_a_grid_cells_stop_goes_to_its_ranks_so_the_launchers_grace_does_not_bound_it(tmp_path):
+    """SlurmCell.checkpoint's stop of a 2-process cell (before a requeue): the ranks get the SIGTERM
+    themselves and the launcher none, so its grace, which torch 2.11 fixes at 30 s whatever
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT says, does not bound the step and checkpoint. Here that grace is
+    1 s: told instead, the launcher would kill the ranks before their checkpoint. (Once one rank
+    has exited after the checkpoint, the launcher stops the other with that grace: it may end a
+    rank still tearing down, which loses nothing.)"""
+    from opsd.research import slurm_grid
+
+    stopped = start(tmp_path / "run", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1")
+    seen = []
+    for line in stopped.stdout:
+        seen.append(line)
+        if "[OPSD kl] step=1 " in line:
+            break
+    assert sorted(slurm_grid.stop_targets(stopped)) == sorted(children(stopped.pid)), "".join(seen)[-3000:]
+    slurm_grid._stop_for_requeue({"cell": stopped})
+    log = "".join(seen) + stopped.communicate(timeout=300)[0]
+    assert log.count("SIGTERM received: stopping after this step") == 2, log[-3000:]  # each rank, once
+    checkpoints = [int(p.name.split("-")[1]) for p in (tmp_path / "run").glob("checkpoint-*")]
+    assert len(checkpoints) == 1 and 2 <= checkpoints[0] <= STEPS, log[-3000:]
+    assert f"stopped by SIGTERM at step {checkpoints[0]}; checkpoint " in log

@@ -107,8 +107,9 @@ class SlurmOptions:
     account: str | None = None
     qos: str | None = None
     sbatch: dict = field(default_factory=dict)  # more sbatch options, name -> value
-    array_parallelism: int | None = None
+    array_parallelism: int | None = None  # None: no limit (not submitit's default of 256)
     signal_delay_s: int = 120  # the checkpoint signal comes this long before the time limit
+    exclude: tuple[str, ...] = ()  # nodes the jobs must not run on (sbatch --exclude)
 
 
 def parse_sbatch_options(pairs: list[str]) -> dict:
@@ -175,32 +176,49 @@ def max_array_size(run=subprocess.run) -> int | None:
     return None
 
 
-def slurm_executor(folder: Path, options: SlurmOptions, job_name: str, gpus_per_job: int | None = None):
+# submitit's requeues of a job at its time limit (max_num_timeout): as many as it takes, since a job
+# is requeued only while its cell moves (opsd.research.slurm_grid.SlurmCell.checkpoint stops a stalled one)
+MAX_REQUEUES = 10_000
+NO_ARRAY_LIMIT = 1_000_000  # array_parallelism without --parallel: `%` = the array's size (submitit's default: 256)
+
+
+def slurm_executor(folder: Path, options: SlurmOptions, job_name: str, gpus_per_job: int | None = None,
+                   code_dir: Path | None = None):
     """A submitit executor for one job array of cells; its logs under `folder`/<job id>.
-    gpus_per_job: the GPUs each job asks for (default: the cell's, one cell a job)."""
+    gpus_per_job: the GPUs each job asks for (default: the cell's, one cell a job). code_dir: the
+    grid's code snapshot, which the job runs from (its working folder, first on PYTHONPATH), so that
+    it unpickles and runs the snapshot's code, not the checkout's as it is when the job starts."""
+    import shlex
+
     import submitit
 
-    executor = submitit.SlurmExecutor(folder=str(folder / "%j"), max_num_timeout=3)
-    parameters = {
-        "job_name": job_name, "time": options.time_min, "ntasks_per_node": 1, "nodes": 1,
-        "signal_delay_s": options.signal_delay_s,  # the job imports the packages as installed (pip install -e .)
-        # srun does not pass the job's --cpus-per-task on to its step on every SLURM version (22.05
-        # to 23.02 read only SRUN_CPUS_PER_TASK): set, the cell's step gets the CPUs the job was given.
-        "setup": ['if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi'],
-    }
+    executor = submitit.SlurmExecutor(folder=str(folder / "%j"), max_num_timeout=MAX_REQUEUES)
+    # srun does not pass the job's --cpus-per-task on to its step on every SLURM version (22.05
+    # to 23.02 read only SRUN_CPUS_PER_TASK): set, the cell's step gets the CPUs the job was given.
+    setup = ['if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi']
+    if code_dir is not None:
+        quoted = shlex.quote(str(code_dir))
+        setup += [f"cd {quoted}", f'export PYTHONPATH={quoted}"${{PYTHONPATH:+:$PYTHONPATH}}"']
+    parameters = {"job_name": job_name, "time": options.time_min, "ntasks_per_node": 1, "nodes": 1,
+                  "signal_delay_s": options.signal_delay_s, "setup": setup,
+                  "array_parallelism": options.array_parallelism or NO_ARRAY_LIMIT}
     gpus = options.gpus_per_cell if gpus_per_job is None else gpus_per_job
     if gpus:
         parameters["gpus_per_node"] = gpus
     optional = {"partition": options.partition, "cpus_per_task": options.cpus_per_cell,
                 "mem": None if options.mem_gb is None else f"{int(options.mem_gb * 1024)}M",
-                "account": options.account, "qos": options.qos, "array_parallelism": options.array_parallelism}
+                "account": options.account, "qos": options.qos}
     parameters.update({key: value for key, value in optional.items() if value is not None})
     extra = dict(options.sbatch)
+    exclude = ",".join(filter(None, [extra.pop("exclude", ""), *options.exclude]))
+    if exclude:
+        parameters["exclude"] = exclude
     for key in list(extra):
         if key in submitit.SlurmExecutor._valid_parameters():
             parameters[key] = extra.pop(key)
-    if extra:
-        parameters["additional_parameters"] = extra
+    # --requeue: a preempted job goes back to the queue (and submitit's requeue at the time limit is
+    # allowed) also where the cluster's JobRequeue=0 would cancel it
+    parameters["additional_parameters"] = {"requeue": True, **extra}
     executor.update_parameters(**parameters)
     return executor
 

@@ -463,7 +463,7 @@ def main(argv=None, prog: str = "python -m opsd.research.grid") -> int:
                              "through submitit)")
     parser.add_argument("--parallel", type=int, default=None,
                         help="at most this many cells at once (local, default: one per GPU slot, 1 without GPUs; "
-                             "slurm: the job array's limit, default none)")
+                             "slurm: cells queued or running at once, across all the grid's jobs, default no limit)")
     parser.add_argument("--gpus-per-cell", type=int, default=None,
                         help="GPUs a cell trains on (default 1; 0 = CPU); several = that many DDP processes")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
@@ -497,6 +497,9 @@ def main(argv=None, prog: str = "python -m opsd.research.grid") -> int:
     slurm.add_argument("--resubmit-cancelled", action="store_true",
                        help="submit again the cells whose jobs were cancelled (`cancel`, scancel); without it a "
                             "re-run reports them cancelled")
+    slurm.add_argument("--retry-failed", action="store_true",
+                       help="submit again the cells that failed twice (slurm_tries.json counts the failures across "
+                            "re-runs); without it a re-run reports them failed")
     args = parser.parse_args(argv)
     from opsd.config import ConfigError, check_env
 
@@ -650,7 +653,7 @@ def _check_executor_options(args) -> None:
     """Each option belongs to one executor: one given to the other is an error, not ignored."""
     slurm_only = {"partition": None, "time": None, "cpus_per_cell": None, "mem_per_cell": None, "account": None,
                   "qos": None, "sbatch": [], "no_wait": False, "poll": 30, "resubmit_cancelled": False,
-                  "cells_per_node": None}
+                  "cells_per_node": None, "retry_failed": False}
     if args.cluster == "local":
         given = [name for name, default in slurm_only.items() if getattr(args, name) != default]
         if given:

@@ -13,7 +13,15 @@ single-node one; `pytest -m slurm` runs these alone):
   resubmissions stay inside --parallel; a job is bound to the CPUs it asked for and uses as many
   threads (these with sleep or held jobs, in seconds);
 - two SLURM tasks as two accelerate machines (CPU ranks over gloo): train_capped.sh runs the
-  tiny preset across them, and the launch it uses gives one process's loss and gradients.
+  tiny preset across them, and the launch it uses gives one process's loss and gradients;
+- what a lab's cluster does (.ci/slurm.sh's cluster: JobRequeue=0, real preemption, a partition
+  with a short MaxTime, one with a node that never comes up), with stand-in cells (slurm_fakes.py):
+  a queued job runs the grid's snapshot and grid file as submitted; packs ask for their cells'
+  memory; held and never-startable jobs end the wait; preempted and timed-out jobs are requeued
+  (they ask --requeue) while they move, a refused requeue is said once; a stale lock names its
+  array task; a resubmission excludes the failed node; an sbatch timeout that hid an accepted
+  submission submits nothing twice; failures count across re-runs (--retry-failed); --parallel is
+  one limit across arrays.
 
 Without `sbatch` on PATH, or with no SLURM controller answering (asked for SLURM_WAIT_S), every
 test here skips; with CI_REQUIRE_SLURM=1 (as .ci/run sets) they fail instead.
@@ -170,7 +178,8 @@ def test_a_grid_on_slurm_two_cells_a_node_gives_the_local_results_through_a_pree
     assert status == 0, log[-3000:]
     assert "submitted 4 cell(s) as job array" in log and "(2 cells a job, one node each)" in log, log
     assert "slurm: 4 of 4 cell(s) ended" in log
-    assert "entry/seed-1: job" in log and "resubmitting it once: it resumes from its last checkpoint" in log
+    assert "entry/seed-1: job" in log and "resubmitting it once, excluding node " in log
+    assert "submitted without excluding them" in log  # debug is a partition of one node
     assert "submitted 1 cell(s) as job" in log  # entry/seed-1 alone
     # while the grid waits, each running cell's progress: where it runs, its step, its log
     assert any(line.split("] ", 1)[-1].startswith(f"entry/seed-0: running on {socket.gethostname()} (job ")
@@ -420,3 +429,377 @@ def test_two_slurm_machines_give_one_process_loss_and_gradients(tmp_path, one_pr
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
     ranks = {**torch.load(out), "checkpoint": out.with_suffix("") / "checkpoint-1"}
     assert_same_optimisation(one_process_step(), ranks)
+
+
+# --------------------------------------------------------------------------
+# What a lab's cluster does that a plain one-node cluster does not (issue 61): each with jobs of
+# seconds. The cells of these grids are stand-ins (slurm_fakes.py): a bash script a job.
+# --------------------------------------------------------------------------
+
+FAKES = Path(__file__).resolve().parent
+ONE = {**GRID, "seeds": [0], "arms": {"entry": {}}}  # one cell: entry/seed-0
+
+
+def fake_grid(grid: dict, folder: Path, script: str, *flags, env=None, wait=True):
+    """The grid of `grid` on SLURM (CPU cells, --poll 1) whose cells' jobs run `script` (slurm_fakes.py)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "GRID.json").write_text(json.dumps(grid))
+    command = [sys.executable, "-m", "slurm_fakes", script, str(folder / "GRID.json"), "--out", str(folder / "out"),
+               "--cluster", "slurm", "--gpus-per-cell", "0", "--poll", "1", *flags]
+    paths = os.pathsep.join(filter(None, [str(FAKES), os.environ.get("PYTHONPATH")]))
+    run = subprocess.Popen(command, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           env={**os.environ, "PYTHONPATH": paths, **(env or {})})
+    return finished(run, 300) if wait else run
+
+
+def finished(run, timeout: float = 1200) -> tuple[int, str]:  # noqa: F811  (a timeout of the caller's)
+    output = run.communicate(timeout=timeout)[0]
+    return run.returncode, output
+
+
+def _scontrol_job(job: str) -> dict[str, str]:
+    shown = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True, check=True).stdout
+    return dict(field.split("=", 1) for field in shown.split() if "=" in field)
+
+
+def runs_then_done(runs: int) -> str:
+    """A cell's job that counts its runs in $CELL/runs and waits to be stopped, until its run `runs` ends the cell."""
+    return (f"echo run >> $CELL/runs; if [ $(wc -l < $CELL/runs) -ge {runs} ]; then echo {{}} > $CELL/eval.json; "
+            "else sleep 120; fi")
+
+
+def _runs(out: Path, cell: str) -> int:
+    record = out / cell / "runs"
+    return len(record.read_text().splitlines()) if record.is_file() else 0
+
+
+def test_a_waiting_job_runs_the_snapshots_code_and_the_grid_file_it_was_submitted_with(tmp_path):
+    """A job held in the queue while its checkout is edited and its grid folder's grid.json is
+    rewritten (as a re-run with another grid does) runs the code and grid of its submission: it
+    imports opsd from the grid's snapshot (its working folder, first on PYTHONPATH), not from the
+    checkout it was submitted from, and reads a grid file frozen at submission."""
+    checkout = tmp_path / "checkout"  # a copy of the repository, its own git checkout
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    for name in filter(None, listed.decode().split("\0")):
+        if (REPO / name).is_file():
+            (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, checkout / name)
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], cwd=checkout, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=checkout, check=True)
+    subprocess.run([*git, "commit", "-qm", "copy"], cwd=checkout, check=True)
+    grid = {**ONE, "arms": {"broken": {"flags": ["--learning_rate", "nope"]}}, "baseline": "broken",  # fails at once
+            "budget": {"max_steps": 1, "global_batch": 2, "per_device_batch": 2}}
+    (tmp_path / "GRID.json").write_text(json.dumps(grid))
+    out = tmp_path / "out"
+    submitted = subprocess.run(
+        [sys.executable, "-m", "opsd.research.grid", str(tmp_path / "GRID.json"), "--out", str(out), "--cluster",
+         "slurm", "--gpus-per-cell", "0", "--sbatch", "begin=now+3600", "--no-wait"],
+        cwd=checkout, capture_output=True, text=True, timeout=300)  # the checkout's opsd, as its user runs it
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    job = _job_of(out, "broken/seed-0")
+    edited = checkout / "opsd" / "research" / "slurm_grid.py"
+    call = "    def __call__(self) -> str:\n"
+    edited.write_text(edited.read_text().replace(call, call + "        print('EDITED CHECKOUT')\n", 1))
+    (out / "grid.json").write_text(json.dumps({**grid, "budget": {**grid["budget"], "max_steps": 2}}))
+    subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], check=True)
+    try:
+        _wait_for(lambda: (out / "broken" / "seed-0" / "cell.json").is_file(), 300, "the job to start its cell")
+    finally:
+        subprocess.run(["scancel", job])
+    logs = "".join(p.read_text() for p in (out / "slurm" / job).glob("*_log.*"))
+    assert "EDITED CHECKOUT" not in logs, logs[-3000:]
+    said = next(line for line in logs.splitlines() if line.startswith("broken/seed-0: the grid's code "))
+    code_dir, imported = said.removeprefix("broken/seed-0: the grid's code ").split("; opsd imported from ")
+    assert imported == str(Path(code_dir).resolve() / "opsd") and not code_dir.startswith(str(checkout)), said
+    identity = json.loads((out / "broken" / "seed-0" / "cell.json").read_text())
+    assert identity["budget"]["max_steps"] == 1  # the grid as submitted, not the rewritten grid.json
+
+
+def test_a_node_pack_asks_for_its_cells_memory_and_a_partial_pack_for_its_own_cells(tmp_path):
+    """--cells-per-node 2 with 1 CPU and 0.5 GB a cell: a job of two cells asks for 2 CPUs and 1 GB
+    (each cell's memory, not one cell's for both), the third cell's job for 1 CPU and 512 MB (and
+    a GPU cell's pack for its own cells' GPUs, not N x G)."""
+    from opsd.research import executors, slurm_grid
+
+    three = {**ONE, "seeds": [0, 1, 2]}
+    status, log = fake_grid(three, tmp_path, "true", "--cells-per-node", "2", "--cpus-per-cell", "1",
+                            "--mem-per-cell", "0.5", "--sbatch", "begin=now+3600", "--no-wait")
+    assert status == 0, log
+    out = tmp_path / "out"
+    pair, alone = _job_of(out, "entry/seed-0"), _job_of(out, "entry/seed-2")
+    assert pair == _job_of(out, "entry/seed-1") and pair != alone
+    asked = {job: _scontrol_job(job) for job in (pair, alone)}
+    assert (asked[pair]["NumCPUs"], asked[pair]["MinMemoryNode"]) == ("2", "1G"), asked[pair]
+    assert (asked[alone]["NumCPUs"], asked[alone]["MinMemoryNode"]) == ("1", "512M"), asked[alone]
+    assert "(2 cells a job, one node each)" in log and "(1 cells a job, one node each)" in log, log
+    assert _grid_cli("cancel", out).returncode == 0
+    options = executors.SlurmOptions(gpus_per_cell=2, cpus_per_cell=8, mem_gb=40)  # what GPU cells would ask
+    args = type("Args", (), {"cells_per_node": 4, "poll": 1})()
+    submitter = slurm_grid._Submitter(tmp_path / "gpu", options, args, {}, slurm_grid.Tries(tmp_path), print,
+                                      tmp_path / "grid.json", None, None)
+    for cells_in_job in (4, 1):
+        parameters = submitter.executor(cells_in_job, ()).parameters
+        assert (parameters["gpus_per_node"], parameters["cpus_per_task"], parameters["mem"]) == \
+               (2 * cells_in_job, 8 * cells_in_job, f"{40 * 1024 * cells_in_job}M")
+
+
+def test_jobs_that_never_start_by_themselves_end_the_wait_with_what_to_do(tmp_path):
+    """A partition whose MaxTime (1 min) is below --time: the jobs pend for PartitionTimeLimit for
+    ever. Held jobs (by the user, by an admin, requeued held, SPECIAL_EXIT) likewise. The waiting
+    grid ends (exit 1) with one line a cell: why, and what to do; `status` says the same."""
+    status, log = finished(fake_grid(ONE, tmp_path / "short", "true", "--partition", "short", "--time", "5",
+                                     wait=False), 120)
+    assert status == 1, log
+    line = next(line for line in log.splitlines() if "entry/seed-0: failed: job " in line)
+    assert "its --time is above partition short's time limit (1:00, PartitionTimeLimit)" in line, line
+    assert "--time at most that, or another --partition" in line
+    assert _grid_cli("cancel", tmp_path / "short" / "out").returncode == 0
+
+    four = {**ONE, "seeds": [0, 1, 2, 3]}
+    held = ("--sbatch", "begin=now+3600")
+    status, log = fake_grid(four, tmp_path / "held", "echo run >> $CELL/runs; sleep 60", *held, "--no-wait")
+    assert status == 0, log
+    out = tmp_path / "held" / "out"
+    jobs = [_job_of(out, f"entry/seed-{seed}") for seed in range(4)]
+    subprocess.run(["scontrol", "uhold", jobs[0]], check=True)
+    subprocess.run(["scontrol", "hold", jobs[1]], check=True)  # as root: an admin's hold
+    for job in jobs[2:]:
+        subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], check=True)
+    for seed in (2, 3):
+        _wait_for(lambda s=seed: _runs(out, f"entry/seed-{s}"), 300, f"entry/seed-{seed} running")
+    subprocess.run(["scontrol", "requeuehold", jobs[2]], check=True)
+    subprocess.run(["scontrol", "requeuehold", "state=SpecialExit", jobs[3]], check=True)
+    try:
+        status, log = finished(fake_grid(four, tmp_path / "held", "true", *held, wait=False), 300)
+        shown = _status(out)
+    finally:
+        subprocess.run(["scancel", *jobs])
+    assert status == 1, log
+    said = {name: line.split(f"] {name}: failed: ", 1)[1] for line in log.splitlines()
+            for name in (f"entry/seed-{seed}" for seed in range(4)) if f"] {name}: failed: " in line}
+    assert said["entry/seed-0"] == (f"job {jobs[0]} will not start: held by its user (JobHeldUser); "
+                                     f"`scontrol release {jobs[0]}`, then re-run the grid to wait for it"), said
+    assert "held by an administrator (or root) (JobHeldAdmin)" in said["entry/seed-1"]
+    assert "requeued and held" in said["entry/seed-2"] and f"`scontrol release {jobs[2]}`" in said["entry/seed-2"]
+    assert said["entry/seed-3"].startswith(f"job {jobs[3]} is held in SPECIAL_EXIT"), said
+    assert all(shown[name].startswith("held (job ") for name in said), shown
+
+
+def test_a_preempted_job_is_requeued_on_a_cluster_that_requeues_only_when_asked(tmp_path):
+    """CI's cluster has JobRequeue=0 and PreemptType=preempt/partition_prio: a job of the high
+    partition preempts the grid's job in the low one (they contend for the node's one `preemptee`).
+    The grid's jobs ask for --requeue: the preempted job goes back to the queue under the same id
+    and runs the cell again, instead of ending PREEMPTED (a failure, a try spent)."""
+    script = runs_then_done(2)
+    waiting = fake_grid(ONE, tmp_path, script, "--partition", "low", "--sbatch", "gres=preemptee:1", wait=False)
+    out = tmp_path / "out"
+    _wait_for(lambda: _runs(out, "entry/seed-0") == 1, 300, "the cell's first run")
+    job = _job_of(out, "entry/seed-0")
+    high = subprocess.run(["sbatch", "--parsable", "--partition=high", "--gres=preemptee:1", "--output=/dev/null",
+                           "--wrap", "sleep 1"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        _wait_for(lambda: _squeue_state(job) == "PENDING", 300, "the preempted job back in the queue")
+        subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], check=True)  # SLURM waits ~2 min
+        status, log = finished(waiting, 300)
+    finally:
+        subprocess.run(["scancel", high, job])
+    assert status == 0, log
+    assert f"entry/seed-0: done (job {job})" in log and "resubmitting" not in log, log
+    assert _runs(out, "entry/seed-0") == 2
+    assert "DUE TO PREEMPTION" in (out / "slurm" / job / f"{job}_0_log.err").read_text()
+
+
+def test_a_cell_is_requeued_at_every_time_limit_while_it_moves(tmp_path):
+    """submitit's notice of the time limit (USR2) four times: each time the job checkpoints and is
+    requeued under its id (it asks --requeue, which CI's JobRequeue=0 does not give by default), past
+    submitit's old cap of 3 requeues; the fifth run ends the cell, with no resubmission and no try
+    spent: a cell longer than 2 x --time needs no re-run by hand."""
+    script = runs_then_done(5)
+    waiting = fake_grid(ONE, tmp_path, script, "--time", "5", wait=False)
+    out = tmp_path / "out"
+    try:
+        for run in range(1, 5):
+            _wait_for(lambda r=run: _runs(out, "entry/seed-0") == r, 300, f"run {run}")
+            job = _job_of(out, "entry/seed-0")
+            _wait_for(lambda j=job: _squeue_state(j) == "RUNNING", 300, "the job running")
+            subprocess.run(["scancel", "--signal=USR2", job], check=True)
+            _wait_for(lambda j=job: _squeue_state(j) == "PENDING", 300, "the requeue")
+            subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], check=True)
+        status, log = finished(waiting, 300)
+    finally:
+        subprocess.run(["scancel", "--name", slurm_grid_job_name(out)])
+    assert status == 0, log
+    assert f"entry/seed-0: done (job {job})" in log and "resubmitting" not in log and "submitted 1" in log, log
+    assert _runs(out, "entry/seed-0") == 5
+    assert not (out / "slurm_tries.json").exists() or json.loads((out / "slurm_tries.json").read_text()) == {}
+
+
+def slurm_grid_job_name(out: Path) -> str:
+    from opsd.research import slurm_grid
+
+    return slurm_grid.job_name(out)
+
+
+def test_a_cluster_that_refuses_a_jobs_own_requeue_is_said_once_and_its_cells_resubmitted(tmp_path):
+    """Compute nodes whose `scontrol requeue` fails (here a shim on the jobs' PATH): two cells'
+    jobs get submitit's USR2, checkpoint, and cannot requeue themselves. The grid says so once and
+    resubmits both cells (they resume) without counting a failure."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "scontrol").write_text(f"""#!/bin/bash
+if [ "$1" = requeue ]; then echo "scontrol: error: Requested operation is presently disabled for job $2" >&2; exit 1; fi
+exec {shutil.which("scontrol")} "$@"
+""")
+    (shim / "scontrol").chmod(0o755)
+    two = {**ONE, "seeds": [0, 1]}
+    script = runs_then_done(2)
+    waiting = fake_grid(two, tmp_path, script, env={"PATH": f"{shim}:{os.environ['PATH']}"}, wait=False)
+    out = tmp_path / "out"
+    try:
+        for seed in (0, 1):
+            _wait_for(lambda s=seed: _runs(out, f"entry/seed-{s}") == 1, 300, f"entry/seed-{seed} running")
+            subprocess.run(["scancel", "--signal=USR2", _job_of(out, f"entry/seed-{seed}")], check=True)
+        status, log = finished(waiting, 300)
+    finally:
+        subprocess.run(["scancel", "--name", slurm_grid_job_name(out)])
+    assert status == 0, log
+    assert log.count("SLURM refused to requeue job ") == 1, log
+    refusal = next(line for line in log.splitlines() if "SLURM refused to requeue job " in line)
+    assert "`scontrol requeue`: scontrol: error: Requested operation is presently disabled" in refusal, refusal
+    assert log.count("stopped with a checkpoint; resubmitting it") == 2 and "ended without results" not in log
+    assert all(_runs(out, f"entry/seed-{seed}") == 2 for seed in (0, 1))
+    assert json.loads((out / "slurm_tries.json").read_text()) == {} if (out / "slurm_tries.json").exists() else True
+
+
+def test_a_stale_lock_of_an_arrays_first_task_names_that_task_and_only_it_keeps_it(tmp_path):
+    """The task of an array whose SLURM_JOB_ID is the array's id takes a run folder's lock and
+    ends without releasing it (killed) while its sibling still runs. The lock names the task
+    (`<array>_<task>`), and a runner on another host finds it stale: squeue is asked about that task
+    only, not the array, which lists the running sibling."""
+    from opsd.run_folder import RunLock
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    script = (f'if [ "$SLURM_JOB_ID" = "$SLURM_ARRAY_JOB_ID" ]; then {sys.executable} -c '
+              f'"import os; from opsd.run_folder import RunLock; RunLock({str(folder)!r}).acquire(); os._exit(0)"; '
+              "else sleep 60; fi")
+    array = subprocess.run(["sbatch", "--parsable", "--array=0-1", f"--output={tmp_path}/%A_%a.out", "--wrap", script],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        _wait_for(lambda: (folder / ".lock").is_file(), 300, "the task's lock")
+        pid, host, job = (folder / ".lock").read_text().split()
+        assert job in (f"{array}_0", f"{array}_1"), job
+        sibling = f"{array}_1" if job.endswith("_0") else f"{array}_0"
+        _wait_for(lambda: _squeue_state(job) == "" and _squeue_state(sibling) == "RUNNING", 300,
+                  "the lock's task gone, its sibling running")
+        (folder / ".lock").write_text(f"{pid} another-host {job}\n")  # a runner elsewhere: only squeue can tell
+        RunLock(str(folder)).check()  # stale: no error
+    finally:
+        subprocess.run(["scancel", array])
+
+
+def test_a_resubmission_excludes_the_node_its_cell_failed_on_and_status_says_so(tmp_path):
+    """A cell whose job fails on this node is resubmitted with --exclude=<node> (in CI's partition
+    twonodes, whose second node never comes up, the resubmission waits instead of being refused as in
+    a partition of one node: see the next test); the grid's output and `status` say which node is
+    excluded and which job failed there."""
+    host = socket.gethostname()
+    script = "if [ ! -e $CELL/failed ]; then touch $CELL/failed; exit 3; fi; echo {} > $CELL/eval.json"
+    waiting = fake_grid(ONE, tmp_path, script, "--partition", "twonodes", wait=False)
+    out = tmp_path / "out"
+    try:
+        first = _wait_for(lambda: (out / "slurm_jobs.json").is_file() and _job_of(out, "entry/seed-0"), 300, "a job")
+        second = _wait_for(lambda: _job_of(out, "entry/seed-0") != first and _job_of(out, "entry/seed-0"), 300,
+                           "the resubmission")
+        assert _scontrol_job(second)["ExcNodeList"] == host
+        shown = _wait_for(lambda: _status(out)["entry/seed-0"] if "ReqNodeNotAvail" in _status(out)["entry/seed-0"]
+                          else None, 120, "the resubmission pending for its node")
+        assert shown.startswith(f"pending (job {second}, ReqNodeNotAvail") and \
+               f"; resubmitted excluding node(s) {host}, where job(s) {first} failed)" in shown, shown
+    finally:
+        subprocess.run(["scancel", "--name", slurm_grid_job_name(out)])
+    status, log = finished(waiting, 300)
+    assert f"entry/seed-0: job {first} ended without results (" in log
+    assert f"resubmitting it once, excluding node {host}: it resumes" in log, log
+    assert f"excluding node(s) {host} where they failed: entry/seed-0 {second}" in log, log
+
+
+def test_an_sbatch_that_times_out_after_slurm_accepted_it_is_not_submitted_again(tmp_path):
+    """sbatch accepts the array, then says "Socket timed out" (a busy controller's answer lost):
+    the grid finds its job name in squeue, takes those jobs over (their pickles put where they read
+    them) and submits nothing more; each cell runs once."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "sbatch").write_text(f"""#!/bin/bash
+{shutil.which("sbatch")} "$@" > /dev/null || exit $?
+if [ ! -e {shim}/timed-out ]; then touch {shim}/timed-out
+  echo "sbatch: error: Batch job submission failed: Socket timed out on send/recv operation" >&2; exit 1; fi
+""")
+    (shim / "sbatch").chmod(0o755)
+    two = {**ONE, "seeds": [0, 1]}
+    status, log = fake_grid(two, tmp_path, "echo run >> $CELL/runs; echo {} > $CELL/eval.json",
+                            env={"PATH": f"{shim}:{os.environ['PATH']}"})
+    out = tmp_path / "out"
+    assert status == 0, log
+    assert "but SLURM had accepted the submission (its job name is in squeue): taken over" in log, log
+    assert "trying again" not in log and log.count("submitted 2 cell(s)") == 1, log
+    arrays = subprocess.run(["squeue", "--noheader", "--states=all", "--name", slurm_grid_job_name(out),
+                             "--format=%F"], capture_output=True, text=True).stdout.split()
+    assert len(set(arrays)) == 1, arrays  # one array, accepted once
+    assert all(_runs(out, f"entry/seed-{seed}") == 1 for seed in (0, 1))
+
+
+def test_failures_are_counted_across_re_runs_and_retry_failed_resubmits_on_purpose(tmp_path):
+    """A cell that fails every time: the first grid runs it twice and reports it; the same command
+    again submits nothing (slurm_tries.json keeps its two failures; a loop around the grid does not
+    resubmit it for ever) and says how to; --retry-failed submits it again, twice."""
+    fails = "echo run >> $CELL/runs; exit 3"
+    status, log = fake_grid(ONE, tmp_path, fails)
+    assert status == 1 and "entry/seed-0: failed twice: " in log, log
+    host = socket.gethostname()  # the partition has no other node: the resubmission cannot exclude it
+    assert f"sbatch refused to exclude node(s) {host} (sbatch: error: Batch job submission failed: Requested node " \
+           "configuration is not available): submitted without excluding them" in log, log
+    out = tmp_path / "out"
+    assert len(json.loads((out / "slurm_tries.json").read_text())["entry/seed-0"]) == 2
+    status, log = fake_grid(ONE, tmp_path, fails)
+    assert status == 1 and "submitted 1 cell" not in log, log
+    assert "entry/seed-0: failed 2 times, not resubmitted (last: job " in log
+    assert "re-run with --retry-failed to submit it again" in log
+    assert "--retry-failed to submit it again" in _status(out)["entry/seed-0"]
+    status, log = fake_grid(ONE, tmp_path, fails, "--retry-failed")
+    assert status == 1 and "resubmitting 1 failed cell(s) (--retry-failed): entry/seed-0" in log, log
+    assert "entry/seed-0: failed twice: " in log and _runs(out, "entry/seed-0") == 4
+
+
+def test_parallel_is_one_limit_across_the_grids_arrays_and_unset_means_none(tmp_path):
+    """--parallel 2 on four cells split into arrays of one job (MaxArraySize 1): with --no-wait
+    only two go out (each array's %2 would let all four run); the same command without it submits
+    the rest as those end; no more than two ever run at once. Without --parallel an array of 300
+    jobs has no limit (submitit's default would be %256)."""
+    four = {**ONE, "seeds": [0, 1, 2, 3]}
+    record = tmp_path / "record"
+    script = (f"echo start $(date +%s.%N) >> {record}; sleep 3; echo end $(date +%s.%N) >> {record}; "
+              "echo {} > $CELL/eval.json")
+    split = {"FAKE_MAX_ARRAY_SIZE": "1"}
+    status, log = fake_grid(four, tmp_path, script, "--parallel", "2", "--no-wait", env=split)
+    assert status == 0 and log.count("submitted 1 cell(s) as job ") == 2, log
+    assert "2 cell(s) wait for a --parallel slot: re-running the same command submits them" in log
+    status, log = fake_grid(four, tmp_path, script, "--parallel", "2", env=split)
+    assert status == 0 and log.count("submitted 1 cell(s) as job ") == 2, log
+    running, most = 0, 0
+    events = sorted((float(line.split()[1]), line.split()[0]) for line in record.read_text().splitlines())
+    for _, word in events:
+        running += 1 if word == "start" else -1
+        most = max(most, running)
+    assert len(events) == 8 and most <= 2, events
+
+    many = {**ONE, "seeds": list(range(300))}
+    status, log = fake_grid(many, tmp_path / "many", "true", "--sbatch", "begin=now+3600", "--no-wait")
+    try:
+        assert status == 0, log
+        array = _job_of(tmp_path / "many" / "out", "entry/seed-0").split("_")[0]
+        assert _scontrol_job(f"{array}_0")["ArrayTaskThrottle"] == "300"  # sbatch --array=0-299%300
+    finally:
+        subprocess.run(["scancel", "--name", slurm_grid_job_name(tmp_path / "many" / "out")])
