@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opsd.research import executors
-from opsd.run_folder import write_text_atomic
+from opsd.run_folder import slurm_job_id, write_text_atomic
 
 REPO = Path(__file__).resolve().parents[2]  # the repository (opsd/research/ -> root)
 BUDGET_DEFAULT = {"max_steps": 100, "global_batch": 32, "per_device_batch": 4}
@@ -264,10 +264,11 @@ def train_command(grid: Grid, cell: Cell, processes: int = 1, port: int | None =
     return command
 
 
-# The launcher's grace for a multi-GPU cell's processes once a SIGTERM stops the cell: they finish the
-# step and write a checkpoint, then the launcher SIGKILLs them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, torch's
-# default 30 s, less than a real step and save). Below opsd/research/slurm_grid.py's CHECKPOINT_WAIT_S, so
-# that on SLURM the launcher, not SlurmCell.checkpoint's kill of the launcher alone, ends them.
+# The launcher's grace for a multi-GPU cell's ranks when a SIGTERM reaches the launcher itself (a scancel,
+# a preemption without the user signal): they finish the step and write a checkpoint, then the launcher
+# SIGKILLs them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; torch 2.13 honours it, torch 2.11, the GPU stack's pin,
+# kills after 30 s whatever it says: docs/MULTI_GPU.md "Stopping"). A grid's own stop before a requeue
+# signals the ranks, not the launcher (opsd/research/slurm_grid.py), so no countdown starts there.
 LAUNCHER_GRACE_S = 90
 
 
@@ -704,7 +705,7 @@ def _run_cell_locked(grid, cell, log, gpus, port, started, code, code_dir, progr
 
     processes = max(1, len(gpus or ()))
     provenance = {"code": code, "host": socket.gethostname(), "devices": gpu_names(gpus),
-                  "slurm_job": os.environ.get("SLURM_JOB_ID"), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                  "slurm_job": slurm_job_id(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     write_text_atomic(cell.folder / "cell.json", json.dumps(
         {**cell_identity(grid, cell, processes), "provenance": provenance}, indent=1) + "\n")
     env = {**os.environ, **cell.arm.env, **eval_environment(), "PYTHONUNBUFFERED": "1",

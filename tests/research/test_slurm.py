@@ -28,6 +28,7 @@ test here skips; with CI_REQUIRE_SLURM=1 (as .ci/run sets) they fail instead.
 """
 import functools
 import json
+import re
 import os
 import shutil
 import signal
@@ -192,8 +193,10 @@ def test_a_grid_on_slurm_two_cells_a_node_gives_the_local_results_through_a_pree
         started = [line for line in train_log.splitlines() if line.startswith("$ ")]
         assert len(started) == 2 and "[OPSD] resuming from" in train_log  # trained twice, the second time resumed
         assert all(line.startswith(("$ CUDA_VISIBLE_DEVICES=3 ", "$ CUDA_VISIBLE_DEVICES=5 ")) for line in started)
-        code = json.loads((cell / "cell.json").read_text())["provenance"]["code"]  # the queued jobs ran the
-        assert all(f" {out / '.code' / code / 'opsd_train.py'} " in line for line in started)  # grid's snapshot
+        provenance = json.loads((cell / "cell.json").read_text())["provenance"]
+        code = provenance["code"]  # the queued jobs ran the grid's snapshot
+        assert all(f" {out / '.code' / code / 'opsd_train.py'} " in line for line in started)
+        assert re.fullmatch(r"\d+_\d+", provenance["slurm_job"])  # the array task's own id, as squeue names it
     def result(folder):  # each arm's wall time says how long its cells took here, not what they gave
         table = json.loads((folder / "results.json").read_text())
         assert all("wall_time" in arm for arm in table["arms"].values())
