@@ -28,8 +28,8 @@ test here skips; with CI_REQUIRE_SLURM=1 (as .ci/run sets) they fail instead.
 """
 import functools
 import json
-import re
 import os
+import re
 import shutil
 import signal
 import socket
