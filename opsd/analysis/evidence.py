@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 
 # The evaluation reports' reader and the problems' bootstrap draw that `compare` uses (one import each).
-from opsd.analysis.reports import check_comparable, load_run
+from opsd.analysis.reports import check_comparable, load_run, sweep_reports
 from opsd.analysis.significance import _problem_weights
 from opsd.analysis.tokens import format_tokens
 
@@ -290,13 +290,10 @@ def seed_curves(arm: dict, name: str, grid_dir) -> dict[int, list[tuple[float, f
 
 def _report(cell: Path, step: int) -> Path:
     """The evaluation report of a cell's checkpoint at `step`, as grid_table read its accuracy: the
-    swept report (sweep.json's row: the file as recorded or, moved with the grid, the one of that name
-    in the cell's eval/), else the cell's eval.json (its last checkpoint)."""
+    swept report (opsd.analysis.reports.sweep_reports), else the cell's eval.json (its last checkpoint)."""
     if not (cell / "sweep.json").is_file():
         return cell / "eval.json"
-    rows = json.loads((cell / "sweep.json").read_text(encoding="utf-8")).get("checkpoints", [])
-    recorded = Path(str(next(r for r in rows if r.get("step") == step).get("file", "")))  # grid_table checked
-    return recorded if recorded.is_file() else cell / "eval" / recorded.name
+    return dict(sweep_reports(cell / "sweep.json"))[step]  # grid_table checked the step is there
 
 
 def problem_curves(grid_dir, table: dict, names: Sequence[str]) -> dict[str, ProblemCurves]:

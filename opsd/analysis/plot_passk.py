@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opsd.analysis import plot_common as common
+from opsd.analysis import reports
 from opsd.analysis.plot_common import DPI, PlotError, check_output, read_json, seed_number, step_axis
 
 PASSK_FILE = "passk.png"  # beside results.md of every grid
@@ -221,20 +222,12 @@ class StepsFigure:
 
 
 def sweep_reports(sweep_path: Path) -> list[tuple[int, Path]]:
-    """(step, report) of each checkpoint a cell's sweep.json lists. A report that moved with its grid
-    folder is found where the cell keeps its reports (CELL/eval/, by its file name)."""
-    sweep = read_json(sweep_path, "a checkpoint sweep's table")
-    rows = sweep.get("checkpoints") if isinstance(sweep, dict) else None
-    if not isinstance(rows, list) or not rows or not all(
-            isinstance(r, dict) and isinstance(r.get("step"), int) and isinstance(r.get("file"), str) for r in rows):
-        raise PlotError(f"{sweep_path}: no 'checkpoints' list of rows with an integer 'step' and a report 'file'")
-    found = []
-    for row in rows:
-        path = Path(row["file"])
-        if not path.is_file():
-            path = sweep_path.parent / "eval" / path.name
-        found.append((row["step"], path))
-    return found
+    """(step, report) of each checkpoint a cell's sweep.json lists (opsd.analysis.reports.sweep_reports),
+    its problems as a PlotError."""
+    try:
+        return reports.sweep_reports(sweep_path)
+    except reports.InputError as exc:
+        raise PlotError(str(exc)) from None
 
 
 def steps_data(grid_dir, arms: Sequence[str] | None = None) -> StepsFigure:

@@ -103,6 +103,29 @@ def load_run(path) -> Run:
     return run
 
 
+def sweep_reports(sweep_path) -> list[tuple[int, Path]]:
+    """(step, report) of each checkpoint a cell's sweep.json lists (opsd/evaluation/sweep.py), in
+    its order. A report that moved with its grid folder is found where the cell keeps its reports
+    (CELL/eval/, by its file name). A missing or malformed sweep.json is a ReportError naming it;
+    whether each report is there is the caller's (load_run says so)."""
+    sweep_path = Path(sweep_path)
+    try:
+        sweep = json.loads(sweep_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ReportError(sweep_path, "no such file (a checkpoint sweep's table)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ReportError(sweep_path, f"not readable JSON ({exc})") from None
+    rows = sweep.get("checkpoints") if isinstance(sweep, dict) else None
+    if not isinstance(rows, list) or not rows or not all(
+            isinstance(r, dict) and isinstance(r.get("step"), int) and isinstance(r.get("file"), str) for r in rows):
+        raise ReportError(sweep_path, "no 'checkpoints' list of rows with an integer 'step' and a report 'file'")
+    found = []
+    for row in rows:
+        path = Path(row["file"])
+        found.append((row["step"], path if path.is_file() else sweep_path.parent / "eval" / path.name))
+    return found
+
+
 def answer_ids(answers) -> list[int]:
     """Each answer's number in one problem: its normalised form (opsd.grading.normalize_answer, what
     the majority vote compares) numbered 0, 1, ... in the order first seen; -1 for no answer."""

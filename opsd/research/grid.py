@@ -145,7 +145,8 @@ def results(grid: Grid, out: Path, all_cells: list[Cell]) -> dict:
         table["arms"][arm.name] = entry
     table["compare_to"] = {
         ref: {arm.name: grid_metrics.comparison(ref, runs[ref], arm.name, runs[arm.name], grid.margin)
-              for arm in grid.arms if arm.name != ref and runs[arm.name]}
+              for arm in grid.arms if arm.name not in (ref, grid.baseline) and runs[arm.name]}  # the baseline's
+        # row would be the main table's row of `ref`, its sign flipped
         for ref in grid.compare_to if runs[ref]}
     table["missing"] = [c.name for c in all_cells if not c.report.is_file()]
     table["bootstrap_resamples"] = run_stats.DEFAULT_BOOTSTRAP
@@ -307,7 +308,7 @@ def markdown(table: dict) -> str:
                       f"({table.get('bootstrap_resamples', '?')} resamples, seed 0). Verdicts: {CHECKPOINTS_VS_ARMS}."]
     if table.get("missing"):
         lines += ["", f"Missing cells (no results yet, not in the table): {', '.join(table['missing'])}; "
-                      "re-run the same command to run them."]
+                      "run the grid's command (without --results-only) to run them."]
     return "\n".join(lines) + "\n"
 
 
@@ -468,8 +469,8 @@ def main(argv=None, prog: str = "python -m opsd.research.grid") -> int:
                         help="GPUs a cell trains on (default 1; 0 = CPU); several = that many DDP processes")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--results-only", action="store_true",
-                        help="table the cells that have finished (results.md / .json, figures) and run none: a grid "
-                             "still running elsewhere, or whose cells were brought back from another machine")
+                        help="table the cells that have finished (results.md / .json, figures) and run none: a copy "
+                             "of a grid still running elsewhere, or cells brought back from another machine")
     parser.add_argument("--allow-code-change", action="store_true",
                         help="resume cells that started on another version of the code (recorded in each cell.json); "
                              "without it such a cell stops the grid")
@@ -517,7 +518,8 @@ def main(argv=None, prog: str = "python -m opsd.research.grid") -> int:
         code = code_version()
         for cell in all_cells:
             check_cell_identity(grid, cell, processes)
-            check_cell_code(cell, code, args.allow_code_change)
+            if not args.results_only:  # nothing resumes: a started cell's code version is not mixed
+                check_cell_code(cell, code, args.allow_code_change)
         if args.cluster == "slurm" and not (args.dry_run or args.results_only):
             executors.check_slurm_tools()
             if (args.gpus_per_cell or 1) > 1:
@@ -574,7 +576,13 @@ def _run_grid(grid: Grid, all_cells: list[Cell], out: Path, args, code: str | No
     failed = {name: outcome for name, outcome in outcomes.items() if outcome.startswith(("failed", "cancelled"))}
     for name, outcome in failed.items():
         log(f"{name}: {outcome}")
-    table = results(grid, out, all_cells)
+    from opsd.analysis.reports import InputError  # numpy: only once there is a table to make
+
+    try:
+        table = results(grid, out, all_cells)
+    except InputError as exc:  # a finished cell's report or sweep.json that cannot be read
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     write_text_atomic(out / "results.json", json.dumps(table, indent=1) + "\n")
     write_text_atomic(out / "results.md", markdown(table))
     print(markdown(table), end="")

@@ -11,14 +11,12 @@ problems, run-level t test, exact per-problem tests) on each metric's per-proble
 """
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 from opsd.analysis import evidence
 from opsd.analysis.comparison import compare_arms
 from opsd.analysis.problem_metrics import resolve_metric
-from opsd.analysis.reports import InputError, Run, check_comparable, load_run
+from opsd.analysis.reports import InputError, Run, check_comparable, load_run, sweep_reports
 from opsd.analysis.significance import ALPHA, DEFAULT_BOOTSTRAP, shown_direction
 from opsd.jsonl import read_jsonl
 from opsd.run_folder import METRICS_FILE
@@ -69,7 +67,8 @@ def _says(direction: int) -> str:
 
 def disagreement(arm: str, results: dict, n: int) -> str | None:
     """One sentence when pass@1 and pass@n show different things (a gain at one with none or a
-    loss at the other, either way round), by the verdict's rule (shown_direction); else None."""
+    loss at the other, either way round), by the verdict's rule (shown_direction); else None. Without
+    a run-level test (one run a side) it speaks of the checkpoints, as the verdict then does."""
     if n < 2:
         return None
     at_1, at_n = results["pass@1"], results[f"pass@{n}"]
@@ -77,7 +76,8 @@ def disagreement(arm: str, results: dict, n: int) -> str | None:
     if one == many:
         return None
     low, high = at_n["bootstrap"]["ci"]
-    return (f"pass@1 and pass@{n} disagree: {arm} {_says(one)} at pass@1 but {_says(many)} at pass@{n} "
+    who = arm if at_1["run_level_test"] is not None else f"{arm}'s checkpoint"
+    return (f"pass@1 and pass@{n} disagree: {who} {_says(one)} at pass@1 but {_says(many)} at pass@{n} "
             f"({at_n['difference']:+.2f} points, 95% CI [{low:+.2f}, {high:+.2f}])")
 
 
@@ -149,10 +149,9 @@ def collapse_steps(cells) -> dict[str, int | None]:
 
 
 def _step_reports(cell) -> dict[int, Run]:
-    """{step: the report of that checkpoint} of a swept cell, from its sweep.json's rows, read in
-    the cell's own eval/ folder (the grid folder may have moved since)."""
-    rows = json.loads((cell.folder / "sweep.json").read_text(encoding="utf-8"))["checkpoints"]
-    return {int(row["step"]): load_run(cell.folder / "eval" / Path(row["file"]).name) for row in rows}
+    """{step: the report of that checkpoint} of a swept cell (its sweep.json's rows; reports moved
+    with the grid folder found in the cell's eval/). A missing report is load_run's ReportError."""
+    return {step: load_run(path) for step, path in sweep_reports(cell.folder / "sweep.json")}
 
 
 def sweep_entry(cells) -> dict:
@@ -163,6 +162,8 @@ def sweep_entry(cells) -> dict:
     if not per_seed:
         return {}
     steps = sorted(set.intersection(*(set(s) for s in per_seed)))
+    if not steps:  # the seeds' sweeps share no checkpoint
+        return {}
     n = per_seed[0][steps[0]].k
     table = {name: {} for name in ("pass@1", f"pass@{n}")}
     for step in steps:

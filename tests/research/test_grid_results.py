@@ -174,7 +174,7 @@ def test_margin_and_compare_to(tmp_path):
     table = opsd.research.grid.results(grid, out, cells)
     assert (table["grid"]["margin"], table["grid"]["compare_to"]) == (10.0, ["opsd"])
     versus = table["compare_to"]["opsd"]
-    assert set(versus) == {"base", "sft"}
+    assert set(versus) == {"sft"}  # not the baseline: its row is opsd's of the first table, sign flipped
     sft = versus["sft"]
     assert sft["difference"] == pytest.approx(0.0) and sft["equivalence"]["equivalent"]
     assert sft["equivalence"]["tost"]["p"] < 0.05
@@ -190,9 +190,9 @@ def test_margin_and_compare_to(tmp_path):
     assert "| arm | against | pass@1 | pass@8 | maj@8 | distinct answers a problem | verdict |" in text
     row = next(line for line in text.splitlines() if line.startswith("| sft | opsd | "))
     assert row.startswith("| sft | opsd | 51.67 (+0.00 [") and row.endswith(f"| {sft['verdict_words']} |")
-    assert any(line.startswith("| base | opsd | 12.50 (-39.17 [") for line in text.splitlines())
+    assert not any(line.startswith("| base | opsd |") for line in text.splitlines())
     final = opsd.research.grid.final_lines(cells, table)
-    assert final[-2:] == [f"base vs opsd: {versus['base']['verdict']}", f"sft vs opsd: {sft['verdict']}"]
+    assert final[-1] == f"sft vs opsd: {sft['verdict']}" and not any(f.startswith("base vs opsd") for f in final)
     # a margin too small for three runs: neither shown
     tight_grid = grid_of(("base", "opsd", "sft"), seeds=(0, 1, 2), margin=2.0, compare_to=("opsd",))
     tight = opsd.research.grid.results(tight_grid, out, opsd.research.grid.cells(tight_grid, out))
@@ -263,3 +263,15 @@ def test_results_only_tables_the_finished_cells_and_runs_none(tmp_path, capsys):
     assert table["missing"] == ["opsd/seed-2", "sft/seed-0", "sft/seed-1", "sft/seed-2"]
     assert table["arms"]["opsd"]["runs"] == 2 and table["arms"]["sft"]["runs"] == 0
     assert not (out / "sft").exists() and not (out / "opsd" / "seed-2").exists()  # nothing ran
+
+
+def test_with_one_run_a_side_the_disagreement_speaks_of_the_checkpoint(tmp_path):
+    """One run an arm: no run-level test, so (as the verdict) the sentence says what the trained
+    checkpoint does, not what the arm does (the CPU quickstart's case)."""
+    out = tmp_path / "grid"
+    write_flat_grid(out, {"opsd": [collapsed(10)]})
+    grid = grid_of(("base", "opsd"), seeds=(0,))
+    table = opsd.research.grid.results(grid, out, opsd.research.grid.cells(grid, out))
+    arm = table["arms"]["opsd"]
+    assert arm["disagreement"].startswith("pass@1 and pass@8 disagree: opsd's checkpoint gains at pass@1 but loses "
+                                          "at pass@8 (")
