@@ -54,7 +54,7 @@ from opsd.checkpoints import StagedCheckpoint
 from opsd.ema_teacher import EMA_FILE, AdapterEMA
 from opsd.grpo import group_advantages, reward_stats
 from opsd.model_utils import checkpointing_is_on, peft_wrapping, set_checkpointing
-from opsd.objective import RowRewards, build_objective, objective_settings
+from opsd.objective import EOS_STAT_KEYS, RowRewards, build_objective, objective_settings
 from opsd.rewards import grader_rewards
 from opsd.rollout import TransformersBackend, kv_cache_options, vllm_environment
 from opsd.rollout.compiled_layers import CompiledLayers
@@ -70,6 +70,14 @@ from opsd.scoring import (
     to_device,
 )
 from opsd.train_config import OPSDConfig, resolve_engine_defaults
+
+
+def _mean_stats(names: list[str], values: torch.Tensor) -> torch.Tensor:
+    """[stat] The mean over dim 0 of `values` [part, stat]: nanmean for the EOS log-probs (a part with no
+    completion that ended with EOS has none: NaN), a plain mean for every other stat, so that a NaN there
+    (a broken step) shows in the log instead of vanishing from the average."""
+    means, nanmeans = values.mean(0), values.nanmean(0)
+    return torch.stack([nanmeans[i] if name in EOS_STAT_KEYS else means[i] for i, name in enumerate(names)])
 
 
 class NonFiniteLossError(RuntimeError):
@@ -465,8 +473,8 @@ class OPSDTrainer(DistillationTrainer):
         loss, stats = self._forward_redirection(model, unwrapped, self._opsd_loss, unwrapped, inputs)
         mode = self._mode
         names = list(stats)
-        # nanmean: a stat of no rows is NaN on its process (OPSD's EOS log-probs where no completion ended)
-        values = self.accelerator.gather(torch.stack([stats[k].float() for k in names]).unsqueeze(0)).nanmean(0)
+        gathered = self.accelerator.gather(torch.stack([stats[k].float() for k in names]).unsqueeze(0))
+        values = _mean_stats(names, gathered)
         self._pending_stats[mode].append((names, values))
         self._unchecked_losses.append(loss.detach())
         # Once per optimizer step, in its last micro-batch and before that one's backward, so no
@@ -518,7 +526,9 @@ class OPSDTrainer(DistillationTrainer):
         if len(results) == 1:
             return results[0]
         losses, stats = zip(*results, strict=True)
-        return torch.stack(losses).mean(), {k: torch.stack([s[k] for s in stats]).nanmean() for k in stats[0]}
+        names = list(stats[0])
+        return torch.stack(losses).mean(), dict(zip(names, _mean_stats(names, torch.stack(
+            [torch.stack([s[k] for k in names]) for s in stats])), strict=True))
 
     def grouped_scoring_forwards(self, unwrapped, batch: RolloutBatch, rows: int | None = None
                                  ) -> list[ScoringForwards]:

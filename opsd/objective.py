@@ -251,7 +251,8 @@ def eos_log_probs(student: torch.Tensor, teacher: torch.Tensor, completion_ids: 
         logits = project(hidden[rows, last].detach())
         logp = torch.log_softmax(logits.to(compute_dtype(logits)) / temperature, -1)
         logp = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
-        out[key] = (logp * ended).sum() / ended.sum()  # 0 / 0 = NaN without an EOS-ended row
+        # where, not a product: a row that did not end may give its last token -inf, and -inf * 0 is NaN
+        out[key] = torch.where(ended, logp, 0.0).sum() / ended.sum()  # 0 / 0 = NaN without an EOS-ended row
     return out
 
 

@@ -57,3 +57,36 @@ def test_the_token_splits_against_opsd_are_welch_on_the_committed_run_means():
             assert (f"| {name} | {arm['mean']:.2f} | {w['diff']:+.2f} | [{w['ci'][0]:+.2f}, {w['ci'][1]:+.2f}] | "
                     f"{w['p']:.3g} |") in page
     assert f"p = {tost(opsd, table['arms']['grpo_g8_p16']['per_run'], 3.0)['p']:.2f})" in page
+
+
+def test_the_long_runs_step_75_comparisons_are_what_compare_prints(tmp_path):
+    """The numbers grids/results/long_runs.md quotes at step 75 (`opsd stats compare --metric M` on two
+    reports, 10,000 resamples, seed 0): difference, 95% CI and, for pass@8, the sign-flip p."""
+    from opsd.analysis.comparison import compare_arms
+    from opsd.analysis.problem_metrics import resolve_metric
+    from opsd.analysis.reports import check_comparable, load_run
+
+    runs = _unpack(tmp_path) / "long_runs"
+    step75 = "seed-0/eval/eval_run_checkpoint-75.json"
+    page = " ".join((REPO / "grids" / "results" / "long_runs.md").read_text(encoding="utf-8").split())
+
+    def compare(a: Path, b: Path, metric: str) -> dict:
+        run_a, run_b = load_run(a), load_run(b)
+        m = resolve_metric(metric, run_a.k)
+        return compare_arms([run_a], [run_b], check_comparable([run_a, run_b], m), 10000, 0, metric=m)
+
+    def quoted(result: dict) -> str:
+        low, high = result["bootstrap"]["ci"]
+        return f"{result['difference']:+.2f} [{low:+.2f}, {high:+.2f}]"
+
+    base, opsd, sft = runs / "base" / "eval.json", runs / "opsd_token_constant" / step75, runs / "sft" / step75
+    gain = compare(base, opsd, "avg@8")
+    assert f"{gain['difference']:+.2f} points {quoted(gain).split(' ', 1)[1]}" in page
+    assert f"{quoted(compare(base, opsd, 'pass@8'))} at pass@8" in page
+    assert f"at pass@1 ({quoted(compare(opsd, sft, 'avg@8'))})" in page
+    versus = compare(opsd, sft, "pass@8")
+    low, high = versus["bootstrap"]["ci"]
+    assert versus["difference"] == 9.0 and f"[{low:+.2f}, {high:+.2f}] (sign-flip p = 0.035)" in page
+    assert round(versus["per_problem"]["sign_flip_p"], 3) == 0.035
+    distinct = compare(opsd, sft, "distinct")
+    assert f"{distinct['difference']:.2f} more distinct answers {quoted(distinct).split(' ', 1)[1]}" in page

@@ -905,3 +905,18 @@ def test_ema_teacher_step_with_compiled_layers_and_without_checkpointing(tmp_pat
     eager_no_ckpt, compiled = _step_results(trainer, inputs, [(False, False, False), (True, False, True)])
     assert compiled[3]
     _assert_same_step(eager_no_ckpt, compiled)
+
+
+def test_stats_average_nan_only_where_a_part_may_have_none():
+    """The step's stats over micro-batches or processes: the EOS log-probs (a part without an EOS-ended
+    completion has none: NaN) are averaged over the parts that have them; any other stat's NaN stays NaN
+    (a broken step shows in the log and the collapse watch, not hidden by the average)."""
+    from opsd.objective import EOS_STAT_KEYS
+    from opsd_trainer import _mean_stats
+
+    names = ["true_kl", EOS_STAT_KEYS[0]]
+    nan = float("nan")
+    out = _mean_stats(names, torch.tensor([[0.2, -1.0], [0.4, nan]]))
+    assert out.tolist() == pytest.approx([0.3, -1.0])
+    broken = _mean_stats(names, torch.tensor([[nan, -1.0], [0.4, -3.0]]))
+    assert torch.isnan(broken[0]) and broken[1].item() == pytest.approx(-2.0)

@@ -50,6 +50,20 @@ def test_no_row_ended_with_eos_gives_nan_not_zero():
     assert all(math.isnan(v.item()) for v in got.values())
 
 
+def test_a_row_that_did_not_end_cannot_spoil_the_mean():
+    """A truncated row's last token may have log-prob -inf (a masked logit): it is left out, not
+    multiplied by 0 (which gives NaN)."""
+    ids, mask = torch.tensor([[1, 4], [2, 3]]), torch.tensor([[1, 1], [1, 1]])  # row 0 ends with EOS 4, row 1 not
+
+    def project(h):
+        logits = torch.zeros(h.shape[0], V, dtype=torch.float64)
+        logits[:, 3] = float("-inf")  # row 1's last token
+        return logits
+
+    got = eos_log_probs(torch.zeros(2, 2, H), torch.zeros(2, 2, H), ids, mask, project, EOS, 1.0)
+    assert got["student_eos_logp"].item() == pytest.approx(-math.log(V - 1))
+
+
 @pytest.mark.parametrize("implementation", ["chunked", "logits"])
 def test_the_opsd_objective_adds_them_and_the_others_do_not(implementation):
     """Built with the tokenizer's EOS ids, the OPSD objectives (divergence, tinker) return the EOS
