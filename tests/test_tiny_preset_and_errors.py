@@ -56,6 +56,8 @@ def test_dev_eval_says_a_tiny_runs_folder_is_a_pipeline_check(tmp_path):
     run_folder = tmp_path / "opsd-tiny"
     run_folder.mkdir()
     (run_folder / "run_config.json").write_text(json.dumps({"preset": "tiny"}, indent=1) + "\n")
+    (run_folder / "checkpoint-8").mkdir()  # a run folder to dev_eval.sh: a checkpoint with its trainer state
+    (run_folder / "checkpoint-8" / "trainer_state.json").write_text("{}\n")
     result = run(["bash", str(ROOT / "dev_eval.sh"), str(run_folder)], {}, tmp_path)
     assert result.stdout.splitlines()[0] == f"[eval] {PIPELINE_CHECK}"
 

@@ -186,7 +186,7 @@ def slurm_executor(folder: Path, options: SlurmOptions, job_name: str, gpus_per_
                    code_dir: Path | None = None):
     """A submitit executor for one job array of cells; its logs under `folder`/<job id>.
     gpus_per_job: the GPUs each job asks for (default: the cell's, one cell a job). code_dir: the
-    grid's code snapshot, which the job runs from (its working folder, first on PYTHONPATH), so that
+    grid's code snapshot, which the job runs from (its working folder, first on the import path), so that
     it unpickles and runs the snapshot's code, not the checkout's as it is when the job starts."""
     import shlex
 
@@ -198,7 +198,9 @@ def slurm_executor(folder: Path, options: SlurmOptions, job_name: str, gpus_per_
     setup = ['if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi']
     if code_dir is not None:
         quoted = shlex.quote(str(code_dir))
-        setup += [f"cd {quoted}", f'export PYTHONPATH={quoted}"${{PYTHONPATH:+:$PYTHONPATH}}"']
+        # `python -m submitit...` puts its working folder first on the import path, before the installed
+        # (editable) checkout: the snapshot's opsd is the one the job unpickles, as a local cell's is.
+        setup += [f"cd {quoted}"]
     parameters = {"job_name": job_name, "time": options.time_min, "ntasks_per_node": 1, "nodes": 1,
                   "signal_delay_s": options.signal_delay_s, "setup": setup,
                   "array_parallelism": options.array_parallelism or NO_ARRAY_LIMIT}

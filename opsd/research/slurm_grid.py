@@ -119,7 +119,7 @@ def _stalls(before: int, marks: list, now: list, names: str) -> int | None:
 
 
 def _say_code(names: str, code_dir: str | None) -> None:
-    """Where this job's code comes from: the grid's snapshot (the job's folder, first on PYTHONPATH)."""
+    """Where this job's code comes from: the grid's snapshot (the job's working folder, first on the import path)."""
     import opsd
 
     print(f"{names}: the grid's code {code_dir or '(the checkout)'}; opsd imported from "

@@ -29,7 +29,6 @@ test here skips; with CI_REQUIRE_SLURM=1 (as .ci/run sets) they fail instead.
 import functools
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -196,7 +195,7 @@ def test_a_grid_on_slurm_two_cells_a_node_gives_the_local_results_through_a_pree
         provenance = json.loads((cell / "cell.json").read_text())["provenance"]
         code = provenance["code"]  # the queued jobs ran the grid's snapshot
         assert all(f" {out / '.code' / code / 'opsd_train.py'} " in line for line in started)
-        assert re.fullmatch(r"\d+_\d+", provenance["slurm_job"])  # the array task's own id, as squeue names it
+        assert provenance["slurm_job"] == _job_of(out, cell.relative_to(out).as_posix())  # as squeue names it
     def result(folder):  # each arm's wall time says how long its cells took here, not what they gave
         table = json.loads((folder / "results.json").read_text())
         assert all("wall_time" in arm for arm in table["arms"].values())
@@ -479,7 +478,7 @@ def _runs(out: Path, cell: str) -> int:
 def test_a_waiting_job_runs_the_snapshots_code_and_the_grid_file_it_was_submitted_with(tmp_path):
     """A job held in the queue while its checkout is edited and its grid folder's grid.json is
     rewritten (as a re-run with another grid does) runs the code and grid of its submission: it
-    imports opsd from the grid's snapshot (its working folder, first on PYTHONPATH), not from the
+    imports opsd from the grid's snapshot (its working folder, first on the import path), not from the
     checkout it was submitted from, and reads a grid file frozen at submission."""
     checkout = tmp_path / "checkout"  # a copy of the repository, its own git checkout
     listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
