@@ -17,7 +17,9 @@ def record_module_walks(monkeypatch, folders) -> list[str]:
         def walk(self, *args, **kwargs):
             caller = sys._getframe(1)
             name, path = caller.f_code.co_name, Path(caller.f_code.co_filename).resolve()
-            if name not in ("modules", "named_modules", "walk") and any(f in path.parents for f in folders):
+            # an installed package under a given folder (a .venv inside the checkout) is not that folder's code
+            if name not in ("modules", "named_modules", "walk") and any(
+                    f in path.parents and "site-packages" not in path.relative_to(f).parts for f in folders):
                 walks.append(f"{path.name}:{caller.f_lineno} ({name})")
             return original(self, *args, **kwargs)
         return walk
