@@ -51,6 +51,9 @@ SHARED_RUN_FIXTURES = ("base_run", "trained_run", "tiny_run", "probed", "one_pro
 def pytest_collection_modifyitems(items):
     groups = {}
     for item in items:
+        if (mark := item.get_closest_marker("xdist_group")) is not None:  # the test's own group: one group a test
+            groups[item.nodeid] = mark.args[0]
+            continue
         for name in SHARED_RUN_FIXTURES:
             if name in getattr(item, "fixturenames", ()):
                 groups[item.nodeid] = f"{item.module.__name__}.{name}"
@@ -61,3 +64,13 @@ def pytest_collection_modifyitems(items):
     # instead of one worker running a long test alone at the end.
     slow_groups = {groups.get(i.nodeid) for i in items if i.get_closest_marker("slow")} - {None}
     items.sort(key=lambda i: not (i.get_closest_marker("slow") or groups.get(i.nodeid) in slow_groups))
+
+
+
+def pytest_configure(config):
+    """Under pytest 9 (to 9.2 at least), pytest-xdist 3.8's --dist loadgroup renames a grouped test's
+    nodeid where pytest no longer reads it: groups are spread over both workers and every shared
+    run is made twice (the suite takes minutes longer). Refused, with the fix."""
+    if config.getoption("dist", None) == "loadgroup" and int(pytest.__version__.split(".")[0]) >= 9:
+        raise pytest.UsageError(f"pytest {pytest.__version__} breaks pytest-xdist's --dist loadgroup (pytest.ini): "
+                                "install the pinned pytest 8 (pip install -r requirements.txt)")

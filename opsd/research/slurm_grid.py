@@ -624,10 +624,25 @@ def _cancelled(out: Path, name: str, job_id: str | None, marks: dict, state) -> 
     return _job_cancelled(out, job_id)
 
 
+# A job being requeued (at its time limit, preempted) can show an ended state, or none, for a moment
+# under a busy controller: an end without results counts once still seen this many seconds later.
+ENDED_CONFIRM_S = 5
+
+
+def _unconfirmed_end(unconfirmed: dict, name: str, job: str) -> bool:
+    """Whether the end without results of `name`'s `job` is still to be confirmed (noting when it was
+    first seen): True until it has been seen for ENDED_CONFIRM_S."""
+    first = unconfirmed.setdefault(name, (job, time.monotonic()))
+    if first[0] != job:
+        unconfirmed[name] = first = (job, time.monotonic())
+    return time.monotonic() - first[1] < ENDED_CONFIRM_S
+
+
 def _wait(todo, out, args, log, jobs, outcomes, backlog, watch, submitter, tries) -> dict[str, str]:
     pending = {c.name for c in todo} - set(outcomes)
     by_name = {c.name: c for c in todo}
     last, failures, said, refusal_said = None, 0, {}, False
+    unconfirmed: dict[str, tuple[str, float]] = {}  # cell -> (its job, when first seen ended without results)
     while pending:
         marks = _read_json(out / CANCELLED_FILE)  # `cancel` may have written it since
         try:
@@ -665,6 +680,7 @@ def _wait(todo, out, args, log, jobs, outcomes, backlog, watch, submitter, tries
                 continue
             marked = marks.get(name) == job  # `cancel`: whether or not squeue shows the job ended yet
             if state is not None and not state.ended and not marked:
+                unconfirmed.pop(name, None)
                 if (stuck := never_starts(job, state)) is not None:  # held, or a limit that never clears
                     outcomes[name] = f"failed: {stuck}"  # the grid's last lines say it, one a cell
                     pending.discard(name)
@@ -674,6 +690,8 @@ def _wait(todo, out, args, log, jobs, outcomes, backlog, watch, submitter, tries
             if cell.report.is_file():
                 outcomes[name] = "done"
                 log(f"{name}: done (job {job})")
+            elif not marked and _unconfirmed_end(unconfirmed, name, job):
+                continue
             elif marked or _cancelled(out, name, job, marks, state):  # the user's word, not a failure to retry
                 _mark_cancelled(out, {name: job})
                 outcomes[name] = f"cancelled (job {job}); re-run with --resubmit-cancelled to run it again"
@@ -690,7 +708,9 @@ def _wait(todo, out, args, log, jobs, outcomes, backlog, watch, submitter, tries
                 node = _job_node(out, job, state)
                 tries.record(name, job, node)
                 if tries.count(name) < MAX_TRIES:
-                    log(f"{name}: job {job} ended without results ({_job_failure(out, job)}); resubmitting it once"
+                    seen = state.state if state is not None else "no longer listed by squeue"
+                    log(f"{name}: job {job} ended without results ({seen}; {_job_failure(out, job)}); resubmitting it "
+                        "once"
                         + (f", excluding node {node}" if node else "") + ": it resumes from its last checkpoint")
                     backlog.append(name)
                     continue
@@ -704,8 +724,10 @@ def _wait(todo, out, args, log, jobs, outcomes, backlog, watch, submitter, tries
         if line != last:
             log(line)
             last = line
+        unconfirmed = {n: seen for n, seen in unconfirmed.items()
+                       if n in pending and n not in backlog and jobs.get(n) == seen[0]}
         if pending:
-            time.sleep(args.poll)
+            time.sleep(min(args.poll, 1) if unconfirmed else args.poll)
     return outcomes
 
 
