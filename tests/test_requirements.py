@@ -315,7 +315,8 @@ def test_a_virtual_environment_in_the_checkout_is_ignored_by_git():
 def test_check_gpu_stack_passes_the_machine_that_ran_and_names_each_difference():
     from opsd import gpu_stack as stack
     requirements = stack.read_requirements(ROOT / "requirements-gpu.txt")
-    ran = {**gpu_pins(), "safetensors": "0.8.0", "pyyaml": "6.0.3", "tqdm": "4.70.1", "pytest": "9.0.3",
+    # pytest: that machine had 9.0.3; pinned to 8.4.2 since (2026-12-06: pytest 9 breaks --dist loadgroup)
+    ran = {**gpu_pins(), "safetensors": "0.8.0", "pyyaml": "6.0.3", "tqdm": "4.70.1", "pytest": "8.4.2",
            "pytest-xdist": "3.8.0", "matplotlib": "3.11.2"}
     # Named unpinned since the dependencies are declared (2026-12-05): installed there (the code that
     # ran imports them), their versions not recorded; an unpinned line asks only that they be installed.
