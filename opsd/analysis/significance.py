@@ -362,7 +362,7 @@ def verdict(diff: float, ci: Sequence[float], runs_a: int, runs_b: int, run_p: f
                     "than run-to-run noise: inconclusive, add runs")
         return f"{head}, within run-to-run noise with {runs}: no evidence that the arms differ"
     if assumed is not None:
-        sd = f"an assumed per-run sd of {assumed['run_sd']:g} points"
+        sd = f"an assumed per-run sd of {assumed['run_sd']:g} {unit}"
         beyond = assumed["ci"][0] > 0 or assumed["ci"][1] < 0
         if beyond and excludes:
             return (f"{head}, more than the run-to-run noise of {sd} with {runs}: the arms differ if that noise "

@@ -287,6 +287,9 @@ def test_verdict_never_overclaims():
     assert "inconclusive" in line and "an assumed per-run sd of 1.48 points" in line
     line = verdict(3.0, [-1.0, 7.0], 1, 1, problem_p=0.2, assumed=assumed)
     assert "within the run-to-run noise of an assumed per-run sd of 1.48 points" in line
+    line = verdict(0.5, [-0.2, 1.2], 1, 1, problem_p=0.2, assumed=run_stats.assumed_noise_interval(0.5, 0.3, 1, 1),
+                   unit="distinct answers a problem")  # the sd is in the metric's unit
+    assert "an assumed per-run sd of 0.3 distinct answers a problem" in line and "points" not in line
     big = run_stats.assumed_noise_interval(9.0, 1.48, 1, 1)
     line = verdict(9.0, [5.0, 13.0], 1, 1, problem_p=0.001, assumed=big)
     assert "more than the run-to-run noise of an assumed per-run sd" in line and "assumed, not measured" in line
