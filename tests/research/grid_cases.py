@@ -12,7 +12,9 @@ GRID = {
     "eval_data": "tiny:5:2",
     "seeds": [0, 1],
     "budget": {"max_steps": 4, "global_batch": 2, "per_device_batch": 2},  # a checkpoint every step
-    "recipe": {"learning_rate": 2e-4},
+    # 24-token rollouts (the tiny preset's 64 make a CPU step twice as long): what the grid tests check
+    # (cells, resumes, SLURM against local) does not depend on how long the completions are
+    "recipe": {"learning_rate": 2e-4, "max_completion_length": 24},
     "baseline": "entry",
     "arms": {"entry": {}, "token": {"env": {"OPSD_CLIP_MODE": "token"}}},
 }

@@ -27,7 +27,7 @@ def test_two_arms_two_seeds_end_to_end_and_resume(local_grid):
     assert table["grid"]["base_recipe_keys"] == {"lr_scheduler_type": "cosine"}
     assert "| token | 2 |" in (out / "results.md").read_text()
     assert ("Trained arms start from the shipped recipe (`recipe.env`: lr_scheduler_type=cosine), then the grid's "
-            "recipe keys (learning_rate=0.0002)") in (out / "results.md").read_text()
+            "recipe keys (learning_rate=0.0002, max_completion_length=24)") in (out / "results.md").read_text()
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the arms' curves, beside results.md
     assert f"; curves: {out / 'curves.png'}" in first.stdout
     # The output ends with each cell's FINAL line and the arm's verdict (what quickstart.sh shows).
@@ -41,7 +41,8 @@ def test_two_arms_two_seeds_end_to_end_and_resume(local_grid):
             log = (cell / "train.log").read_text()
             assert f"--seed {seed} " in log  # the same seed in both arms: paired
             # The shipped recipe (recipe.env: cosine), then the grid's keys: the cell's metrics follow its schedule.
-            assert (cell / "recipe.env").read_text() == "lr_scheduler_type=cosine\nlearning_rate=0.0002\n"
+            assert (cell / "recipe.env").read_text() == (
+                "lr_scheduler_type=cosine\nlearning_rate=0.0002\nmax_completion_length=24\n")
             metrics = (cell / "run" / "metrics.jsonl").read_text().splitlines()
             rates = [json.loads(line)["learning_rate"] for line in metrics if '"learning_rate"' in line]
             assert len(rates) == 4 and rates[0] == pytest.approx(2e-4) and rates == sorted(rates, reverse=True)

@@ -70,6 +70,9 @@ NO_SLURM = _slurm_answers()
 REQUIRED = os.environ.get("CI_REQUIRE_SLURM") == "1"
 pytestmark = [pytest.mark.slurm, pytest.mark.slow,
               pytest.mark.skipif(NO_SLURM is not None and not REQUIRED, reason=str(NO_SLURM))]
+# The tests that mostly wait on the cluster share one xdist worker (group slurm-waits): while they
+# wait, the other worker computes, instead of both workers waiting at once. The two that train for
+# real are in the groups of the runs they compare with (grid, slurm-machines).
 
 
 @pytest.fixture(autouse=True)
@@ -210,7 +213,7 @@ def test_a_grid_on_slurm_two_cells_a_node_gives_the_local_results_through_a_pree
         assert ours == theirs, name
 
 
-@pytest.mark.xdist_group("slurm-errors")
+@pytest.mark.xdist_group("slurm-waits")
 def test_no_wait_then_the_same_command_collects_and_a_cell_failing_twice_is_reported(tmp_path):
     grid = {**GRID, "seeds": [0], "arms": {"entry": {}, "broken": {"flags": ["--learning_rate", "nope"]}},
             "budget": {"max_steps": 1, "global_batch": 2, "per_device_batch": 2}}
@@ -229,7 +232,7 @@ def test_no_wait_then_the_same_command_collects_and_a_cell_failing_twice_is_repo
     assert "| entry | 1 |" in results
 
 
-@pytest.mark.xdist_group("slurm-errors")
+@pytest.mark.xdist_group("slurm-waits")
 def test_a_job_array_sbatch_refuses_says_what_to_do_and_leaves_no_folder(tmp_path):
     """A refusal with a known cause says what to do: this cluster has no GPUs, and cells ask for 1 by
     default; an unknown partition lists the cluster's. Nothing is left of the grid folder."""
@@ -247,7 +250,7 @@ def test_a_job_array_sbatch_refuses_says_what_to_do_and_leaves_no_folder(tmp_pat
     assert "Traceback" not in log and not (tmp_path / "out").exists()
 
 
-@pytest.mark.xdist_group("slurm-errors")
+@pytest.mark.xdist_group("slurm-waits")
 def test_jobs_a_killed_grid_submitted_but_did_not_record_are_not_submitted_twice(tmp_path):
     """A grid killed between sbatch and writing slurm_jobs.json leaves jobs no file lists; a re-run
     used to submit every cell again (two writers a cell). Now it refuses, naming them."""
@@ -280,7 +283,7 @@ def _status(out: Path) -> dict[str, str]:
     return {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in shown.stdout.splitlines()[1:]}
 
 
-@pytest.mark.xdist_group("slurm-errors")
+@pytest.mark.xdist_group("slurm-waits")
 def test_status_and_cancel_of_pending_and_running_cells_and_cancels_are_final(tmp_path):
     """Four cells held in the queue (begin in an hour), submitted through an sbatch that first fails
     as a busy controller does (retried). A waiting grid: one task scancelled while pending (it
@@ -332,7 +335,7 @@ exec {shutil.which("sbatch")} "$@"
     assert _grid_cli("cancel", out).returncode == 0
 
 
-@pytest.mark.xdist_group("slurm-errors")
+@pytest.mark.xdist_group("slurm-waits")
 def test_arrays_split_at_the_clusters_max_array_size(tmp_path, monkeypatch):
     """MaxArraySize is read from the cluster; a grid larger than it goes out as several arrays."""
     from opsd.research import executors, grid
@@ -359,7 +362,7 @@ def _fake_cell(record: Path):
     return make
 
 
-@pytest.mark.xdist_group("slurm-errors")
+@pytest.mark.xdist_group("slurm-waits")
 def test_resubmissions_stay_inside_the_parallel_limit(tmp_path, monkeypatch, capsys):
     """--parallel 1 on two cells whose jobs fail: each is resubmitted once, and no two of the four
     jobs ever run at once (a resubmission used to go out beside the array, past its %1)."""
@@ -378,7 +381,7 @@ def test_resubmissions_stay_inside_the_parallel_limit(tmp_path, monkeypatch, cap
     assert [e[1] for e in events].count("entry/seed-0") == 4
 
 
-@pytest.mark.xdist_group("slurm-errors")
+@pytest.mark.xdist_group("slurm-waits")
 def test_a_cell_sees_the_cpus_it_asked_for_and_uses_as_many_threads(tmp_path):
     """The job's step (submitit's srun) is bound to the CPUs the cell asked for (CI's cluster binds
     with task/affinity), and the cell's thread count is theirs."""
@@ -475,6 +478,7 @@ def _runs(out: Path, cell: str) -> int:
     return len(record.read_text().splitlines()) if record.is_file() else 0
 
 
+@pytest.mark.xdist_group("slurm-waits")
 def test_a_waiting_job_runs_the_snapshots_code_and_the_grid_file_it_was_submitted_with(tmp_path):
     """A job held in the queue while its checkout is edited and its grid folder's grid.json is
     rewritten (as a re-run with another grid does) runs the code and grid of its submission: it
@@ -518,6 +522,7 @@ def test_a_waiting_job_runs_the_snapshots_code_and_the_grid_file_it_was_submitte
     assert identity["budget"]["max_steps"] == 1  # the grid as submitted, not the rewritten grid.json
 
 
+@pytest.mark.xdist_group("slurm-waits")
 def test_a_node_pack_asks_for_its_cells_memory_and_a_partial_pack_for_its_own_cells(tmp_path):
     """--cells-per-node 2 with 1 CPU and 0.5 GB a cell: a job of two cells asks for 2 CPUs and 1 GB
     (each cell's memory, not one cell's for both), the third cell's job for 1 CPU and 512 MB (and
@@ -546,6 +551,7 @@ def test_a_node_pack_asks_for_its_cells_memory_and_a_partial_pack_for_its_own_ce
                (2 * cells_in_job, 8 * cells_in_job, f"{40 * 1024 * cells_in_job}M")
 
 
+@pytest.mark.xdist_group("slurm-waits")
 def test_jobs_that_never_start_by_themselves_end_the_wait_with_what_to_do(tmp_path):
     """A partition whose MaxTime (1 min) is below --time: the jobs pend for PartitionTimeLimit for
     ever. Held jobs (by the user, by an admin, requeued held, SPECIAL_EXIT) likewise. The waiting
@@ -588,6 +594,7 @@ def test_jobs_that_never_start_by_themselves_end_the_wait_with_what_to_do(tmp_pa
     assert all(shown[name].startswith("held (job ") for name in said), shown
 
 
+@pytest.mark.xdist_group("slurm-waits")
 def test_a_preempted_job_is_requeued_on_a_cluster_that_requeues_only_when_asked(tmp_path):
     """CI's cluster has JobRequeue=0 and PreemptType=preempt/partition_prio: a job of the high
     partition preempts the grid's job in the low one (they contend for the node's one `preemptee`).
@@ -613,6 +620,7 @@ def test_a_preempted_job_is_requeued_on_a_cluster_that_requeues_only_when_asked(
     assert "DUE TO PREEMPTION" in (out / "slurm" / job / f"{job}_0_log.err").read_text()
 
 
+@pytest.mark.xdist_group("slurm-waits")
 def test_a_cell_is_requeued_at_every_time_limit_while_it_moves(tmp_path):
     """submitit's notice of the time limit (USR2) four times: each time the job checkpoints and is
     requeued under its id (it asks --requeue, which CI's JobRequeue=0 does not give by default), past
@@ -644,6 +652,7 @@ def slurm_grid_job_name(out: Path) -> str:
     return slurm_grid.job_name(out)
 
 
+@pytest.mark.xdist_group("slurm-waits")
 def test_a_cluster_that_refuses_a_jobs_own_requeue_is_said_once_and_its_cells_resubmitted(tmp_path):
     """Compute nodes whose `scontrol requeue` fails (here a shim on the jobs' PATH): two cells'
     jobs get submitit's USR2, checkpoint, and cannot requeue themselves. The grid says so once and
@@ -675,6 +684,7 @@ exec {shutil.which("scontrol")} "$@"
     assert json.loads((out / "slurm_tries.json").read_text()) == {} if (out / "slurm_tries.json").exists() else True
 
 
+@pytest.mark.xdist_group("slurm-waits")
 def test_a_stale_lock_of_an_arrays_first_task_names_that_task_and_only_it_keeps_it(tmp_path):
     """The task of an array whose SLURM_JOB_ID is the array's id takes a run folder's lock and
     ends without releasing it (killed) while its sibling still runs. The lock names the task
@@ -702,6 +712,7 @@ def test_a_stale_lock_of_an_arrays_first_task_names_that_task_and_only_it_keeps_
         subprocess.run(["scancel", array])
 
 
+@pytest.mark.xdist_group("slurm-waits")
 def test_a_resubmission_excludes_the_node_its_cell_failed_on_and_status_says_so(tmp_path):
     """A cell whose job fails on this node is resubmitted with --exclude=<node> (in CI's partition
     twonodes, whose second node never comes up, the resubmission waits instead of being refused as in
@@ -728,6 +739,7 @@ def test_a_resubmission_excludes_the_node_its_cell_failed_on_and_status_says_so(
     assert f"excluding node(s) {host} where they failed: entry/seed-0 {second}" in log, log
 
 
+@pytest.mark.xdist_group("slurm-waits")
 def test_an_sbatch_that_times_out_after_slurm_accepted_it_is_not_submitted_again(tmp_path):
     """sbatch accepts the array, then says "Socket timed out" (a busy controller's answer lost):
     the grid finds its job name in squeue, takes those jobs over (their pickles put where they read
@@ -753,6 +765,7 @@ if [ ! -e {shim}/timed-out ]; then touch {shim}/timed-out
     assert all(_runs(out, f"entry/seed-{seed}") == 1 for seed in (0, 1))
 
 
+@pytest.mark.xdist_group("slurm-waits")
 def test_failures_are_counted_across_re_runs_and_retry_failed_resubmits_on_purpose(tmp_path):
     """A cell that fails every time: the first grid runs it twice and reports it; the same command
     again submits nothing (slurm_tries.json keeps its two failures; a loop around the grid does not
@@ -775,6 +788,7 @@ def test_failures_are_counted_across_re_runs_and_retry_failed_resubmits_on_purpo
     assert "entry/seed-0: failed twice: " in log and _runs(out, "entry/seed-0") == 4
 
 
+@pytest.mark.xdist_group("slurm-waits")
 def test_parallel_is_one_limit_across_the_grids_arrays_and_unset_means_none(tmp_path):
     """--parallel 2 on four cells split into arrays of one job (MaxArraySize 1): with --no-wait
     only two go out (each array's %2 would let all four run); the same command without it submits
