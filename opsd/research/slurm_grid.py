@@ -168,6 +168,7 @@ def stop_targets(child) -> list[int]:
 
 
 def _children(pid: int) -> list[int]:
+    """The processes `pid` started (/proc/PID/task/*/children), none once it is gone."""
     found = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
@@ -182,14 +183,9 @@ def descendants(pid: int) -> list[int]:
     multi-GPU cell's ranks run in sessions of their own, so killing the launcher's group misses them."""
     found, todo = [], [pid]
     while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                kids = [int(k) for k in (task / "children").read_text().split()]
-            except (OSError, ValueError):
-                continue
-            found += kids
-            todo += kids
+        kids = _children(todo.pop())
+        found += kids
+        todo += kids
     return found
 
 
@@ -629,20 +625,17 @@ def _cancelled(out: Path, name: str, job_id: str | None, marks: dict, state) -> 
 ENDED_CONFIRM_S = 5
 
 
-def _unconfirmed_end(unconfirmed: dict, name: str, job: str) -> bool:
-    """Whether the end without results of `name`'s `job` is still to be confirmed (noting when it was
-    first seen): True until it has been seen for ENDED_CONFIRM_S."""
-    first = unconfirmed.setdefault(name, (job, time.monotonic()))
-    if first[0] != job:
-        unconfirmed[name] = first = (job, time.monotonic())
-    return time.monotonic() - first[1] < ENDED_CONFIRM_S
+def _unconfirmed_end(ended_since: dict, job: str) -> bool:
+    """Whether `job`'s end without results is still to be confirmed (noting when it was first seen):
+    True until it has been seen for ENDED_CONFIRM_S."""
+    return time.monotonic() - ended_since.setdefault(job, time.monotonic()) < ENDED_CONFIRM_S
 
 
 def _wait(todo, out, args, log, jobs, outcomes, backlog, watch, submitter, tries) -> dict[str, str]:
     pending = {c.name for c in todo} - set(outcomes)
     by_name = {c.name: c for c in todo}
     last, failures, said, refusal_said = None, 0, {}, False
-    unconfirmed: dict[str, tuple[str, float]] = {}  # cell -> (its job, when first seen ended without results)
+    ended_since: dict[str, float] = {}  # job -> when first seen ended without results
     while pending:
         marks = _read_json(out / CANCELLED_FILE)  # `cancel` may have written it since
         try:
@@ -680,7 +673,7 @@ def _wait(todo, out, args, log, jobs, outcomes, backlog, watch, submitter, tries
                 continue
             marked = marks.get(name) == job  # `cancel`: whether or not squeue shows the job ended yet
             if state is not None and not state.ended and not marked:
-                unconfirmed.pop(name, None)
+                ended_since.pop(job, None)
                 if (stuck := never_starts(job, state)) is not None:  # held, or a limit that never clears
                     outcomes[name] = f"failed: {stuck}"  # the grid's last lines say it, one a cell
                     pending.discard(name)
@@ -690,7 +683,7 @@ def _wait(todo, out, args, log, jobs, outcomes, backlog, watch, submitter, tries
             if cell.report.is_file():
                 outcomes[name] = "done"
                 log(f"{name}: done (job {job})")
-            elif not marked and _unconfirmed_end(unconfirmed, name, job):
+            elif not marked and _unconfirmed_end(ended_since, job):
                 continue
             elif marked or _cancelled(out, name, job, marks, state):  # the user's word, not a failure to retry
                 _mark_cancelled(out, {name: job})
@@ -724,10 +717,10 @@ def _wait(todo, out, args, log, jobs, outcomes, backlog, watch, submitter, tries
         if line != last:
             log(line)
             last = line
-        unconfirmed = {n: seen for n, seen in unconfirmed.items()
-                       if n in pending and n not in backlog and jobs.get(n) == seen[0]}
+        watched = {jobs[n] for n in pending if n in jobs and n not in backlog}
+        ended_since = {job: t for job, t in ended_since.items() if job in watched}
         if pending:
-            time.sleep(min(args.poll, 1) if unconfirmed else args.poll)
+            time.sleep(min(args.poll, 1) if ended_since else args.poll)
     return outcomes
 
 
